@@ -1,0 +1,51 @@
+//! The exact bytes that are signed (PROTOCOL.md §3 and §4). Both sides build them
+//! themselves; nothing here is ever parsed back.
+
+use sha2::{Digest, Sha256};
+
+/// SSHSIG namespace for every fort signature.
+pub const NAMESPACE: &str = "fort-agent";
+
+/// Lower-case hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// The eight-line request string of §3.
+pub fn request_bytes(
+    target: &str,
+    path: &str,
+    origin: &str,
+    timestamp: &str,
+    nonce: &str,
+    body: &[u8],
+) -> Vec<u8> {
+    format!(
+        "fort-agent-v1\nPOST\n{target}\n{path}\n{origin}\n{timestamp}\n{nonce}\n{}\n",
+        sha256_hex(body)
+    )
+    .into_bytes()
+}
+
+/// The five-line response string of §4.
+pub fn response_bytes(responder: &str, nonce: &str, status: u16, body: &[u8]) -> Vec<u8> {
+    format!(
+        "fort-agent-v1-response\n{responder}\n{nonce}\n{status}\n{}\n",
+        sha256_hex(body)
+    )
+    .into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_layout() {
+        let b = request_bytes("forge", "/agent/needs", "app", "1700000000", "ab", b"{}");
+        let s = String::from_utf8(b).unwrap();
+        assert_eq!(s.lines().count(), 8);
+        assert!(s.ends_with(&format!("{}\n", sha256_hex(b"{}"))));
+        assert!(s.starts_with("fort-agent-v1\nPOST\nforge\n/agent/needs\napp\n"));
+    }
+}

@@ -1,0 +1,215 @@
+//! SSHSIG signing and strict verification, byte-compatible with `ssh-keygen -Y sign`.
+
+use std::path::Path;
+
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine;
+use ssh_encoding::{Decode, Encode, Reader};
+use ssh_key::{Algorithm, HashAlg, LineEnding, PrivateKey, PublicKey, SshSig};
+
+use crate::canonical::NAMESPACE;
+
+/// The longest `X-Fort-Signature` value accepted (§3).
+pub const MAX_SIGNATURE_LEN: usize = 2048;
+
+/// Why a signature was refused. Goes to the log, never to the caller.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum VerifyError {
+    #[error("signature is not strict base64")]
+    Base64,
+    #[error("signature blob does not decode as SSHSIG")]
+    Decode,
+    #[error("signature blob has trailing bytes")]
+    TrailingBytes,
+    #[error("SSHSIG version {0} is not 1")]
+    Version(u32),
+    #[error("namespace {0:?} is not fort-agent")]
+    Namespace(String),
+    #[error("hash {0} is not sha512")]
+    Hash(String),
+    #[error("key type {0} is not ssh-ed25519")]
+    KeyType(String),
+    #[error("embedded key is not one of the origin's keys")]
+    UnknownKey,
+    #[error("signature does not verify")]
+    Invalid,
+}
+
+/// Why a key could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("cannot read key {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("key {path} is not an OpenSSH private key: {source}")]
+    Parse {
+        path: String,
+        source: ssh_key::Error,
+    },
+    #[error("key {path} is encrypted; fort needs an unencrypted key")]
+    Encrypted { path: String },
+    #[error("key {path} is {algorithm}; fort signs with ssh-ed25519 only")]
+    Algorithm { path: String, algorithm: String },
+}
+
+/// A private key and the name it signs as.
+#[derive(Clone)]
+pub struct Signer {
+    key: PrivateKey,
+}
+
+impl Signer {
+    pub fn new(key: PrivateKey) -> Signer {
+        Signer { key }
+    }
+
+    /// Reads an unencrypted OpenSSH ed25519 private key.
+    pub fn from_file(path: &Path) -> Result<Signer, KeyError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| KeyError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let key = PrivateKey::from_openssh(text.trim()).map_err(|source| KeyError::Parse {
+            path: shown.clone(),
+            source,
+        })?;
+        if key.is_encrypted() {
+            return Err(KeyError::Encrypted { path: shown });
+        }
+        if key.algorithm() != Algorithm::Ed25519 {
+            return Err(KeyError::Algorithm {
+                path: shown,
+                algorithm: key.algorithm().to_string(),
+            });
+        }
+        Ok(Signer { key })
+    }
+
+    /// A fresh random ed25519 key (tests and the demo).
+    pub fn generate() -> Signer {
+        let key = PrivateKey::random(&mut rand::rngs::OsRng, Algorithm::Ed25519)
+            .expect("ed25519 key generation cannot fail");
+        Signer { key }
+    }
+
+    pub fn public_key(&self) -> &PublicKey {
+        self.key.public_key()
+    }
+
+    /// `ssh-ed25519 AAAA...` without a comment.
+    pub fn public_openssh(&self) -> String {
+        let mut pk = self.key.public_key().clone();
+        pk.set_comment("");
+        pk.to_openssh().expect("public key encodes")
+    }
+
+    /// The private key in OpenSSH PEM form, for writing key files.
+    pub fn private_openssh(&self) -> String {
+        self.key
+            .to_openssh(LineEnding::LF)
+            .expect("private key encodes")
+            .to_string()
+    }
+
+    /// Signs `msg` and returns the one-line base64 of the binary SSHSIG blob.
+    pub fn sign(&self, msg: &[u8]) -> String {
+        let sig = self
+            .key
+            .sign(NAMESPACE, HashAlg::Sha512, msg)
+            .expect("ed25519 signing cannot fail");
+        let mut blob = Vec::with_capacity(sig.encoded_len().unwrap_or(128));
+        sig.encode(&mut blob).expect("SSHSIG encodes");
+        STANDARD.encode(blob)
+    }
+}
+
+/// Parses one `ssh-ed25519 AAAA... [comment]` public key line.
+pub fn parse_public_key(line: &str) -> Result<PublicKey, String> {
+    let key =
+        PublicKey::from_openssh(line.trim()).map_err(|e| format!("not an OpenSSH key: {e}"))?;
+    if key.algorithm() != Algorithm::Ed25519 {
+        return Err(format!(
+            "{} keys are not accepted; use ssh-ed25519",
+            key.algorithm()
+        ));
+    }
+    Ok(key)
+}
+
+/// Verifies a base64 SSHSIG over `msg` made by one of `keys`, checking every field
+/// §3 step 6 names before the (comparatively costly) signature check.
+pub fn verify(signature_b64: &str, keys: &[PublicKey], msg: &[u8]) -> Result<(), VerifyError> {
+    if signature_b64.len() > MAX_SIGNATURE_LEN {
+        return Err(VerifyError::Base64);
+    }
+    let blob = STANDARD
+        .decode(signature_b64)
+        .map_err(|_| VerifyError::Base64)?;
+    let mut reader: &[u8] = &blob;
+    let sig = SshSig::decode(&mut reader).map_err(|_| VerifyError::Decode)?;
+    if !reader.is_finished() {
+        return Err(VerifyError::TrailingBytes);
+    }
+    if sig.version() != 1 {
+        return Err(VerifyError::Version(sig.version()));
+    }
+    if sig.namespace() != NAMESPACE {
+        return Err(VerifyError::Namespace(sig.namespace().to_owned()));
+    }
+    if sig.hash_alg() != HashAlg::Sha512 {
+        return Err(VerifyError::Hash(sig.hash_alg().to_string()));
+    }
+    if sig.algorithm() != Algorithm::Ed25519 || sig.public_key().algorithm() != Algorithm::Ed25519 {
+        return Err(VerifyError::KeyType(sig.algorithm().to_string()));
+    }
+    let key = keys
+        .iter()
+        .find(|k| k.key_data() == sig.public_key())
+        .ok_or(VerifyError::UnknownKey)?;
+    key.verify(NAMESPACE, msg, &sig)
+        .map_err(|_| VerifyError::Invalid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_rejections() {
+        let a = Signer::generate();
+        let b = Signer::generate();
+        let sig = a.sign(b"hello");
+        let keys = vec![a.public_key().clone()];
+        assert_eq!(verify(&sig, &keys, b"hello"), Ok(()));
+        assert_eq!(verify(&sig, &keys, b"hellp"), Err(VerifyError::Invalid));
+        assert_eq!(
+            verify(&sig, &[b.public_key().clone()], b"hello"),
+            Err(VerifyError::UnknownKey)
+        );
+        assert_eq!(verify("!!!", &keys, b"hello"), Err(VerifyError::Base64));
+        let long = "A".repeat(MAX_SIGNATURE_LEN + 4);
+        assert_eq!(verify(&long, &keys, b"hello"), Err(VerifyError::Base64));
+        // Trailing bytes after a valid blob.
+        let mut blob = STANDARD.decode(&sig).unwrap();
+        blob.push(0);
+        assert_eq!(
+            verify(&STANDARD.encode(&blob), &keys, b"hello"),
+            Err(VerifyError::TrailingBytes)
+        );
+    }
+
+    #[test]
+    fn other_namespace_and_hash_are_refused() {
+        let a = Signer::generate();
+        let keys = vec![a.public_key().clone()];
+        for (ns, hash) in [("git", HashAlg::Sha512), ("fort-agent", HashAlg::Sha256)] {
+            let sig = a.key.sign(ns, hash, b"m").unwrap();
+            let mut blob = Vec::new();
+            sig.encode(&mut blob).unwrap();
+            assert!(verify(&STANDARD.encode(blob), &keys, b"m").is_err());
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Header names, paths and JSON bodies of the wire protocol (PROTOCOL.md §2–§8).
+
+use serde::{Deserialize, Serialize};
+
+pub const H_ORIGIN: &str = "x-fort-origin";
+pub const H_TIMESTAMP: &str = "x-fort-timestamp";
+pub const H_NONCE: &str = "x-fort-nonce";
+pub const H_SIGNATURE: &str = "x-fort-signature";
+pub const H_SERVER_TIME: &str = "x-fort-server-time";
+
+pub const CAPABILITIES_PREFIX: &str = "/agent/capabilities/";
+pub const NEEDS_PREFIX: &str = "/agent/needs/";
+pub const NEEDS_PATH: &str = "/agent/needs";
+
+/// The one body every `401` carries.
+pub const UNAUTHORIZED_BODY: &str = r#"{"error":"unauthorized"}"#;
+
+/// `{"error":"<code>","message":"<text>"}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ErrorBody {
+    pub error: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+}
+
+/// An async-mode request or release (§6.1).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AsyncBody {
+    pub need: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub release: bool,
+}
+
+/// `/agent/needs` reply (§8).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NeedsList {
+    pub needs: Vec<String>,
+}
+
+/// Callback reply (§7).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CallbackReply {
+    pub need: String,
+    pub satisfied: bool,
+}
+
+/// Payload bytes for a provider response value (§7): a JSON string travels as its
+/// content, anything else as compact JSON.
+pub fn payload_bytes(value: &serde_json::Value) -> Vec<u8> {
+    match value {
+        serde_json::Value::String(s) => s.as_bytes().to_vec(),
+        other => serde_json::to_vec(other).expect("JSON value serialises"),
+    }
+}
+
+/// Current unix time in whole seconds.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads() {
+        assert_eq!(
+            payload_bytes(&serde_json::json!("-----BEGIN")),
+            b"-----BEGIN"
+        );
+        assert_eq!(payload_bytes(&serde_json::json!({"a": 1})), br#"{"a":1}"#);
+    }
+}

@@ -1,0 +1,1 @@
+//! fort consumer side.

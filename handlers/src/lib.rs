@@ -1,0 +1,1 @@
+//! fort handlers.
