@@ -1,1 +1,425 @@
-//! fort test harness.
+//! Harness for tests that start real `fort-agent` processes on loopback: each host gets
+//! its own 127.0.0.x address and free port, generated SSH key, state directory and config,
+//! and is killed on drop.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fort_core::client::{ClientOptions, Reply, SignedClient, Target};
+use fort_core::sign::Signer;
+use serde_json::{json, Value};
+
+/// The path of a workspace binary (`fort-agent`, `fort`), built by cargo for the tests.
+pub fn bin(name: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(format!(
+        "FORT_BIN_{}",
+        name.replace('-', "_").to_uppercase()
+    )) {
+        return PathBuf::from(p);
+    }
+    // target/debug/deps/<test> → target/debug/<name>
+    let exe = std::env::current_exe().expect("current exe");
+    let mut dir = exe.parent().expect("deps dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built; run the tests with `cargo nextest run --workspace` (or `cargo build --bins` first)",
+        path.display()
+    );
+    path
+}
+
+/// A free port on `ip`: bind, read, release. Tests run in separate processes, so a
+/// different 127.0.0.x per host keeps collisions unlikely.
+pub fn free_addr(ip: &str) -> SocketAddr {
+    let l = TcpListener::bind(format!("{ip}:0")).expect("bind loopback");
+    l.local_addr().expect("local addr")
+}
+
+static NEXT_IP: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn next_ip() -> String {
+    let n =
+        NEXT_IP.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + std::process::id() % 200 * 50;
+    format!("127.0.{}.{}", 1 + (n / 250) % 250, 1 + n % 250)
+}
+
+pub fn write_key(path: &Path, signer: &Signer) {
+    std::fs::write(path, signer.private_openssh()).expect("write key");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod key");
+}
+
+/// One host of a test fleet.
+pub struct HostSpec {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub signer: Signer,
+    pub needs: BTreeMap<String, Value>,
+    pub capabilities: BTreeMap<String, Value>,
+    /// Extra TOML appended to agent.toml.
+    pub extra_toml: String,
+}
+
+/// A test fleet: a registry, per-host files, and running agents.
+pub struct Fleet {
+    pub dir: tempfile::TempDir,
+    pub hosts: BTreeMap<String, HostSpec>,
+    pub principals: BTreeMap<String, Signer>,
+    pub agents: BTreeMap<String, Agent>,
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Fleet::new()
+    }
+}
+
+impl Fleet {
+    pub fn new() -> Fleet {
+        Fleet {
+            dir: tempfile::tempdir().expect("tempdir"),
+            hosts: BTreeMap::new(),
+            principals: BTreeMap::new(),
+            agents: BTreeMap::new(),
+        }
+    }
+
+    pub fn host(&mut self, name: &str) -> &mut HostSpec {
+        if !self.hosts.contains_key(name) {
+            let spec = HostSpec {
+                name: name.to_owned(),
+                addr: free_addr(&next_ip()),
+                signer: Signer::generate(),
+                needs: BTreeMap::new(),
+                capabilities: BTreeMap::new(),
+                extra_toml: String::new(),
+            };
+            self.hosts.insert(name.to_owned(), spec);
+        }
+        self.hosts.get_mut(name).expect("inserted")
+    }
+
+    pub fn principal(&mut self, name: &str) -> Signer {
+        self.principals
+            .entry(name.to_owned())
+            .or_insert_with(Signer::generate)
+            .clone()
+    }
+
+    /// Writes a handler script under the fleet dir and returns its path.
+    pub fn script(&self, name: &str, body: &str) -> PathBuf {
+        let path = self.dir.path().join("scripts").join(name);
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        path
+    }
+
+    /// Declares `consumer`'s need `<type>/<id>` from `provider`, and adds the consumer to
+    /// the provider capability's callers (as the NixOS module computes it).
+    pub fn need(&mut self, consumer: &str, key: &str, provider: &str, spec: Value) {
+        let mut spec = spec;
+        spec["from"] = json!(provider);
+        if spec.get("request").is_none() {
+            spec["request"] = json!({});
+        }
+        if spec.get("nag_seconds").is_none() {
+            spec["nag_seconds"] = json!(60);
+        }
+        self.host(consumer).needs.insert(key.to_owned(), spec);
+        let cap = key.split('/').next().expect("type");
+        let caps = &mut self.host(provider).capabilities;
+        if let Some(c) = caps.get_mut(cap) {
+            let callers = c["callers"].as_array_mut().expect("callers array");
+            if !callers.contains(&json!(consumer)) {
+                callers.push(json!(consumer));
+            }
+        }
+    }
+
+    pub fn capability(&mut self, host: &str, name: &str, spec: Value) {
+        let mut spec = spec;
+        if spec.get("callers").is_none() {
+            spec["callers"] = json!([]);
+        }
+        self.host(host).capabilities.insert(name.to_owned(), spec);
+    }
+
+    pub fn hosts_json(&self) -> Value {
+        let hosts: serde_json::Map<String, Value> = self
+            .hosts
+            .values()
+            .map(|h| (h.name.clone(), json!({"address": format!("http://{}", h.addr), "keys": [h.signer.public_openssh()]})))
+            .collect();
+        let principals: serde_json::Map<String, Value> = self
+            .principals
+            .iter()
+            .map(|(n, s)| (n.clone(), json!({"keys": [s.public_openssh()]})))
+            .collect();
+        json!({"hosts": hosts, "principals": principals})
+    }
+
+    pub fn host_dir(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes every host's files (again): call after changing needs, then `reload`.
+    pub fn write_files(&self) {
+        let hosts = serde_json::to_vec_pretty(&self.hosts_json()).expect("json");
+        for h in self.hosts.values() {
+            let d = self.host_dir(&h.name);
+            std::fs::create_dir_all(d.join("state")).expect("mkdir");
+            write_key(&d.join("key"), &h.signer);
+            std::fs::write(d.join("hosts.json"), &hosts).expect("write");
+            std::fs::write(
+                d.join("needs.json"),
+                serde_json::to_vec_pretty(&h.needs).expect("json"),
+            )
+            .expect("write");
+            std::fs::write(
+                d.join("capabilities.json"),
+                serde_json::to_vec_pretty(&h.capabilities).expect("json"),
+            )
+            .expect("write");
+            let toml = format!(
+                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{d}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n{extra}\n",
+                name = h.name,
+                addr = h.addr,
+                d = d.display(),
+                extra = h.extra_toml
+            );
+            std::fs::write(d.join("agent.toml"), toml).expect("write");
+        }
+    }
+
+    /// Writes files and starts every host's agent, waiting until each listens.
+    pub fn start(&mut self) {
+        self.write_files();
+        let names: Vec<String> = self.hosts.keys().cloned().collect();
+        for n in names {
+            self.start_host(&n);
+        }
+    }
+
+    pub fn start_host(&mut self, name: &str) {
+        let h = &self.hosts[name];
+        let agent = Agent::spawn(&h.name, h.addr, &self.host_dir(name));
+        self.agents.insert(name.to_owned(), agent);
+    }
+
+    /// `kill -9` one agent.
+    pub fn kill(&mut self, name: &str) {
+        if let Some(mut a) = self.agents.remove(name) {
+            a.kill9();
+        }
+    }
+
+    pub fn config_path(&self, name: &str) -> PathBuf {
+        self.host_dir(name).join("agent.toml")
+    }
+
+    /// A client signing as `origin` (a host or principal of this fleet).
+    pub fn client(&self, origin: &str) -> SignedClient {
+        let signer = self
+            .hosts
+            .get(origin)
+            .map(|h| h.signer.clone())
+            .or_else(|| self.principals.get(origin).cloned())
+            .expect("origin is in the fleet");
+        SignedClient::new(origin, signer, &ClientOptions::default())
+    }
+
+    /// Signed `POST path` from `origin` to `host`.
+    pub async fn post(&self, origin: &str, host: &str, path: &str, body: &Value) -> Reply {
+        let client = self.client(origin);
+        let h = &self.hosts[host];
+        let address = format!("http://{}", h.addr);
+        let keys = vec![h.signer.public_key().clone()];
+        let target = Target {
+            name: host,
+            address: &address,
+            keys: &keys,
+        };
+        client
+            .post(&target, path, serde_json::to_vec(body).expect("json"))
+            .await
+            .expect("request reaches the agent")
+    }
+
+    /// `fort-agent <args> --config <host's config>`, returning (exit ok, stdout).
+    pub fn admin(&self, host: &str, args: &[&str]) -> (bool, String) {
+        let out = Command::new(bin("fort-agent"))
+            .args(args)
+            .arg("--config")
+            .arg(self.config_path(host))
+            .output()
+            .expect("run fort-agent");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+
+    /// The agent's status document over the admin socket.
+    pub fn status(&self, host: &str) -> Value {
+        let (_, out) = self.admin(host, &["status", "--json"]);
+        let v: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+        v["status"].clone()
+    }
+
+    pub fn read_state(&self, host: &str, file: &str) -> Value {
+        let bytes = std::fs::read(self.host_dir(host).join("state").join(file)).unwrap_or_default();
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+    }
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A running agent process; killed (SIGKILL) on drop.
+pub struct Agent {
+    pub name: String,
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl Agent {
+    pub fn spawn(name: &str, addr: SocketAddr, dir: &Path) -> Agent {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("agent.log"))
+            .expect("log file");
+        let child = Command::new(bin("fort-agent"))
+            .arg("serve")
+            .arg("--config")
+            .arg(dir.join("agent.toml"))
+            .env(
+                "FORT_LOG",
+                std::env::var("FORT_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn fort-agent");
+        let mut agent = Agent {
+            name: name.to_owned(),
+            addr,
+            child,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+                panic!("agent {name} exited with {status}:\n{log}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent {name} did not listen on {addr}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        agent
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGHUP: reload the JSON files.
+    #[allow(unsafe_code)]
+    pub fn hup(&self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGHUP);
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A raw HTTP/1.1 exchange, for requests no well-behaved client would send.
+pub fn raw_http(addr: SocketAddr, request: &[u8]) -> (u16, String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(request).expect("write");
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let (head, body) = match text.find("\r\n\r\n") {
+        Some(i) => (text[..i].to_owned(), buf[i + 4..].to_vec()),
+        None => (text.clone(), Vec::new()),
+    };
+    (status, head, body)
+}
+
+/// The four signed headers for a request, computed like any client would.
+pub fn signed_headers(
+    signer: &Signer,
+    origin: &str,
+    target: &str,
+    path: &str,
+    body: &[u8],
+    timestamp: u64,
+) -> Vec<(String, String)> {
+    let nonce = fort_core::client::new_nonce();
+    let ts = timestamp.to_string();
+    let canonical = fort_core::canonical::request_bytes(target, path, origin, &ts, &nonce, body);
+    vec![
+        ("X-Fort-Origin".into(), origin.into()),
+        ("X-Fort-Timestamp".into(), ts),
+        ("X-Fort-Nonce".into(), nonce),
+        ("X-Fort-Signature".into(), signer.sign(&canonical)),
+    ]
+}
+
+/// Builds a raw POST with the given headers and body.
+pub fn raw_post(path: &str, headers: &[(String, String)], body: &[u8]) -> Vec<u8> {
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    let mut bytes = req.into_bytes();
+    bytes.extend_from_slice(body);
+    bytes
+}

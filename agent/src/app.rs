@@ -1,0 +1,200 @@
+//! The agent's shared state (`Arc<App>` through axum's `State`), its start-up, reload and
+//! the set of background tasks it owns.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use fort_core::client::{ClientOptions, SignedClient};
+use fort_core::durable::{load_or_quarantine, Durable};
+use fort_core::schema::Mode;
+use fort_core::sign::Signer;
+use fort_core::wire::unix_now;
+use fort_fulfill::state::FulfillState;
+use fort_fulfill::{FulfillOptions, Fulfiller};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::loaded::{LoadError, Loaded};
+use crate::metrics::Metrics;
+use crate::nonce::NonceStore;
+use crate::provider::gc::SweepReport;
+use crate::provider::{Provider, ProviderState, Trigger};
+
+pub struct App {
+    pub config: Config,
+    pub signer: Signer,
+    pub loaded: ArcSwap<Loaded>,
+    pub nonces: NonceStore,
+    pub limiter: Arc<Semaphore>,
+    /// Outgoing signed calls: callbacks and GC enumerations.
+    pub client: SignedClient,
+    pub provider: Provider,
+    pub fulfiller: Fulfiller,
+    pub metrics: Metrics,
+    pub started: Instant,
+    pub shutdown: CancellationToken,
+    pub tasks: TaskTracker,
+    pub last_gc: Mutex<Option<SweepReport>>,
+}
+
+/// Why the agent cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Key(#[from] fort_core::sign::KeyError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+}
+
+/// Checks that `signer`'s public key is one of this host's keys in hosts.json.
+pub fn check_own_key(config: &Config, loaded: &Loaded, signer: &Signer) -> Result<(), StartError> {
+    let peer = loaded
+        .registry
+        .get(&config.host)
+        .expect("checked by Loaded::load");
+    if !peer
+        .keys
+        .iter()
+        .any(|k| k.key_data() == signer.public_key().key_data())
+    {
+        return Err(StartError::Invalid(format!(
+            "the public key of {} ({}) is not listed for host {:?} in {}; refusing to run",
+            config.host_key.display(),
+            signer.public_openssh(),
+            config.host,
+            config.hosts.display()
+        )));
+    }
+    Ok(())
+}
+
+fn load_versioned<T>(path: std::path::PathBuf, version_of: impl Fn(&T) -> u32, current: u32) -> T
+where
+    T: serde::de::DeserializeOwned + Default,
+{
+    let value: T = load_or_quarantine(&path);
+    let found = version_of(&value);
+    if found != current {
+        let aside = path.with_extension(format!("v{found}-{}", unix_now()));
+        let _ = std::fs::rename(&path, &aside);
+        tracing::error!(file = %path.display(), found, expected = current, moved_to = %aside.display(), "STATE FILE HAS AN UNKNOWN VERSION: moved aside");
+        return T::default();
+    }
+    value
+}
+
+impl App {
+    /// Loads everything and starts the background tasks (flushers, fulfiller, GC,
+    /// initialize triggers). The HTTP listeners are started by [`crate::run`].
+    pub async fn start(
+        config: Config,
+        shutdown: CancellationToken,
+    ) -> Result<Arc<App>, StartError> {
+        let signer = Signer::from_file(&config.host_key)?;
+        let loaded = Loaded::load(&config)?;
+        check_own_key(&config, &loaded, &signer)?;
+        std::fs::create_dir_all(&config.state_dir).map_err(|e| {
+            StartError::Io(format!("cannot create {}", config.state_dir.display()), e)
+        })?;
+        let tasks = TaskTracker::new();
+
+        let provider_store = Durable::new(
+            config.state_dir.join("provider-state.json"),
+            load_versioned::<ProviderState>(
+                config.state_dir.join("provider-state.json"),
+                |s| s.version,
+                crate::provider::state::STATE_VERSION,
+            ),
+        );
+        let fulfill_store = Durable::new(
+            config.state_dir.join("fulfillment-state.json"),
+            load_versioned::<FulfillState>(
+                config.state_dir.join("fulfillment-state.json"),
+                |s| s.version,
+                fort_fulfill::state::STATE_VERSION,
+            ),
+        );
+        tasks.spawn(provider_store.clone().run_flusher(shutdown.clone()));
+        tasks.spawn(fulfill_store.clone().run_flusher(shutdown.clone()));
+
+        let nonces = NonceStore::open(
+            Some(&config.state_dir),
+            config.nonce_capacity,
+            config.clock_skew.as_secs(),
+            unix_now(),
+        )
+        .map_err(|e| StartError::Io("cannot open the nonce journal".into(), e))?;
+        let client = SignedClient::new(
+            &config.host,
+            signer.clone(),
+            &ClientOptions {
+                total_timeout: config.callbacks.timeout.max(config.fulfill.timeout),
+                ..ClientOptions::default()
+            },
+        );
+        let fulfiller = Fulfiller::new(
+            FulfillOptions {
+                host: config.host.clone(),
+                handler_timeout: config.handler_timeout,
+                per_provider_concurrency: config.fulfill.per_provider_concurrency,
+                backoff: config.fulfill.backoff,
+                request_timeout: config.fulfill.timeout,
+            },
+            fulfill_store,
+            client.clone(),
+            tasks.clone(),
+            shutdown.clone(),
+        );
+        let app = Arc::new(App {
+            limiter: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
+            provider: Provider::new(provider_store, config.callbacks.concurrency),
+            signer,
+            loaded: ArcSwap::from_pointee(loaded.clone()),
+            nonces,
+            client,
+            fulfiller: fulfiller.clone(),
+            metrics: Metrics::default(),
+            started: Instant::now(),
+            shutdown: shutdown.clone(),
+            tasks: tasks.clone(),
+            last_gc: Mutex::new(None),
+            config,
+        });
+        fulfiller
+            .reload(loaded.needs.clone(), Arc::new(loaded.registry.clone()))
+            .await
+            .map_err(|e| StartError::Invalid(e.to_string()))?;
+        tasks.spawn(fulfiller.run());
+        tasks.spawn(crate::provider::gc::run_periodic(app.clone()));
+        for (name, cap) in &loaded.capabilities {
+            if cap.mode == Mode::Async && cap.triggers.initialize {
+                // In the background: the agent serves while the handler runs.
+                drop(
+                    app.provider
+                        .enqueue(&app, name, Trigger::Initialize, None, true, false),
+                );
+            }
+        }
+        Ok(app)
+    }
+
+    /// Re-reads the JSON files (SIGHUP, admin `reload`). A broken file keeps the old view.
+    pub async fn reload(self: &Arc<App>) -> Result<(), String> {
+        let loaded = Loaded::load(&self.config).map_err(|e| e.to_string())?;
+        check_own_key(&self.config, &loaded, &self.signer).map_err(|e| e.to_string())?;
+        self.loaded.store(Arc::new(loaded.clone()));
+        self.fulfiller
+            .reload(loaded.needs, Arc::new(loaded.registry))
+            .await
+            .map_err(|e| e.to_string())?;
+        tracing::info!("configuration reloaded");
+        Ok(())
+    }
+}

@@ -1,0 +1,341 @@
+//! The request pipeline of PROTOCOL.md §3, in its order: transport limits, method and
+//! path, headers, clock, origin, signature, nonce — and only then the endpoint. The
+//! first failure ends the request and no handler runs. Every response to a request whose
+//! signature verified is itself signed (§4).
+//!
+//! This is one function rather than a tower middleware stack because the order is the
+//! contract: a reader can check it top to bottom against the spec.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::Response;
+use bytes::Bytes;
+use fort_core::canonical::{request_bytes, response_bytes};
+use fort_core::names::{is_capability_name, NeedKey};
+use fort_core::schema::PeerKind;
+use fort_core::sign::{verify, MAX_SIGNATURE_LEN};
+use fort_core::wire::{unix_now, H_NONCE, H_ORIGIN, H_SERVER_TIME, H_SIGNATURE, H_TIMESTAMP};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+
+use crate::app::App;
+use crate::error::{ApiError, Reply};
+use crate::nonce::NonceCheck;
+
+/// A caller whose signature verified.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub origin: String,
+    pub kind: PeerKind,
+}
+
+/// Where a request is going (§2).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Route {
+    Capability(String),
+    Callback(NeedKey),
+    NeedsList,
+}
+
+/// Strict path parsing: no decoding, no normalisation, nothing ambiguous reaches routing.
+pub fn parse_route(path: &str) -> Result<Route, ApiError> {
+    if path.contains('%') || path.contains("..") || path.contains("//") {
+        return Err(ApiError::BadRequest("path must be plain".into()));
+    }
+    let not_found = || ApiError::NotFound(format!("no such path {path}"));
+    if path == "/agent/needs" {
+        return Ok(Route::NeedsList);
+    }
+    if let Some(name) = path.strip_prefix("/agent/capabilities/") {
+        return is_capability_name(name)
+            .then(|| Route::Capability(name.to_owned()))
+            .ok_or_else(not_found);
+    }
+    if let Some(rest) = path.strip_prefix("/agent/needs/") {
+        return NeedKey::parse(rest)
+            .map(Route::Callback)
+            .ok_or_else(not_found);
+    }
+    Err(not_found())
+}
+
+fn single<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    first.to_str().ok()
+}
+
+fn is_timestamp(s: &str) -> bool {
+    let b = s.as_bytes();
+    (1..=12).contains(&b.len()) && b[0] != b'0' && b.iter().all(u8::is_ascii_digit)
+}
+
+fn is_nonce(s: &str) -> bool {
+    s.len() == 32
+        && s.bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+}
+
+fn plain(reply: Reply) -> Response {
+    let mut resp = Response::new(Body::from(reply.body));
+    *resp.status_mut() = reply.status;
+    if reply.json {
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+    }
+    resp
+}
+
+/// Refuses a request before its signature verified: unsigned reply, reason logged.
+fn refuse(app: &App, err: ApiError, reason: &'static str) -> Response {
+    app.metrics.auth_failures.inc(&[("reason", reason)]);
+    tracing::info!(reason, detail = %err, "request refused");
+    plain(err.reply())
+}
+
+pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
+    // 1. Transport limits. Shedding first: an overloaded agent should do no work at all.
+    let Ok(_permit) = app.limiter.clone().try_acquire_owned() else {
+        return refuse(
+            &app,
+            ApiError::Overloaded("too many requests in flight".into()),
+            "overload",
+        );
+    };
+    let limit = app.config.body_limit;
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return refuse(&app, ApiError::TooLarge(limit), "too_large");
+    }
+
+    // 2. Method and path, on the raw path as sent.
+    let path = req.uri().path().to_owned();
+    if req.uri().query().is_some() || req.uri().to_string().contains('?') {
+        return refuse(
+            &app,
+            ApiError::BadRequest("no query string".into()),
+            "bad_path",
+        );
+    }
+    let route = match parse_route(&path) {
+        Ok(r) => r,
+        Err(e) => return refuse(&app, e, "bad_path"),
+    };
+    if req.method() != Method::POST {
+        return refuse(&app, ApiError::MethodNotAllowed, "method");
+    }
+
+    // 3. Headers: present, single, well-formed, untrimmed.
+    let headers = req.headers();
+    let (Some(origin), Some(timestamp), Some(nonce), Some(signature)) = (
+        single(headers, H_ORIGIN),
+        single(headers, H_TIMESTAMP),
+        single(headers, H_NONCE),
+        single(headers, H_SIGNATURE),
+    ) else {
+        return refuse(
+            &app,
+            ApiError::Unauthorized("missing or repeated header".into()),
+            "headers",
+        );
+    };
+    if !is_timestamp(timestamp)
+        || !is_nonce(nonce)
+        || signature.is_empty()
+        || signature.len() > MAX_SIGNATURE_LEN
+    {
+        return refuse(
+            &app,
+            ApiError::Unauthorized("malformed header".into()),
+            "headers",
+        );
+    }
+    let (origin, timestamp_text, nonce, signature) = (
+        origin.to_owned(),
+        timestamp.to_owned(),
+        nonce.to_owned(),
+        signature.to_owned(),
+    );
+
+    // 4. Clock.
+    let now = unix_now();
+    let timestamp: u64 = timestamp_text.parse().expect("checked digits");
+    if now.abs_diff(timestamp) > app.config.clock_skew.as_secs() {
+        let mut resp = refuse(
+            &app,
+            ApiError::Unauthorized(format!("timestamp {timestamp} vs now {now}")),
+            "clock",
+        );
+        resp.headers_mut().insert(
+            H_SERVER_TIME,
+            HeaderValue::from_str(&now.to_string()).expect("digits"),
+        );
+        return resp;
+    }
+
+    // 5. Origin. The body has not been read yet, and is not read for strangers.
+    let loaded = app.loaded.load_full();
+    let Some(peer) = loaded.registry.get(&origin) else {
+        return refuse(
+            &app,
+            ApiError::Unauthorized(format!("unknown origin {origin:?}")),
+            "unknown_origin",
+        );
+    };
+
+    // The body, within the limit (a chunked body has no Content-Length to check above).
+    let body = match http_body_util::Limited::new(req.into_body(), limit)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return refuse(&app, ApiError::TooLarge(limit), "too_large")
+        }
+        Err(e) => return refuse(&app, ApiError::BadRequest(format!("body: {e}")), "body"),
+    };
+
+    // 6. Signature over the bytes this host builds itself.
+    let canonical = request_bytes(
+        &app.config.host,
+        &path,
+        &origin,
+        &timestamp_text,
+        &nonce,
+        &body,
+    );
+    if let Err(e) = verify(&signature, &peer.keys, &canonical) {
+        return refuse(
+            &app,
+            ApiError::Unauthorized(format!("{origin}: {e}")),
+            "signature",
+        );
+    }
+    let caller = Caller {
+        origin: origin.clone(),
+        kind: peer.kind,
+    };
+    drop(loaded);
+
+    // 7. Replay. From here on every reply is signed.
+    let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
+        NonceCheck::Fresh => crate::routes::handle(&app, &caller, route.clone(), body).await,
+        NonceCheck::Replay => {
+            app.metrics.auth_failures.inc(&[("reason", "replay")]);
+            Err(ApiError::Unauthorized(format!(
+                "{origin}: replayed nonce {nonce}"
+            )))
+        }
+        NonceCheck::Full => {
+            app.metrics
+                .auth_failures
+                .inc(&[("reason", "nonce_store_full")]);
+            Err(ApiError::Overloaded("nonce store full".into()))
+        }
+    };
+    let reply = match outcome {
+        Ok(reply) => reply,
+        Err(e) => {
+            match e.status() {
+                StatusCode::INTERNAL_SERVER_ERROR => {
+                    tracing::warn!(origin = %origin, path = %path, error = %e, "request failed")
+                }
+                _ => tracing::info!(origin = %origin, path = %path, error = %e, "request refused"),
+            }
+            e.reply()
+        }
+    };
+    let label = match &route {
+        Route::Capability(c) => c.as_str(),
+        Route::Callback(_) => "callback",
+        Route::NeedsList => "needs",
+    };
+    app.metrics
+        .requests
+        .inc(&[("endpoint", label), ("status", reply.status.as_str())]);
+    sign_reply(&app, &nonce, reply)
+}
+
+fn sign_reply(app: &App, nonce: &str, reply: Reply) -> Response {
+    let msg = response_bytes(&app.config.host, nonce, reply.status.as_u16(), &reply.body);
+    let signature = app.signer.sign(&msg);
+    let mut resp = plain(reply);
+    let h = resp.headers_mut();
+    h.insert(
+        H_ORIGIN,
+        HeaderValue::from_str(&app.config.host).expect("host name is a header value"),
+    );
+    h.insert(
+        H_SIGNATURE,
+        HeaderValue::from_str(&signature).expect("base64 is a header value"),
+    );
+    resp
+}
+
+/// Body bytes as JSON, or 400.
+pub fn json_body(body: &Bytes) -> Result<serde_json::Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("body is not JSON: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_are_strict() {
+        assert_eq!(parse_route("/agent/needs").unwrap(), Route::NeedsList);
+        assert_eq!(
+            parse_route("/agent/capabilities/oidc").unwrap(),
+            Route::Capability("oidc".into())
+        );
+        assert!(matches!(
+            parse_route("/agent/needs/oidc/x").unwrap(),
+            Route::Callback(_)
+        ));
+        for bad in [
+            "/agent/capabilities/oidc/",
+            "/agent/capabilities/OIDC",
+            "/agent/needs/",
+            "/x",
+        ] {
+            assert!(
+                matches!(parse_route(bad), Err(ApiError::NotFound(_))),
+                "{bad}"
+            );
+        }
+        for bad in [
+            "/agent/capabilities/%6fidc",
+            "/agent//needs",
+            "/agent/needs/../needs",
+        ] {
+            assert!(
+                matches!(parse_route(bad), Err(ApiError::BadRequest(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn header_grammars() {
+        assert!(is_timestamp("1700000000"));
+        assert!(!is_timestamp("01700000000"));
+        assert!(!is_timestamp(" 1700000000"));
+        assert!(!is_timestamp("1234567890123"));
+        assert!(is_nonce("00112233445566778899aabbccddeeff"));
+        assert!(!is_nonce("00112233445566778899AABBCCDDEEFF"));
+    }
+}

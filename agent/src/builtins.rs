@@ -1,0 +1,153 @@
+//! Capabilities every agent serves itself (§5a): `status`, `manifest` and `needs` to every
+//! known caller; `journal` and `systemd` only to the principals listed in `[access]`.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fort_core::process::run;
+use fort_core::schema::PeerKind;
+use http::StatusCode;
+use serde_json::{json, Value};
+
+use crate::app::App;
+use crate::auth::{json_body, Caller};
+use crate::error::{ApiError, Reply};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Builtin {
+    Status,
+    Manifest,
+    Needs,
+    Journal,
+    Systemd,
+}
+
+impl Builtin {
+    pub fn from_name(name: &str) -> Option<Builtin> {
+        Some(match name {
+            "status" => Builtin::Status,
+            "manifest" => Builtin::Manifest,
+            "needs" => Builtin::Needs,
+            "journal" => Builtin::Journal,
+            "systemd" => Builtin::Systemd,
+            _ => return None,
+        })
+    }
+}
+
+pub async fn handle(
+    app: &Arc<App>,
+    caller: &Caller,
+    which: Builtin,
+    body: Bytes,
+) -> Result<Reply, ApiError> {
+    let params = json_body(&body)?;
+    let operator_list = match which {
+        Builtin::Journal => Some(&app.config.access.journal),
+        Builtin::Systemd => Some(&app.config.access.systemd),
+        _ => None,
+    };
+    if let Some(list) = operator_list {
+        if caller.kind != PeerKind::Principal || !list.contains(&caller.origin) {
+            return Err(ApiError::Forbidden(format!(
+                "{} may not call this operator capability",
+                caller.origin
+            )));
+        }
+    }
+    match which {
+        Builtin::Status => Ok(Reply::json(StatusCode::OK, &status(app))),
+        Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
+        Builtin::Needs => Ok(Reply::json(
+            StatusCode::OK,
+            &json!({"needs": app.fulfiller.declared()}),
+        )),
+        Builtin::Journal => {
+            let spec = fort_handlers::journal::command(&params, app.config.handler_timeout)
+                .map_err(|e| ApiError::BadRequest(e.0))?;
+            let out = run(&spec).await;
+            let out = out.map(|mut ok| {
+                let text = String::from_utf8_lossy(&ok.stdout).into_owned();
+                ok.stdout = serde_json::to_vec(&json!({"lines": text.lines().collect::<Vec<_>>()}))
+                    .expect("serialises");
+                ok
+            });
+            crate::routes::run_output(app, "journal", out)
+        }
+        Builtin::Systemd => {
+            let (action, spec) =
+                fort_handlers::systemd::command(&params, app.config.handler_timeout)
+                    .map_err(|e| ApiError::BadRequest(e.0))?;
+            tracing::info!(origin = %caller.origin, ?action, "systemd action requested");
+            match run(&spec).await {
+                Ok(ok) => Ok(Reply::json(
+                    StatusCode::OK,
+                    &json!({"exit_code": 0, "output": String::from_utf8_lossy(&ok.stdout)}),
+                )),
+                // `systemctl status` exits 3 for an inactive unit: that is an answer, not a failure.
+                Err(fort_core::process::RunError::Exit { code, stderr })
+                    if action == fort_handlers::systemd::Action::Status =>
+                {
+                    Ok(Reply::json(
+                        StatusCode::OK,
+                        &json!({"exit_code": code, "output": stderr}),
+                    ))
+                }
+                Err(e) => crate::routes::run_output(app, "systemd", Err(e)),
+            }
+        }
+    }
+}
+
+/// The `status` document: what this host needs, what it provides, how it is doing.
+pub fn status(app: &Arc<App>) -> Value {
+    let needs = app.fulfiller.status();
+    let satisfied = needs.iter().filter(|n| n.satisfied).count();
+    let gc = app.last_gc.lock().expect("gc lock").clone();
+    json!({
+        "host": app.config.host,
+        "version": fort_core::VERSION,
+        "uptime_seconds": app.started.elapsed().as_secs(),
+        "needs": {
+            "total": needs.len(),
+            "satisfied": satisfied,
+            "items": needs,
+        },
+        "provider": app.provider.summary(),
+        "gc": gc.map(|g| json!({
+            "at": g.at,
+            "duration_ms": g.duration_ms,
+            "origins_asked": g.origins_asked,
+            "removed": g.removed.len(),
+            "pending_grace": g.pending_grace.len(),
+            "kept_no_proof": g.kept_no_proof.len(),
+        })),
+        "nonces": app.nonces.len(),
+    })
+}
+
+/// The `manifest` document: declared needs and capabilities.
+pub fn manifest(app: &Arc<App>) -> Value {
+    let loaded = app.loaded.load_full();
+    let needs: serde_json::Map<String, Value> = loaded
+        .needs
+        .iter()
+        .map(|(k, spec)| {
+            (
+                k.to_string(),
+                json!({"from": spec.from, "nag_seconds": spec.nag_seconds, "has_handler": spec.handler.is_some(), "check": spec.check.is_some(), "never_satisfied": spec.never_satisfied}),
+            )
+        })
+        .collect();
+    let caps: serde_json::Map<String, Value> = loaded
+        .capabilities
+        .iter()
+        .map(|(name, c)| {
+            (
+                name.clone(),
+                json!({"mode": c.mode, "cacheResponse": c.cache_response, "allowed": c.allowed, "callers": c.callers, "description": c.description, "triggers": c.triggers}),
+            )
+        })
+        .collect();
+    json!({"host": app.config.host, "needs": needs, "capabilities": caps})
+}

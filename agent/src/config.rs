@@ -1,0 +1,263 @@
+//! The agent's TOML configuration. Every tunable has a named default and a `///` saying
+//! what happens when it is unset.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This host's name in hosts.json; the signed target of every request it accepts.
+    pub host: String,
+    /// Address the signed HTTP control plane listens on.
+    pub listen: SocketAddr,
+    /// Unencrypted OpenSSH ed25519 private key; its public half must be in hosts.json.
+    pub host_key: PathBuf,
+    /// The peer registry (§10).
+    pub hosts: PathBuf,
+    /// Needs this host declares. Unset or missing file: no needs.
+    #[serde(default)]
+    pub needs: Option<PathBuf>,
+    /// Capabilities this host serves. Unset or missing file: built-ins only.
+    #[serde(default)]
+    pub capabilities: Option<PathBuf>,
+    /// Holds provider-state.json, fulfillment-state.json and the nonce journal.
+    pub state_dir: PathBuf,
+    /// Unix socket (mode 0600) for `fort-agent status|trigger|gc|reload`.
+    pub admin_socket: PathBuf,
+    /// Accepted |now − timestamp|. Unset: 300 s.
+    #[serde(default = "defaults::clock_skew", with = "humantime_serde")]
+    pub clock_skew: Duration,
+    /// Largest request body; larger is 413 before any signature work. Unset: 1 MiB.
+    #[serde(default = "defaults::body_limit")]
+    pub body_limit: usize,
+    /// Longest a handler (provider, rpc, consumer, check) may run. Unset: 60 s.
+    #[serde(default = "defaults::handler_timeout", with = "humantime_serde")]
+    pub handler_timeout: Duration,
+    /// Requests served at once; more are shed with 503. Unset: 256.
+    #[serde(default = "defaults::max_concurrent_requests")]
+    pub max_concurrent_requests: usize,
+    /// Unexpired nonces remembered; when full, new requests get 503. Unset: 1,000,000.
+    #[serde(default = "defaults::nonce_capacity")]
+    pub nonce_capacity: usize,
+    /// A connection that has not sent its headers by then is closed. Unset: 10 s.
+    #[serde(default = "defaults::header_read_timeout", with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Who may call the operator built-ins.
+    #[serde(default)]
+    pub access: Access,
+    /// Provider garbage collection.
+    #[serde(default)]
+    pub gc: GcConfig,
+    /// Delivery of callbacks to consumers.
+    #[serde(default)]
+    pub callbacks: CallbackConfig,
+    /// The consumer's fulfiller.
+    #[serde(default)]
+    pub fulfill: FulfillConfig,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Access {
+    /// Principals allowed `journal`. Unset: nobody.
+    #[serde(default)]
+    pub journal: Vec<String>,
+    /// Principals allowed `systemd`. Unset: nobody.
+    #[serde(default)]
+    pub systemd: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GcConfig {
+    /// Time between sweeps; `0s` disables the periodic sweep. Unset: 1 h.
+    #[serde(default = "defaults::gc_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// Random spread added to each interval so a fleet does not sweep in step. Unset: 5 min.
+    #[serde(default = "defaults::gc_jitter", with = "humantime_serde")]
+    pub jitter: Duration,
+    /// How long an entry must be proven absent before it is removed. Unset: 15 min.
+    #[serde(default = "defaults::gc_grace", with = "humantime_serde")]
+    pub grace: Duration,
+    /// Principals cannot be asked; their entries expire this long after their last
+    /// request. Unset: 7 days.
+    #[serde(default = "defaults::principal_ttl", with = "humantime_serde")]
+    pub principal_ttl: Duration,
+    /// Origins enumerated at once during a sweep. Unset: 16.
+    #[serde(default = "defaults::gc_concurrency")]
+    pub concurrency: usize,
+    /// Timeout of one enumeration call. Unset: 10 s.
+    #[serde(default = "defaults::gc_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for GcConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults parse")
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallbackConfig {
+    /// Deliveries in flight at once. Unset: 32.
+    #[serde(default = "defaults::callback_concurrency")]
+    pub concurrency: usize,
+    /// Tries per delivery before leaving it to the consumer's nag. Unset: 5.
+    #[serde(default = "defaults::callback_attempts")]
+    pub attempts: u32,
+    /// First retry delay; doubles each try (1+2+4+8 s … ≈ 2 min with 5 tries at 8 s). Unset: 8 s.
+    #[serde(default = "defaults::callback_backoff", with = "humantime_serde")]
+    pub backoff: Duration,
+    /// Timeout of one delivery. Unset: 30 s.
+    #[serde(default = "defaults::callback_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for CallbackConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults parse")
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FulfillConfig {
+    /// Requests in flight to one provider at once. Unset: 8.
+    #[serde(default = "defaults::fulfill_concurrency")]
+    pub per_provider_concurrency: usize,
+    /// First retry after a transport failure; doubles up to the need's nag interval. Unset: 2 s.
+    #[serde(default = "defaults::fulfill_backoff", with = "humantime_serde")]
+    pub backoff: Duration,
+    /// Timeout of one request to a provider. Unset: 30 s.
+    #[serde(default = "defaults::fulfill_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for FulfillConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults parse")
+    }
+}
+
+mod defaults {
+    use std::time::Duration;
+    pub fn clock_skew() -> Duration {
+        Duration::from_secs(300)
+    }
+    pub fn body_limit() -> usize {
+        1024 * 1024
+    }
+    pub fn handler_timeout() -> Duration {
+        Duration::from_secs(60)
+    }
+    pub fn max_concurrent_requests() -> usize {
+        256
+    }
+    pub fn nonce_capacity() -> usize {
+        1_000_000
+    }
+    pub fn header_read_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub fn gc_interval() -> Duration {
+        Duration::from_secs(3600)
+    }
+    pub fn gc_jitter() -> Duration {
+        Duration::from_secs(300)
+    }
+    pub fn gc_grace() -> Duration {
+        Duration::from_secs(900)
+    }
+    pub fn principal_ttl() -> Duration {
+        Duration::from_secs(7 * 24 * 3600)
+    }
+    pub fn gc_concurrency() -> usize {
+        16
+    }
+    pub fn gc_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub fn callback_concurrency() -> usize {
+        32
+    }
+    pub fn callback_attempts() -> u32 {
+        5
+    }
+    pub fn callback_backoff() -> Duration {
+        Duration::from_secs(8)
+    }
+    pub fn callback_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn fulfill_concurrency() -> usize {
+        8
+    }
+    pub fn fulfill_backoff() -> Duration {
+        Duration::from_secs(2)
+    }
+    pub fn fulfill_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+}
+
+/// A config file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("{file}: {message}")]
+    Parse { file: String, message: String },
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        let config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            file: file.clone(),
+            message: e.to_string(),
+        })?;
+        if !fort_core::names::is_host_name(&config.host) {
+            return Err(ConfigError::Parse {
+                file,
+                message: format!("host {:?} is not a valid host name", config.host),
+            });
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_gets_defaults_and_typos_are_errors() {
+        let text = r#"
+host = "forge"
+listen = "127.0.0.1:7770"
+host_key = "/k"
+hosts = "/h"
+state_dir = "/s"
+admin_socket = "/a"
+"#;
+        let c: Config = toml::from_str(text).unwrap();
+        assert_eq!(c.clock_skew, Duration::from_secs(300));
+        assert_eq!(c.gc.grace, Duration::from_secs(900));
+        assert!(toml::from_str::<Config>(&format!("{text}\nclock_skw = \"1s\"")).is_err());
+    }
+}

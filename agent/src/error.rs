@@ -1,0 +1,105 @@
+//! The one HTTP error type. It owns the mapping to status codes; the detail goes to the
+//! log, the client gets a short JSON body (and every 401 the same one).
+
+use bytes::Bytes;
+use fort_core::wire::{ErrorBody, UNAUTHORIZED_BODY};
+use http::StatusCode;
+
+/// A reply body and status before the response signature is added.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub body: Bytes,
+    pub json: bool,
+}
+
+impl Reply {
+    pub fn json(status: StatusCode, value: &impl serde::Serialize) -> Reply {
+        Reply {
+            status,
+            body: Bytes::from(serde_json::to_vec(value).expect("reply serialises")),
+            json: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("body over {0} bytes")]
+    TooLarge(usize),
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    #[error("handler failed: {detail}")]
+    HandlerFailed { exit_code: i32, detail: String },
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::HandlerFailed { .. } | ApiError::Internal(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    /// The body the caller sees.
+    pub fn reply(&self) -> Reply {
+        let (code, message, exit_code) = match self {
+            ApiError::Unauthorized(_) => {
+                return Reply {
+                    status: self.status(),
+                    body: Bytes::from_static(UNAUTHORIZED_BODY.as_bytes()),
+                    json: true,
+                }
+            }
+            ApiError::Forbidden(m) => ("forbidden", m.clone(), None),
+            ApiError::NotFound(m) => ("not_found", m.clone(), None),
+            ApiError::BadRequest(m) => ("bad_request", m.clone(), None),
+            ApiError::MethodNotAllowed => ("method_not_allowed", "only POST".into(), None),
+            ApiError::TooLarge(n) => ("too_large", format!("body over {n} bytes"), None),
+            ApiError::Overloaded(m) => ("overloaded", m.clone(), None),
+            ApiError::HandlerFailed { exit_code, .. } => {
+                return Reply::json(
+                    self.status(),
+                    &ErrorBody {
+                        error: "handler_failed".into(),
+                        message: None,
+                        exit_code: Some(*exit_code),
+                    },
+                )
+            }
+            ApiError::Internal(_) => (
+                "internal",
+                "internal error; see the agent's log".into(),
+                None,
+            ),
+        };
+        Reply::json(
+            self.status(),
+            &ErrorBody {
+                error: code.into(),
+                message: Some(message),
+                exit_code,
+            },
+        )
+    }
+}

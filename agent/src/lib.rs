@@ -1,0 +1,143 @@
+//! The fort agent: one per host. It serves the signed control plane, provides
+//! capabilities, fulfils this host's needs, and collects garbage on evidence.
+
+pub mod admin;
+pub mod app;
+pub mod auth;
+pub mod builtins;
+pub mod check;
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod error;
+pub mod loaded;
+pub mod metrics;
+pub mod nonce;
+pub mod provider;
+pub mod routes;
+pub mod server;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::App;
+use crate::config::Config;
+
+/// The signed control-plane router: every request goes through the §3 pipeline.
+pub fn app_router(app: Arc<App>) -> Router {
+    Router::new().fallback(auth::dispatch).with_state(app)
+}
+
+/// Runs the agent until `shutdown` is cancelled, then drains and flushes state.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let admin_listener = admin::bind(&config.admin_socket)
+        .with_context(|| format!("cannot bind admin socket {}", config.admin_socket.display()))?;
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?,
+        ),
+        None => None,
+    };
+    let header_timeout = config.header_read_timeout;
+    let app = App::start(config, shutdown.clone()).await?;
+    tracing::info!(
+        host = %app.config.host,
+        listen = %app.config.listen,
+        needs = app.loaded.load().needs.len(),
+        capabilities = app.loaded.load().capabilities.len(),
+        "fort-agent ready"
+    );
+    tokio::spawn(admin::serve(app.clone(), admin_listener));
+    if let Some(l) = metrics_listener {
+        tokio::spawn(serve_metrics(app.clone(), l));
+    }
+    tokio::spawn(reload_on_sighup(app.clone()));
+    notify_systemd("READY=1");
+    server::serve(listener, app_router(app.clone()), header_timeout, shutdown).await;
+    notify_systemd("STOPPING=1");
+    app.tasks.close();
+    if tokio::time::timeout(Duration::from_secs(10), app.tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("background tasks still running after 10 s; exiting anyway");
+    }
+    let _ = std::fs::remove_file(&app.config.admin_socket);
+    Ok(())
+}
+
+async fn reload_on_sighup(app: Arc<App>) {
+    let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => {
+                if let Err(e) = app.reload().await {
+                    tracing::error!(error = %e, "reload failed; keeping the previous configuration");
+                }
+            }
+            _ = app.shutdown.cancelled() => return,
+        }
+    }
+}
+
+async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
+    let router = Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(
+                |axum::extract::State(app): axum::extract::State<Arc<App>>| async move {
+                    let status = builtins::status(&app);
+                    let needs = &status["needs"];
+                    let total = needs["total"].as_f64().unwrap_or(0.0);
+                    let satisfied = needs["satisfied"].as_f64().unwrap_or(0.0);
+                    let gauges = vec![(
+                        "fort_needs",
+                        "Declared needs by state.",
+                        vec![
+                            ("{state=\"satisfied\"}".to_owned(), satisfied),
+                            ("{state=\"unsatisfied\"}".to_owned(), total - satisfied),
+                        ],
+                    )];
+                    app.metrics.render(&gauges)
+                },
+            ),
+        )
+        .with_state(app.clone());
+    let shutdown = app.shutdown.clone();
+    let _ = axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await;
+}
+
+/// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, if set.
+fn notify_systemd(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
+        return;
+    };
+    let bytes = path.as_encoded_bytes();
+    let sent = if let Some(name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(name)
+            .and_then(|a| sock.send_to_addr(state.as_bytes(), &a))
+    } else {
+        sock.send_to(state.as_bytes(), &path)
+    };
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, "sd_notify failed");
+    }
+}

@@ -1,0 +1,161 @@
+//! Callback delivery (§7): signed, bounded in concurrency, the consumer's signed reply
+//! verified, retried with backoff for a bounded time, and recorded on the entry. One
+//! delivery per entry at a time, and a delivery that has been superseded by a newer
+//! response stops, so a consumer never ends up holding an older payload.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fort_core::client::Target;
+use fort_core::names::parse_entry_key;
+use fort_core::wire::{payload_bytes, unix_now};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+
+use super::state::payload_hash;
+use crate::app::App;
+
+pub struct Deliveries {
+    limit: Arc<Semaphore>,
+    per_entry: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Deliveries {
+    pub fn new(concurrency: usize) -> Deliveries {
+        Deliveries {
+            limit: Arc::new(Semaphore::new(concurrency.max(1))),
+            per_entry: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn entry_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.per_entry.lock().expect("deliveries lock");
+        // Forget locks nobody holds, so the map does not grow with every entry ever seen.
+        if m.len() > 4096 {
+            m.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        m.entry(key.to_owned()).or_default().clone()
+    }
+}
+
+pub fn spawn_delivery(app: &Arc<App>, key: String, response: Option<Value>) {
+    let app2 = app.clone();
+    app.tasks
+        .spawn(async move { deliver(&app2, key, response).await });
+}
+
+/// Whether the entry still wants exactly this payload delivered.
+fn still_current(app: &App, key: &str, hash: &Option<String>) -> bool {
+    app.provider.store.read(|s| {
+        s.entries
+            .get(key)
+            .is_some_and(|e| payload_hash(e.response.as_ref()) == *hash)
+    })
+}
+
+async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {
+    let Some((origin, need)) = parse_entry_key(&key) else {
+        return;
+    };
+    let origin = origin.to_owned();
+    let hash = payload_hash(response.as_ref());
+    let payload = response.as_ref().map(payload_bytes).unwrap_or_default();
+    let path = format!("/agent/needs/{need}");
+    let cfg = app.config.callbacks.clone();
+    let lock = app.provider.deliveries.entry_lock(&key);
+    let mut delay = cfg.backoff;
+    for attempt in 1..=cfg.attempts.max(1) {
+        // Held for one attempt, not across the backoff sleep, so a newer response for
+        // this entry is never stuck behind an older one's retries.
+        let _one_at_a_time = lock.lock().await;
+        if app.shutdown.is_cancelled() || !still_current(app, &key, &hash) {
+            return;
+        }
+        let loaded = app.loaded.load_full();
+        let Some(peer) = loaded.registry.get(&origin) else {
+            return;
+        };
+        let Some(address) = peer.address.clone() else {
+            // A principal has nowhere to be called back; it polls or uses rpc mode.
+            return;
+        };
+        let keys = peer.keys.clone();
+        drop(loaded);
+        let outcome = {
+            let _slot = app
+                .provider
+                .deliveries
+                .limit
+                .acquire()
+                .await
+                .expect("semaphore open");
+            let target = Target {
+                name: &origin,
+                address: &address,
+                keys: &keys,
+            };
+            tokio::time::timeout(
+                cfg.timeout,
+                app.client.post(&target, &path, payload.clone()),
+            )
+            .await
+        };
+        let error = match outcome {
+            Err(_) => "timeout".to_owned(),
+            Ok(Err(e)) => e.to_string(),
+            Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
+                let acked = hash.clone();
+                let _ = app
+                    .provider
+                    .store
+                    .mutate(|s| match s.entries.get_mut(&key) {
+                        Some(e) => {
+                            e.delivery.delivered_hash = acked;
+                            e.delivery.delivered_at = Some(unix_now());
+                            e.delivery.last_error = None;
+                            e.delivery.attempts = attempt;
+                            ((), true)
+                        }
+                        None => ((), false),
+                    });
+                app.metrics.callbacks.inc(&[("outcome", "sent")]);
+                tracing::info!(
+                    entry = %key,
+                    bytes = payload.len(),
+                    revocation = response.is_none(),
+                    payload_sha256 = %hash.as_deref().unwrap_or("-"),
+                    "callback delivered"
+                );
+                return;
+            }
+            Ok(Ok(reply)) if reply.status == 200 => {
+                format!("reply signature not verified ({:?})", reply.auth)
+            }
+            Ok(Ok(reply)) => format!("consumer answered {}", reply.status),
+        };
+        app.metrics.callbacks.inc(&[("outcome", "failed")]);
+        tracing::warn!(entry = %key, attempt, error = %error, "callback failed");
+        let _ = app
+            .provider
+            .store
+            .mutate(|s| match s.entries.get_mut(&key) {
+                Some(e) => {
+                    e.delivery.last_error = Some(error.clone());
+                    e.delivery.attempts = attempt;
+                    ((), true)
+                }
+                None => ((), false),
+            });
+        drop(_one_at_a_time);
+        if attempt < cfg.attempts {
+            app.metrics.callbacks.inc(&[("outcome", "retried")]);
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = app.shutdown.cancelled() => return,
+            }
+            delay = (delay * 2).min(Duration::from_secs(300));
+        }
+    }
+    tracing::warn!(entry = %key, "callback gave up; the consumer's nag will ask again");
+}

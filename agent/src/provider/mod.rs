@@ -1,0 +1,239 @@
+//! The provider side (§6.1, §7, §9): durable entries, one worker per async capability
+//! that runs the handler over all active entries, and callbacks to consumers.
+
+pub mod callbacks;
+pub mod gc;
+pub mod state;
+mod worker;
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use fort_core::durable::{Durable, PersistError};
+use fort_core::names::{entry_key, NeedKey};
+use fort_core::wire::unix_now;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::{oneshot, Notify};
+
+use crate::app::App;
+pub use state::{Entry, ProviderState};
+
+/// Why a handler run happened (`FORT_TRIGGER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Trigger {
+    Request,
+    Initialize,
+    Systemd,
+    Gc,
+    Manual,
+}
+
+impl Trigger {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Request => "request",
+            Trigger::Initialize => "initialize",
+            Trigger::Systemd => "systemd",
+            Trigger::Gc => "gc",
+            Trigger::Manual => "manual",
+        }
+    }
+}
+
+/// The outcome of one handler run, kept for `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunRecord {
+    pub at: u64,
+    pub trigger: Trigger,
+    pub duration_ms: u64,
+    pub ok: bool,
+    /// Short reason on failure (`exit_nonzero`, `timeout`, `not_an_object`, …).
+    pub error: Option<String>,
+    pub entries: usize,
+    pub callbacks: usize,
+}
+
+/// Work waiting for the next run of one capability's worker.
+#[derive(Default)]
+struct Pending {
+    /// Entries whose requester must get its response whatever it is.
+    requesters: BTreeSet<String>,
+    /// The strongest reason queued (a request beats a gc run).
+    trigger: Option<Trigger>,
+    callback_all: bool,
+    force: bool,
+    waiters: Vec<oneshot::Sender<RunRecord>>,
+}
+
+#[derive(Default)]
+struct WorkerSlot {
+    pending: Mutex<Pending>,
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct CapabilityStats {
+    runs: u64,
+    last: Option<RunRecord>,
+}
+
+pub struct Provider {
+    pub store: Durable<ProviderState>,
+    workers: Mutex<HashMap<String, Arc<WorkerSlot>>>,
+    stats: Mutex<HashMap<String, CapabilityStats>>,
+    pub(crate) deliveries: callbacks::Deliveries,
+}
+
+impl Provider {
+    pub fn new(store: Durable<ProviderState>, callback_concurrency: usize) -> Provider {
+        Provider {
+            store,
+            workers: Mutex::new(HashMap::new()),
+            stats: Mutex::new(HashMap::new()),
+            deliveries: callbacks::Deliveries::new(callback_concurrency),
+        }
+    }
+
+    /// Stores (or refreshes) `origin:need` durably, then queues a run. Returns once the
+    /// entry is on disk: the 202 may be sent.
+    pub async fn upsert(
+        &self,
+        app: &Arc<App>,
+        origin: &str,
+        need: &NeedKey,
+        request: Value,
+    ) -> Result<(), PersistError> {
+        let key = entry_key(origin, need);
+        let now = unix_now();
+        self.store
+            .mutate_durable(|s| {
+                let entry = s.entries.entry(key.clone()).or_insert_with(|| Entry {
+                    request: request.clone(),
+                    response: None,
+                    created_at: now,
+                    requested_at: now,
+                    absent_since: None,
+                    delivery: Default::default(),
+                });
+                entry.request = request;
+                entry.requested_at = now;
+                entry.absent_since = None;
+                ((), true)
+            })
+            .await?;
+        self.enqueue(app, &need.kind, Trigger::Request, Some(key), false, false);
+        Ok(())
+    }
+
+    /// Drops `origin:need` at once, as a GC sweep would, and lets the handler clean up.
+    pub async fn release(
+        &self,
+        app: &Arc<App>,
+        origin: &str,
+        need: &NeedKey,
+    ) -> Result<bool, PersistError> {
+        let key = entry_key(origin, need);
+        let removed = self
+            .store
+            .mutate_durable(|s| {
+                let removed = s.entries.remove(&key).is_some();
+                (removed, removed)
+            })
+            .await?;
+        if removed {
+            tracing::info!(entry = %key, "entry released");
+            self.enqueue(app, &need.kind, Trigger::Gc, None, false, false);
+        }
+        Ok(removed)
+    }
+
+    /// Queues a run of `capability`'s handler and returns a receiver for its outcome.
+    pub fn enqueue(
+        &self,
+        app: &Arc<App>,
+        capability: &str,
+        trigger: Trigger,
+        requester: Option<String>,
+        callback_all: bool,
+        force: bool,
+    ) -> oneshot::Receiver<RunRecord> {
+        let slot = self.slot(app, capability);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut p = slot.pending.lock().expect("pending lock");
+            p.requesters.extend(requester);
+            p.trigger = Some(match (p.trigger, trigger) {
+                (Some(Trigger::Request), _) | (_, Trigger::Request) => Trigger::Request,
+                (Some(old), Trigger::Gc) => old,
+                (_, new) => new,
+            });
+            p.callback_all |= callback_all;
+            p.force |= force;
+            p.waiters.push(tx);
+        }
+        slot.wake.notify_one();
+        rx
+    }
+
+    fn slot(&self, app: &Arc<App>, capability: &str) -> Arc<WorkerSlot> {
+        let mut workers = self.workers.lock().expect("workers lock");
+        if let Some(slot) = workers.get(capability) {
+            return slot.clone();
+        }
+        let slot = Arc::new(WorkerSlot::default());
+        workers.insert(capability.to_owned(), slot.clone());
+        let worker = worker::Worker {
+            app: app.clone(),
+            capability: capability.to_owned(),
+            slot: slot.clone(),
+        };
+        app.tasks.spawn(worker.run());
+        slot
+    }
+
+    fn record_run(&self, capability: &str, record: RunRecord) {
+        let mut stats = self.stats.lock().expect("stats lock");
+        let s = stats.entry(capability.to_owned()).or_default();
+        s.runs += 1;
+        s.last = Some(record);
+    }
+
+    /// Per capability: entries, undelivered, runs, last run.
+    pub fn summary(&self) -> Value {
+        let mut per_cap: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
+        self.store.read(|s| {
+            for (key, entry) in &s.entries {
+                if let Some(cap) = state::capability_of(key) {
+                    let c = per_cap.entry(cap.to_owned()).or_default();
+                    c.0 += 1;
+                    c.1 += entry.undelivered() as usize;
+                }
+            }
+        });
+        let stats = self.stats.lock().expect("stats lock");
+        for cap in stats.keys() {
+            per_cap.entry(cap.clone()).or_default();
+        }
+        let caps: serde_json::Map<String, Value> = per_cap
+            .into_iter()
+            .map(|(cap, (entries, undelivered))| {
+                let s = stats.get(&cap);
+                (
+                    cap,
+                    serde_json::json!({
+                        "entries": entries,
+                        "undelivered": undelivered,
+                        "handler_runs": s.map_or(0, |s| s.runs),
+                        "last_run": s.and_then(|s| s.last.clone()),
+                    }),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "state_writes": self.store.writes(),
+            "capabilities": caps,
+        })
+    }
+}

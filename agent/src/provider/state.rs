@@ -1,0 +1,71 @@
+//! `provider-state.json`: every active entry `<origin>:<type>/<id>` with its request, its
+//! last response and what was last delivered. One owner (the [`Durable`] store) writes it.
+
+use std::collections::BTreeMap;
+
+use fort_core::canonical::sha256_hex;
+use fort_core::wire::payload_bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub const STATE_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderState {
+    pub version: u32,
+    pub entries: BTreeMap<String, Entry>,
+}
+
+impl Default for ProviderState {
+    fn default() -> Self {
+        ProviderState {
+            version: STATE_VERSION,
+            entries: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    pub request: Value,
+    /// The handler's last response; `None` when it gave none.
+    pub response: Option<Value>,
+    /// Unix seconds of the first and the latest request.
+    pub created_at: u64,
+    pub requested_at: u64,
+    /// Since when GC has proof the consumer no longer declares this need.
+    #[serde(default)]
+    pub absent_since: Option<u64>,
+    #[serde(default)]
+    pub delivery: Delivery,
+}
+
+/// What the consumer last acknowledged, and how the latest attempt went.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Delivery {
+    /// Hash of the payload the consumer acknowledged last (`None`: nothing, or a revocation).
+    pub delivered_hash: Option<String>,
+    pub delivered_at: Option<u64>,
+    pub last_error: Option<String>,
+    pub attempts: u32,
+}
+
+/// Hash identifying a response's payload bytes (§7); `None` for no response.
+pub fn payload_hash(response: Option<&Value>) -> Option<String> {
+    response.map(|v| sha256_hex(&payload_bytes(v)))
+}
+
+impl Entry {
+    pub fn undelivered(&self) -> bool {
+        payload_hash(self.response.as_ref()) != self.delivery.delivered_hash
+    }
+}
+
+/// Splits `origin:type/id` into its capability; entries of unknown shape are skipped.
+pub fn capability_of(key: &str) -> Option<&str> {
+    let (_, need) = key.split_once(':')?;
+    need.split_once('/').map(|(t, _)| t)
+}

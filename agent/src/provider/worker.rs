@@ -1,0 +1,198 @@
+//! One worker per async capability: at most one handler run at a time; whatever arrives
+//! during a run is batched into the next one.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use fort_core::process::{run, RunSpec};
+use fort_core::wire::unix_now;
+use serde_json::{Map, Value};
+
+use super::state::capability_of;
+use super::{Pending, RunRecord, Trigger, WorkerSlot};
+use crate::app::App;
+use fort_core::schema::Mode;
+
+pub(super) struct Worker {
+    pub app: Arc<App>,
+    pub capability: String,
+    pub slot: Arc<WorkerSlot>,
+}
+
+/// A callback decided by a run: the entry and the response it must carry (`None` = revoke).
+pub struct Planned {
+    pub key: String,
+    pub response: Option<Value>,
+}
+
+impl Worker {
+    pub async fn run(self) {
+        loop {
+            tokio::select! {
+                _ = self.slot.wake.notified() => {}
+                _ = self.app.shutdown.cancelled() => return,
+            }
+            let pending = std::mem::take(&mut *self.slot.pending.lock().expect("pending lock"));
+            if pending.trigger.is_none() {
+                continue;
+            }
+            let waiters = pending.waiters.len();
+            let record = self.run_once(&pending).await;
+            tracing::debug!(capability = %self.capability, waiters, ok = record.ok, "handler run done");
+            for w in pending.waiters {
+                let _ = w.send(record.clone());
+            }
+        }
+    }
+
+    async fn run_once(&self, pending: &Pending) -> RunRecord {
+        let app = &self.app;
+        let trigger = pending.trigger.unwrap_or(Trigger::Manual);
+        let started = Instant::now();
+        let mut record = RunRecord {
+            at: unix_now(),
+            trigger,
+            duration_ms: 0,
+            ok: false,
+            error: None,
+            entries: 0,
+            callbacks: 0,
+        };
+        let loaded = app.loaded.load_full();
+        let Some(spec) = loaded
+            .capabilities
+            .get(&self.capability)
+            .filter(|c| c.mode == Mode::Async)
+        else {
+            record.error = Some("not an async capability".into());
+            return record;
+        };
+        let pass_cached = spec.cache_response && !pending.force;
+
+        // The input: every active entry of this capability (§9).
+        let input: Map<String, Value> = app.provider.store.read(|s| {
+            s.entries
+                .iter()
+                .filter(|(k, _)| capability_of(k) == Some(self.capability.as_str()))
+                .map(|(k, e)| {
+                    let cached = if pass_cached {
+                        e.response.clone().unwrap_or(Value::Null)
+                    } else {
+                        Value::Null
+                    };
+                    (
+                        k.clone(),
+                        serde_json::json!({"request": e.request, "response": cached}),
+                    )
+                })
+                .collect()
+        });
+        record.entries = input.len();
+        let stdin = serde_json::to_vec(&input).expect("input serialises");
+        let mut spec_run = RunSpec::new(&spec.handler, stdin, app.config.handler_timeout)
+            .env("FORT_HOST", app.config.host.clone())
+            .env("FORT_CAPABILITY", self.capability.clone())
+            .env("FORT_TRIGGER", trigger.as_str());
+        spec_run.max_stdout = 64 * 1024 * 1024;
+        let outcome = run(&spec_run).await;
+        record.duration_ms = started.elapsed().as_millis() as u64;
+        app.metrics.handler_seconds.add(
+            &[("capability", &self.capability)],
+            started.elapsed().as_secs_f64(),
+        );
+
+        let output = match outcome {
+            Ok(ok) => serde_json::from_slice::<Value>(&ok.stdout)
+                .ok()
+                .and_then(|v| match v {
+                    Value::Object(m) => Some(m),
+                    _ => None,
+                })
+                .ok_or_else(|| "not_an_object".to_owned()),
+            Err(e) => {
+                tracing::warn!(capability = %self.capability, trigger = trigger.as_str(), error = %e, "handler failed; nothing changed");
+                Err(e.class().to_owned())
+            }
+        };
+        let output = match output {
+            Ok(o) => o,
+            Err(reason) => {
+                if reason == "not_an_object" {
+                    tracing::warn!(capability = %self.capability, "handler output is not a JSON object; nothing changed");
+                }
+                app.metrics
+                    .handler_runs
+                    .inc(&[("capability", &self.capability), ("outcome", &reason)]);
+                record.error = Some(reason);
+                app.provider.record_run(&self.capability, record.clone());
+                return record;
+            }
+        };
+        for stray in output.keys().filter(|k| !input.contains_key(*k)) {
+            tracing::warn!(capability = %self.capability, key = %stray, "handler returned a key that was not in its input; ignored");
+        }
+
+        // Apply: store new responses, decide who is called back.
+        let (planned, ticket) = self.apply(&input, &output, pending);
+        if let Err(e) = app.provider.store.wait(ticket).await {
+            tracing::error!(capability = %self.capability, error = %e, "responses not persisted; callbacks held back");
+            record.error = Some("persist_failed".into());
+            app.provider.record_run(&self.capability, record.clone());
+            return record;
+        }
+        record.ok = true;
+        record.callbacks = planned.len();
+        app.metrics
+            .handler_runs
+            .inc(&[("capability", &self.capability), ("outcome", "ok")]);
+        tracing::info!(
+            capability = %self.capability,
+            trigger = trigger.as_str(),
+            entries = record.entries,
+            callbacks = record.callbacks,
+            ms = record.duration_ms,
+            "handler run"
+        );
+        for p in planned {
+            super::callbacks::spawn_delivery(app, p.key, p.response);
+        }
+        app.provider.record_run(&self.capability, record.clone());
+        record
+    }
+
+    fn apply(
+        &self,
+        input: &Map<String, Value>,
+        output: &Map<String, Value>,
+        pending: &Pending,
+    ) -> (Vec<Planned>, fort_core::durable::Ticket) {
+        self.app.provider.store.mutate(|s| {
+            let mut planned = Vec::new();
+            let mut changed_any = false;
+            for key in input.keys() {
+                // Released or collected while the handler ran: gone stays gone.
+                let Some(entry) = s.entries.get_mut(key) else {
+                    continue;
+                };
+                let new = output.get(key).filter(|v| !v.is_null()).cloned();
+                let changed = new != entry.response;
+                let requester = pending.requesters.contains(key);
+                if changed {
+                    entry.response = new.clone();
+                    changed_any = true;
+                }
+                let wanted = changed || pending.callback_all || (requester && new.is_some());
+                // A revocation only makes sense if something was delivered before.
+                let pointless_revoke =
+                    new.is_none() && entry.delivery.delivered_hash.is_none() && !changed;
+                if wanted && !pointless_revoke {
+                    planned.push(Planned {
+                        key: key.clone(),
+                        response: new,
+                    });
+                }
+            }
+            (planned, changed_any)
+        })
+    }
+}

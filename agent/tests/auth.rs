@@ -1,0 +1,471 @@
+//! The signed-request pipeline against a real agent: every negative case gets its status,
+//! runs no handler and changes no state; OpenSSH interoperates both ways.
+
+use std::process::Command;
+
+use fort_core::canonical::{request_bytes, response_bytes};
+use fort_core::sign::{verify, Signer};
+use fort_core::wire::unix_now;
+use fort_tests::{raw_http, raw_post, signed_headers, write_key, Fleet};
+use serde_json::json;
+
+/// Host `a` serves rpc `echo` (allowed: ops) whose handler appends to a marker file, so
+/// "no handler ran" is observable; host `b` trusts the same principals.
+fn fleet() -> (Fleet, std::path::PathBuf) {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    f.principal("intruder");
+    let marker = f.dir.path().join("marker");
+    let echo = f.script("echo", &format!("echo run >> {}; cat", marker.display()));
+    f.capability(
+        "a",
+        "echo",
+        json!({"handler": echo, "mode": "rpc", "allowed": ["ops"]}),
+    );
+    f.host("b");
+    f.start();
+    (f, marker)
+}
+
+fn runs(marker: &std::path::Path) -> usize {
+    std::fs::read_to_string(marker)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+const PATH: &str = "/agent/capabilities/echo";
+
+fn send(
+    f: &Fleet,
+    host: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> (u16, String, Vec<u8>) {
+    raw_http(f.hosts[host].addr, &raw_post(path, headers, body))
+}
+
+fn ops_headers(f: &Fleet, target: &str, path: &str, body: &[u8], ts: u64) -> Vec<(String, String)> {
+    signed_headers(&f.principals["ops"], "ops", target, path, body, ts)
+}
+
+#[tokio::test]
+async fn a_valid_call_runs_the_handler_and_the_reply_is_signed() {
+    let (f, marker) = fleet();
+    let r = f.post("ops", "a", PATH, &json!({"x": 1})).await;
+    assert_eq!(r.status, 200);
+    assert!(r.verified(), "{:?}", r.auth);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&r.body).unwrap(),
+        json!({"x": 1})
+    );
+    assert_eq!(r.content_type.as_deref(), Some("application/json"));
+    assert_eq!(runs(&marker), 1);
+}
+
+#[tokio::test]
+async fn tampering_after_signing_is_refused_and_runs_nothing() {
+    let (f, marker) = fleet();
+    let body = br#"{"a":1}"#;
+    let now = unix_now();
+    type Case<'a> = (&'a str, Vec<(String, String)>, Vec<u8>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "byte flipped",
+            ops_headers(&f, "a", PATH, body, now),
+            br#"{"a":2}"#.to_vec(),
+            PATH,
+        ),
+        (
+            "re-serialised",
+            ops_headers(&f, "a", PATH, body, now),
+            br#"{ "a": 1 }"#.to_vec(),
+            PATH,
+        ),
+        (
+            "other path",
+            ops_headers(&f, "a", "/agent/capabilities/status", body, now),
+            body.to_vec(),
+            PATH,
+        ),
+        (
+            "other host",
+            ops_headers(&f, "b", PATH, body, now),
+            body.to_vec(),
+            PATH,
+        ),
+    ];
+    for (what, headers, sent, path) in cases {
+        let (status, _, resp) = send(&f, "a", path, &headers, &sent);
+        assert_eq!(status, 401, "{what}");
+        assert_eq!(resp, br#"{"error":"unauthorized"}"#, "{what}");
+    }
+    // Each signed header changed after signing.
+    for (i, name) in ["X-Fort-Origin", "X-Fort-Timestamp", "X-Fort-Nonce"]
+        .iter()
+        .enumerate()
+    {
+        let mut h = ops_headers(&f, "a", PATH, body, now);
+        h[i].1 = match i {
+            0 => "intruder".into(),
+            1 => (now + 1).to_string(),
+            _ => fort_core::client::new_nonce(),
+        };
+        let (status, _, _) = send(&f, "a", PATH, &h, body);
+        assert_eq!(status, 401, "{name} changed");
+    }
+    assert_eq!(runs(&marker), 0);
+}
+
+#[tokio::test]
+async fn delivered_to_another_host_that_trusts_the_origin_is_refused() {
+    let (f, _) = fleet();
+    // Signed for a, sent to b: b builds its own target line and the signature fails.
+    let body = b"{}";
+    let h = ops_headers(&f, "a", "/agent/capabilities/status", body, unix_now());
+    let (status, _, _) = send(&f, "b", "/agent/capabilities/status", &h, body);
+    assert_eq!(status, 401);
+    // The same request signed for b is fine.
+    let h = ops_headers(&f, "b", "/agent/capabilities/status", body, unix_now());
+    assert_eq!(send(&f, "b", "/agent/capabilities/status", &h, body).0, 200);
+}
+
+#[tokio::test]
+async fn replay_and_clock_window() {
+    let (f, marker) = fleet();
+    let body = b"{}";
+    let h = ops_headers(&f, "a", PATH, body, unix_now());
+    assert_eq!(send(&f, "a", PATH, &h, body).0, 200);
+    let (status, _, resp) = send(&f, "a", PATH, &h, body);
+    assert_eq!(status, 401, "replay");
+    assert_eq!(resp, br#"{"error":"unauthorized"}"#);
+    assert_eq!(runs(&marker), 1);
+
+    let now = unix_now();
+    for ts in [now + 301, now - 301] {
+        let (status, head, _) = send(&f, "a", PATH, &ops_headers(&f, "a", PATH, body, ts), body);
+        assert_eq!(status, 401, "ts {ts}");
+        assert!(
+            head.to_ascii_lowercase().contains("x-fort-server-time:"),
+            "{head}"
+        );
+    }
+    for ts in [now + 299, now - 299] {
+        assert_eq!(
+            send(&f, "a", PATH, &ops_headers(&f, "a", PATH, body, ts), body).0,
+            200,
+            "ts {ts}"
+        );
+    }
+    assert_eq!(runs(&marker), 3);
+}
+
+#[tokio::test]
+async fn replay_is_refused_after_a_restart() {
+    let (mut f, marker) = fleet();
+    let body = b"{}";
+    let h = ops_headers(&f, "a", PATH, body, unix_now());
+    assert_eq!(send(&f, "a", PATH, &h, body).0, 200);
+    f.kill("a");
+    f.start_host("a");
+    assert_eq!(send(&f, "a", PATH, &h, body).0, 401);
+    assert_eq!(runs(&marker), 1);
+}
+
+#[tokio::test]
+async fn malformed_duplicate_and_missing_headers() {
+    let (f, marker) = fleet();
+    let body = b"{}";
+    let good = ops_headers(&f, "a", PATH, body, unix_now());
+    let mut cases: Vec<Vec<(String, String)>> = Vec::new();
+    // Missing each header.
+    for i in 0..4 {
+        let mut h = good.clone();
+        h.remove(i);
+        cases.push(h);
+    }
+    // Duplicated each header.
+    for i in 0..4 {
+        let mut h = good.clone();
+        h.push(h[i].clone());
+        cases.push(h);
+    }
+    let bad_values = [
+        (1, "0123"),
+        (1, "17e9"),
+        (1, "1234567890123"),
+        (2, "00112233445566778899AABBCCDDEEFF"),
+        (2, "0011"),
+        (3, "!!!notbase64!!!"),
+    ];
+    for (i, v) in bad_values {
+        let mut h = ops_headers(&f, "a", PATH, body, unix_now());
+        h[i].1 = v.to_owned();
+        cases.push(h);
+    }
+    // Oversized signature.
+    let mut h = ops_headers(&f, "a", PATH, body, unix_now());
+    h[3].1 = "A".repeat(2052);
+    cases.push(h);
+    // Valid base64 with trailing bytes in the blob.
+    let mut h = ops_headers(&f, "a", PATH, body, unix_now());
+    h[3].1 = format!("{}AAAA", h[3].1.trim_end_matches('='));
+    cases.push(h);
+    for (n, h) in cases.iter().enumerate() {
+        let (status, _, resp) = send(&f, "a", PATH, h, body);
+        assert_eq!(status, 401, "case {n}: {h:?}");
+        assert_eq!(resp, br#"{"error":"unauthorized"}"#);
+    }
+    assert_eq!(runs(&marker), 0);
+}
+
+#[tokio::test]
+async fn unknown_origin_is_refused_before_the_body_is_read() {
+    let (f, _) = fleet();
+    let stranger = Signer::generate();
+    let h = signed_headers(&stranger, "stranger", "a", PATH, b"{}", unix_now());
+    // Content-Length promises 100 bytes that never come: reading the body would hang.
+    let mut req = format!("POST {PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n");
+    for (k, v) in &h {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    let started = std::time::Instant::now();
+    let (status, _, _) = raw_http(f.hosts["a"].addr, req.as_bytes());
+    assert_eq!(status, 401);
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn wrong_keys_are_refused() {
+    let (f, marker) = fleet();
+    let body = b"{}";
+    // b's key signing under a's name.
+    let h = signed_headers(&f.hosts["b"].signer, "a", "a", PATH, body, unix_now());
+    assert_eq!(send(&f, "a", PATH, &h, body).0, 401);
+    // A valid key that is in no registry, as ops.
+    let h = signed_headers(&Signer::generate(), "ops", "a", PATH, body, unix_now());
+    assert_eq!(send(&f, "a", PATH, &h, body).0, 401);
+    assert_eq!(runs(&marker), 0);
+}
+
+#[tokio::test]
+async fn paths_are_strict() {
+    let (f, marker) = fleet();
+    let body = b"{}";
+    for path in [
+        "/agent/capabilities/%65cho",
+        "/agent/capabilities/echo/",
+        "/agent//capabilities/echo",
+        "/agent/capabilities/echo?x=1",
+        "/agent/capabilities/ECHO",
+        "/agent/capabilities/../capabilities/echo",
+        "/agent/other",
+    ] {
+        let h = ops_headers(&f, "a", path, body, unix_now());
+        let (status, _, _) = send(&f, "a", path, &h, body);
+        assert!(status == 400 || status == 404, "{path}: {status}");
+    }
+    // Any method but POST.
+    let (status, _, _) = raw_http(
+        f.hosts["a"].addr,
+        format!("GET {PATH} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+    );
+    assert_eq!(status, 405);
+    assert_eq!(runs(&marker), 0);
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413_without_a_signature_check() {
+    let (f, marker) = fleet();
+    let big = vec![b' '; 1024 * 1024 + 1];
+    let h = vec![("X-Fort-Origin".to_owned(), "nobody".to_owned())];
+    let (status, _, _) = send(&f, "a", PATH, &h, &big);
+    assert_eq!(status, 413);
+    assert_eq!(runs(&marker), 0);
+}
+
+#[tokio::test]
+async fn callers_not_permitted_get_403() {
+    let (f, marker) = fleet();
+    let r = f.post("intruder", "a", PATH, &json!({})).await;
+    assert_eq!(r.status, 403);
+    assert!(r.verified(), "403 after a verified signature is signed");
+    // Operator built-ins are closed unless listed in [access].
+    let r = f
+        .post(
+            "ops",
+            "a",
+            "/agent/capabilities/journal",
+            &json!({"unit": "x.service"}),
+        )
+        .await;
+    assert_eq!(r.status, 403);
+    let r = f
+        .post("ops", "a", "/agent/capabilities/nonexistent", &json!({}))
+        .await;
+    assert_eq!(r.status, 404);
+    assert_eq!(runs(&marker), 0);
+}
+
+fn ssh_keygen_sign(key: &std::path::Path, namespace: &str, hash: &str, msg: &[u8]) -> String {
+    use std::io::Write;
+    let mut child = Command::new("ssh-keygen")
+        .args([
+            "-q",
+            "-Y",
+            "sign",
+            "-n",
+            namespace,
+            "-O",
+            &format!("hashalg={hash}"),
+            "-f",
+        ])
+        .arg(key)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("ssh-keygen is installed (openssh-client)");
+    child.stdin.take().unwrap().write_all(msg).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("-----"))
+        .collect()
+}
+
+#[tokio::test]
+async fn openssh_signed_requests_interoperate() {
+    let (f, marker) = fleet();
+    let key = f.dir.path().join("ops-key");
+    write_key(&key, &f.principals["ops"]);
+    let body = br#"{"from":"openssh"}"#;
+    let mut results = Vec::new();
+    for (ns, hash) in [
+        ("fort-agent", "sha512"),
+        ("git", "sha512"),
+        ("file", "sha512"),
+        ("fort-agent", "sha256"),
+    ] {
+        let ts = unix_now().to_string();
+        let nonce = fort_core::client::new_nonce();
+        let canonical = request_bytes("a", PATH, "ops", &ts, &nonce, body);
+        let sig = ssh_keygen_sign(&key, ns, hash, &canonical);
+        let headers = vec![
+            ("X-Fort-Origin".to_owned(), "ops".to_owned()),
+            ("X-Fort-Timestamp".to_owned(), ts),
+            ("X-Fort-Nonce".to_owned(), nonce.clone()),
+            ("X-Fort-Signature".to_owned(), sig),
+        ];
+        let (status, head, resp) = send(&f, "a", PATH, &headers, body);
+        results.push((ns, hash, status));
+        if status == 200 {
+            // And the agent's response signature verifies with ssh-keygen -Y verify.
+            let sig_line = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .starts_with("x-fort-signature:")
+                        .then(|| l[17..].trim().to_owned())
+                })
+                .expect("signed response");
+            let msg = response_bytes("a", &nonce, 200, &resp);
+            assert_eq!(
+                verify(&sig_line, &[f.hosts["a"].signer.public_key().clone()], &msg),
+                Ok(())
+            );
+            let dir = f.dir.path();
+            let armored: Vec<String> = sig_line
+                .as_bytes()
+                .chunks(70)
+                .map(|c| String::from_utf8(c.to_vec()).unwrap())
+                .collect();
+            std::fs::write(
+                dir.join("resp.sig"),
+                format!(
+                    "-----BEGIN SSH SIGNATURE-----\n{}\n-----END SSH SIGNATURE-----\n",
+                    armored.join("\n")
+                ),
+            )
+            .unwrap();
+            std::fs::write(
+                dir.join("allowed"),
+                format!(
+                    "a namespaces=\"fort-agent\" {}\n",
+                    f.hosts["a"].signer.public_openssh()
+                ),
+            )
+            .unwrap();
+            std::fs::write(dir.join("resp.msg"), &msg).unwrap();
+            let out = Command::new("ssh-keygen")
+                .args(["-Y", "verify", "-n", "fort-agent", "-I", "a", "-f"])
+                .arg(dir.join("allowed"))
+                .arg("-s")
+                .arg(dir.join("resp.sig"))
+                .stdin(std::fs::File::open(dir.join("resp.msg")).unwrap())
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "ssh-keygen -Y verify: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    assert_eq!(
+        results,
+        vec![
+            ("fort-agent", "sha512", 200),
+            ("git", "sha512", 401),
+            ("file", "sha512", 401),
+            ("fort-agent", "sha256", 401)
+        ]
+    );
+    assert_eq!(runs(&marker), 1);
+}
+
+#[tokio::test]
+async fn the_cli_does_not_follow_redirects() {
+    use std::io::{Read, Write};
+    let mut f = Fleet::new();
+    let ops = f.principal("ops");
+    // Not an agent: a listener that answers every request with a redirect to a second
+    // listener, which must never be contacted.
+    let redirector = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    target.set_nonblocking(true).unwrap();
+    let location = format!(
+        "http://{}/agent/capabilities/status",
+        target.local_addr().unwrap()
+    );
+    let raddr = redirector.local_addr().unwrap();
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = redirector.accept() {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = write!(s, "HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let hosts = json!({"hosts": {"redir": {"address": format!("http://{raddr}"), "keys": [Signer::generate().public_openssh()]}},
+                       "principals": {"ops": {"keys": [ops.public_openssh()]}}});
+    let dir = f.dir.path().to_path_buf();
+    std::fs::write(dir.join("hosts.json"), hosts.to_string()).unwrap();
+    write_key(&dir.join("key"), &ops);
+    let out = Command::new(fort_tests::bin("fort"))
+        .args(["--origin", "ops", "--key"])
+        .arg(dir.join("key"))
+        .arg("--hosts")
+        .arg(dir.join("hosts.json"))
+        .args(["status", "redir"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not followed"));
+    assert!(
+        target.accept().is_err(),
+        "the redirect target was contacted"
+    );
+    f.principals.clear();
+}

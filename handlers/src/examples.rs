@@ -1,0 +1,1 @@
+pub const EXAMPLES: &[(&str, &str)] = &[];
