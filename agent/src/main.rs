@@ -86,7 +86,10 @@ fn init_tracing() {
         .init();
 }
 
-async fn admin_call(config: &std::path::Path, req: AdminRequest) -> Result<serde_json::Value, String> {
+async fn admin_call(
+    config: &std::path::Path,
+    req: AdminRequest,
+) -> Result<serde_json::Value, String> {
     let cfg = Config::load(config).map_err(|e| e.to_string())?;
     admin::call(&cfg.admin_socket, &req).await
 }

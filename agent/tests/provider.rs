@@ -1,0 +1,296 @@
+//! Provider orchestration against real agents: bursts coalesce, 202 means durable,
+//! misbehaving handlers change nothing, triggers call back only what changed.
+
+use std::time::Duration;
+
+use fort_tests::{eventually, Fleet};
+use serde_json::{json, Value};
+
+/// An async handler: each entry's response is its cached one, or a fresh one derived
+/// from a per-consumer version file (so a test can change one response). Each run
+/// appends a line to `runs`.
+fn provider_script(f: &Fleet) -> std::path::PathBuf {
+    let d = f.dir.path().display();
+    f.script(
+        "issue",
+        &format!(
+            r#"echo run >> {d}/runs
+mode=$(cat {d}/mode 2>/dev/null || echo ok)
+case "$mode" in
+  fail) exit 3 ;;
+  hang) sleep 30 ;;
+  garbage) echo 'this is not json'; exit 0 ;;
+  array) echo '[1,2]'; exit 0 ;;
+  huge) head -c 100000000 /dev/zero | tr '\0' 'x'; exit 0 ;;
+esac
+out=$(jq -c 'with_entries(.value = (.value.response // {{"client": .key, "secret": ("s-" + .key)}}))')
+for f in {d}/version-*; do
+  [ -e "$f" ] || continue
+  who=${{f##*/version-}}
+  v=$(cat "$f")
+  out=$(printf '%s' "$out" | jq -c --arg who "$who" --arg v "$v" 'with_entries(if (.key | startswith($who + ":")) then .value.v = $v else . end)')
+done
+if [ "$mode" = stray ]; then out=$(printf '%s' "$out" | jq -c '. + {{"nobody:x/y": 1}}'); fi
+printf '%s' "$out""#
+        ),
+    )
+}
+
+/// Consumer handler: store the payload and log the run.
+fn consumer_script(f: &Fleet) -> std::path::PathBuf {
+    let d = f.dir.path().display();
+    f.script(
+        "receive",
+        &format!(r#"mkdir -p {d}/got; n=$(echo "$FORT_HOST-$FORT_NEED" | tr / _); cat > {d}/got/$n; echo "$n" >> {d}/callbacks"#),
+    )
+}
+
+fn handler_runs(f: &Fleet) -> usize {
+    std::fs::read_to_string(f.dir.path().join("runs"))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+fn callbacks_for(f: &Fleet, who: &str) -> usize {
+    std::fs::read_to_string(f.dir.path().join("callbacks"))
+        .map(|s| {
+            s.lines()
+                .filter(|l| l.starts_with(&format!("{who}-")))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+fn got(f: &Fleet, host: &str, need: &str) -> Option<Value> {
+    let n = format!("{host}-{}", need.replace('/', "_"));
+    std::fs::read(f.dir.path().join("got").join(n))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+}
+
+fn all_satisfied(f: &Fleet, host: &str) -> bool {
+    let s = f.status(host);
+    s["needs"]["total"].as_u64().is_some() && s["needs"]["total"] == s["needs"]["satisfied"]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_200_requests_from_20_hosts_coalesces() {
+    let mut f = Fleet::new();
+    let issue = provider_script(&f);
+    let receive = consumer_script(&f);
+    f.capability(
+        "forge",
+        "oidc",
+        json!({"handler": issue, "mode": "async", "cacheResponse": true}),
+    );
+    let consumers: Vec<String> = (0..20).map(|i| format!("c{i:02}")).collect();
+    for c in &consumers {
+        for n in 0..10 {
+            f.need(
+                c,
+                &format!("oidc/app{n}"),
+                "forge",
+                json!({"handler": receive, "nag_seconds": 600, "request": {"n": n}}),
+            );
+        }
+    }
+    f.start();
+    // On top of the consumers' own start-up requests, 200 more at once from the test.
+    let mut tasks = Vec::new();
+    let f = std::sync::Arc::new(f);
+    for c in &consumers {
+        for n in 0..10 {
+            let (f, c) = (f.clone(), c.clone());
+            tasks.push(tokio::spawn(async move {
+                f.post(
+                    &c,
+                    "forge",
+                    "/agent/capabilities/oidc",
+                    &json!({"need": format!("oidc/app{n}"), "request": {"n": n}}),
+                )
+                .await
+                .status
+            }));
+        }
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 202);
+    }
+    let done = eventually(Duration::from_secs(30), || {
+        consumers.iter().all(|c| all_satisfied(&f, c))
+    })
+    .await;
+    assert!(done, "not every consumer converged");
+    for c in &consumers {
+        for n in 0..10 {
+            let v = got(&f, c, &format!("oidc/app{n}")).expect("payload stored");
+            assert_eq!(v["client"], json!(format!("{c}:oidc/app{n}")));
+        }
+    }
+    let state = f.read_state("forge", "provider-state.json");
+    assert_eq!(state["version"], 1);
+    assert_eq!(state["entries"].as_object().unwrap().len(), 200);
+    let runs = handler_runs(&f);
+    assert!(runs < 100, "handler ran {runs} times for 400 requests");
+    let writes = f.status("forge")["provider"]["state_writes"]
+        .as_u64()
+        .unwrap();
+    assert!(writes < 400, "state written {writes} times");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_after_accepting_loses_nothing() {
+    let mut f = Fleet::new();
+    let issue = provider_script(&f);
+    let receive = consumer_script(&f);
+    // A slow handler: the kill lands before any callback could be sent.
+    std::fs::write(f.dir.path().join("slow"), "").unwrap();
+    let slow = f.script("slow-issue", &format!("sleep 3; exec {}", issue.display()));
+    f.capability("forge", "oidc", json!({"handler": slow, "mode": "async", "cacheResponse": true, "triggers": {"initialize": true}}));
+    let consumers: Vec<String> = (0..5).map(|i| format!("k{i}")).collect();
+    for c in &consumers {
+        for n in 0..10 {
+            f.need(
+                c,
+                &format!("oidc/n{n}"),
+                "forge",
+                json!({"handler": receive, "nag_seconds": 3600}),
+            );
+        }
+    }
+    f.write_files();
+    f.start_host("forge");
+    let mut accepted = 0;
+    let mut tasks = Vec::new();
+    let fa = std::sync::Arc::new(f);
+    for c in &consumers {
+        for n in 0..10 {
+            let (f, c) = (fa.clone(), c.clone());
+            tasks.push(tokio::spawn(async move {
+                f.post(
+                    &c,
+                    "forge",
+                    "/agent/capabilities/oidc",
+                    &json!({"need": format!("oidc/n{n}"), "request": {}}),
+                )
+                .await
+                .status
+            }));
+        }
+    }
+    for t in tasks {
+        accepted += (t.await.unwrap() == 202) as usize;
+    }
+    assert_eq!(accepted, 50);
+    let mut f = std::sync::Arc::try_unwrap(fa).ok().expect("sole owner");
+    f.kill("forge");
+    let state = f.read_state("forge", "provider-state.json");
+    assert_eq!(
+        state["entries"].as_object().unwrap().len(),
+        50,
+        "every 202 is on disk"
+    );
+    // Consumers come up (their nag is an hour away: only the provider can make them
+    // converge), then the provider restarts and its initialize run calls everyone back.
+    for c in &consumers {
+        f.start_host(c);
+    }
+    f.start_host("forge");
+    let done = eventually(Duration::from_secs(40), || {
+        consumers.iter().all(|c| all_satisfied(&f, c))
+    })
+    .await;
+    assert!(
+        done,
+        "not every requester was called back after the restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn misbehaving_handlers_change_nothing() {
+    let mut f = Fleet::new();
+    let issue = provider_script(&f);
+    let receive = consumer_script(&f);
+    f.capability(
+        "forge",
+        "oidc",
+        json!({"handler": issue, "mode": "async", "cacheResponse": true}),
+    );
+    f.host("forge").extra_toml = "handler_timeout = \"1s\"".into();
+    f.need("app", "oidc/one", "forge", json!({"handler": receive}));
+    f.need("app", "oidc/two", "forge", json!({"handler": receive}));
+    f.start();
+    assert!(eventually(Duration::from_secs(15), || all_satisfied(&f, "app")).await);
+    let before = f.read_state("forge", "provider-state.json")["entries"].clone();
+    for mode in ["fail", "hang", "garbage", "array", "huge"] {
+        std::fs::write(f.dir.path().join("mode"), mode).unwrap();
+        let (ok, out) = f.admin("forge", &["trigger", "oidc", "--force"]);
+        assert!(!ok, "{mode}: trigger reported success: {out}");
+        let after = f.read_state("forge", "provider-state.json")["entries"].clone();
+        let strip = |v: &Value| -> Value {
+            v.as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, e)| (k.clone(), json!([e["request"], e["response"]])))
+                .collect()
+        };
+        assert_eq!(strip(&after), strip(&before), "{mode} changed the state");
+        let last = &f.status("forge")["provider"]["capabilities"]["oidc"]["last_run"];
+        assert_eq!(last["ok"], false, "{mode}");
+        assert!(
+            last["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{mode}: {last}"
+        );
+    }
+    assert!(all_satisfied(&f, "app"), "a failed run revoked something");
+    // Keys that were not in the input are ignored; the rest applies.
+    std::fs::write(f.dir.path().join("mode"), "stray").unwrap();
+    let (ok, out) = f.admin("forge", &["trigger", "oidc"]);
+    assert!(ok, "{out}");
+    let entries = f.read_state("forge", "provider-state.json")["entries"].clone();
+    assert!(entries.get("nobody:x/y").is_none());
+    assert_eq!(entries.as_object().unwrap().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_trigger_that_changes_one_response_calls_back_only_that_consumer() {
+    let mut f = Fleet::new();
+    let issue = provider_script(&f);
+    let receive = consumer_script(&f);
+    f.capability(
+        "forge",
+        "oidc",
+        json!({"handler": issue, "mode": "async", "cacheResponse": true}),
+    );
+    for c in ["u1", "u2", "u3"] {
+        f.need(c, "oidc/web", "forge", json!({"handler": receive}));
+    }
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(15), || ["u1", "u2", "u3"]
+            .iter()
+            .all(|c| all_satisfied(&f, c)))
+        .await
+    );
+    let before: Vec<usize> = ["u1", "u2", "u3"]
+        .iter()
+        .map(|c| callbacks_for(&f, c))
+        .collect();
+    std::fs::write(f.dir.path().join("version-u2"), "2").unwrap();
+    let (ok, out) = f.admin("forge", &["trigger", "oidc"]);
+    assert!(ok, "{out}");
+    assert!(
+        eventually(Duration::from_secs(10), || callbacks_for(&f, "u2")
+            == before[1] + 1)
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(callbacks_for(&f, "u1"), before[0]);
+    assert_eq!(callbacks_for(&f, "u3"), before[2]);
+    assert_eq!(got(&f, "u2", "oidc/web").unwrap()["v"], "2");
+    // The cached secret survived the change of another field.
+    assert_eq!(
+        got(&f, "u2", "oidc/web").unwrap()["secret"],
+        "s-u2:oidc/web"
+    );
+}

@@ -1,0 +1,118 @@
+{
+  description = "fort: a control plane for NixOS fleets";
+
+  # No flake.lock is committed: `nix flake lock` (or the first `nix build`) pins nixpkgs.
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-unstable";
+
+  outputs =
+    inputs@{ self, nixpkgs }:
+    let
+      inherit (nixpkgs) lib;
+      systems = [
+        "x86_64-linux"
+        "aarch64-linux"
+      ];
+      forAllSystems = f: lib.genAttrs systems (system: f system nixpkgs.legacyPackages.${system});
+      fleetLib = import ./nixos-module/fleet.nix { inherit lib; };
+    in
+    {
+      packages = forAllSystems (_: pkgs: {
+        default = pkgs.callPackage ./nixos-module/package.nix { };
+      });
+
+      nixosModules.default = {
+        imports = [ ./nixos-module ];
+      };
+
+      lib = {
+        # nixosConfigurations = fort.lib.mkFleet {
+        #   nixpkgs = nixpkgs;                       # optional: your nixpkgs input
+        #   shared = [ ./fleet.nix ];                # fort.cluster.*, in every host
+        #   hosts.forge.modules = [ ./forge.nix ];   # system: set nixpkgs.hostPlatform
+        #   hosts.app = { modules = [ ./app.nix ]; specialArgs = { }; };
+        # };
+        # Every host gets fort's module, `shared`, its own modules, and the needs and
+        # capabilities of every other host (nixos-module/fleet.nix says how and why).
+        mkFleet =
+          {
+            nixpkgs ? inputs.nixpkgs,
+            hosts,
+            shared ? [ ],
+            specialArgs ? { },
+          }:
+          fleetLib.mkFleetWith
+            {
+              module = self.nixosModules.default;
+              evalHost =
+                {
+                  host,
+                  modules,
+                  specialArgs,
+                  ...
+                }:
+                nixpkgs.lib.nixosSystem (
+                  {
+                    inherit modules specialArgs;
+                  }
+                  // lib.optionalAttrs (host ? system) { inherit (host) system; }
+                );
+            }
+            { inherit hosts shared specialArgs; };
+      };
+
+      checks = forAllSystems (
+        system: pkgs:
+        let
+          src = ./.;
+        in
+        {
+          package = self.packages.${system}.default;
+
+          # Same scripts CI runs, inside the sandbox: nix-instantiate needs a private
+          # store and state directory there (as nixpkgs' own lib tests do).
+          nix-module = pkgs.runCommand "fort-nix-module-tests" {
+            nativeBuildInputs = [
+              pkgs.nix
+              pkgs.jq
+            ];
+          } ''
+            export HOME=$TMPDIR
+            export NIX_STATE_DIR=$TMPDIR/nix/var/nix NIX_LOG_DIR=$TMPDIR/nix/var/log/nix
+            export NIX_LOCALSTATE_DIR=$TMPDIR/nix/var NIX_CONF_DIR=$TMPDIR/nix/etc
+            export NIX_STORE_DIR=$TMPDIR/nix/store
+            nix-store --init
+            cp -r ${src} src && chmod -R u+w src
+            bash src/nixos-module/tests/parse-all.sh
+            NIXPKGS_LIB=${nixpkgs} bash src/nixos-module/tests/run.sh
+            touch $out
+          '';
+
+          vm = pkgs.testers.runNixOSTest (
+            import ./nixos-module/tests/vm.nix {
+              fortModule = self.nixosModules.default;
+              inherit lib;
+            }
+          );
+        }
+      );
+
+      devShells = forAllSystems (system: pkgs: {
+        default = pkgs.mkShell {
+          inputsFrom = [ self.packages.${system}.default ];
+          packages = with pkgs; [
+            cargo
+            rustc
+            clippy
+            rustfmt
+            rust-analyzer
+            cargo-nextest
+            openssh # ssh-keygen -Y sign, for protocol compatibility tests
+            jq
+            nix # nix-instantiate, for nixos-module/tests
+          ];
+          # nixos-module/tests/run.sh evaluates the module with this nixpkgs' lib.
+          NIXPKGS_LIB = "${nixpkgs}";
+        };
+      });
+    };
+}

@@ -1,0 +1,226 @@
+# Mistakes a user can make in Nix, reported at evaluation time with the option to fix.
+# `fort-agent check` in the build repeats the file-level checks; these come first and
+# name options, not JSON paths, and they see the whole fleet, which the agent cannot.
+{
+  config,
+  lib,
+  ...
+}:
+let
+  cfg = config.services.fort-agent;
+  cluster = config.fort.cluster;
+  inherit (config.fort.host) needs capabilities;
+  fortLib = import ./lib.nix { inherit lib; };
+  inherit (fortLib) grammar matches needList;
+  inherit (lib)
+    attrNames
+    attrValues
+    concatLists
+    concatMap
+    concatStringsSep
+    filter
+    length
+    mapAttrsToList
+    ;
+
+  self = cfg.hostName;
+  hostNames = attrNames cluster.hosts;
+  principalNames = attrNames cluster.principals;
+  isHost = n: cluster.hosts ? ${n};
+  isPrincipal = n: cluster.principals ? ${n};
+  quote = s: ''"${s}"'';
+  fleet = fortLib.fleetByHost cluster.fleet;
+  haveFleet = cluster.fleet != { };
+
+  # Where the inventory's need definitions come from (default.nix defines them).
+  inventoryFile = toString ./default.nix;
+
+  check = assertion: message: { inherit assertion message; };
+  # One assertion per offending item, so every mistake is reported at once.
+  each = list: f: map f list;
+
+  # Every (name, key) pair, hosts and principals alike: the origin namespace is shared.
+  keyOwners = concatLists (
+    mapAttrsToList (n: h: map (k: { inherit n k; }) h.publicKeys) cluster.hosts
+    ++ mapAttrsToList (n: p: map (k: { inherit n k; }) p.publicKeys) cluster.principals
+  );
+  # The key material without the comment: the same key with two comments is one key.
+  keyBody = k: concatStringsSep " " (lib.take 2 (lib.splitString " " (lib.strings.trim k)));
+  ownersOf = k: lib.unique (map (o: o.n) (filter (o: keyBody o.k == keyBody k) keyOwners));
+  sharedKeys = lib.unique (
+    map (o: keyBody o.k) (filter (o: length (ownersOf o.k) > 1) keyOwners)
+  );
+
+  # What the host a need names serves, as far as this evaluation can see.
+  servedBy =
+    host:
+    if host == self then
+      lib.mapAttrs (_: c: { inherit (c) mode; }) capabilities
+    else if fleet ? ${host} then
+      fleet.${host}.capabilities
+    else
+      null; # unknown without mkFleet: not checked (a warning says so)
+
+  needAssertions = concatMap (
+    n:
+    let
+      where = "fort.host.needs.${n.type}.${n.id}";
+      served = servedBy n.from;
+    in
+    [
+      (check (matches grammar.capability n.type && matches grammar.capability n.id)
+        "${where}: need type and id must match ^${grammar.capability}$ (PROTOCOL.md §1)."
+      )
+      (check (isHost n.from)
+        "${where}.from = ${quote n.from}, which is not a host in fort.cluster.hosts (hosts: ${concatStringsSep ", " hostNames})."
+      )
+      (check (!(isHost n.from) || served == null || served ? ${n.type})
+        "${where}: nobody serves this need: host ${quote n.from} declares no capability ${quote n.type} (fort.host.capabilities.${n.type} on ${n.from}, with services.fort-agent.enable)."
+      )
+      (check (served == null || !(served ? ${n.type}) || served.${n.type}.mode == "async")
+        "${where}: capability ${quote n.type} on ${quote n.from} is rpc mode; needs are served by async capabilities."
+      )
+      (check (fortLib.durationSeconds n.nag > 0) "${where}.nag must be longer than 0s.")
+      (check (n.fromInstance == null || length n.fromDefinedIn <= 1)
+        "${where}: duplicate need key ${n.type}/${n.id}: fort.cluster.instances.${toString n.fromInstance} declares it, and `from` is also set in ${concatStringsSep ", " (lib.remove inventoryFile n.fromDefinedIn)}. Rename the instance or the need; to add a handler to the instance's need, set only handler/check/nag here."
+      )
+    ]
+  ) (needList needs);
+
+  capabilityAssertions = concatLists (
+    mapAttrsToList (
+      name: c:
+      let
+        where = "fort.host.capabilities.${name}";
+      in
+      [
+        (check (matches grammar.capability name) "${where}: name must match ^${grammar.capability}$.")
+        (check (!builtins.elem name fortLib.builtinCapabilities)
+          "${where}: ${quote name} clashes with a built-in capability (${concatStringsSep ", " fortLib.builtinCapabilities}); choose another name."
+        )
+        (check (c.mode == "async" || (!c.cacheResponse && !c.triggers.initialize && c.triggers.systemd == [ ]))
+          "${where}: cacheResponse and triggers apply to async capabilities only (mode is rpc)."
+        )
+      ]
+      ++ each c.allowed (
+        who:
+        check (isHost who || isPrincipal who)
+          "${where}.allowed: ${quote who} is neither a host nor a principal in fort.cluster."
+      )
+      ++ each c.triggers.systemd (
+        unit:
+        check (lib.hasSuffix ".service" unit && matches "[A-Za-z0-9:_.@-]+" unit)
+          "${where}.triggers.systemd: ${quote unit} must be a service unit name ending in .service."
+      )
+    ) capabilities
+  );
+
+  instanceAssertions = concatLists (
+    mapAttrsToList (
+      name: inst:
+      let
+        where = "fort.cluster.instances.${name}";
+        providers = attrNames inst.roles.provider.machines;
+        provider = fortLib.instanceProvider inst;
+      in
+      [
+        (check (matches grammar.capability name)
+          "${where}: the instance name is the need id and must match ^${grammar.capability}$."
+        )
+        (check (matches grammar.capability inst.capability)
+          "${where}.capability = ${quote inst.capability} must match ^${grammar.capability}$."
+        )
+        (check (length providers == 1)
+          "${where}.roles.provider.machines must name exactly one host (it names ${toString (length providers)}: ${concatStringsSep ", " providers})."
+        )
+        (check (provider == null || isHost provider)
+          "${where}.roles.provider.machines.${toString provider}: not a host in fort.cluster.hosts."
+        )
+        (check (provider != self || capabilities ? ${inst.capability})
+          "${where}: this host (${self}) is the provider but declares no fort.host.capabilities.${inst.capability}."
+        )
+      ]
+      ++ each (attrNames inst.roles.consumer.machines) (
+        m:
+        check (isHost m)
+          "${where}.roles.consumer.machines.${m}: not a host in fort.cluster.hosts."
+      )
+    ) cluster.instances
+  );
+
+  clusterAssertions =
+    [
+      (check (isHost self)
+        "services.fort-agent.hostName = ${quote self} is not in fort.cluster.hosts; every agent must be listed there (hosts: ${concatStringsSep ", " hostNames})."
+      )
+      (check (!lib.hasPrefix "${builtins.storeDir}/" (toString cfg.hostKeyFile))
+        "services.fort-agent.hostKeyFile = ${toString cfg.hostKeyFile} is inside the Nix store, which every local user can read. Point it at a file outside the store (a string, not a path literal)."
+      )
+    ]
+    ++ each hostNames (
+      h:
+      check (matches grammar.host h) "fort.cluster.hosts.${h}: host names must match ^${grammar.host}$."
+    )
+    ++ each principalNames (
+      p:
+      check (matches grammar.principal p && !isHost p)
+        "fort.cluster.principals.${p}: principal names must match ^${grammar.principal}$ and differ from every host name (duplicate key)."
+    )
+    ++ concatLists (
+      mapAttrsToList (h: host: [
+        (check (matches fortLib.addressPattern host.address)
+          "fort.cluster.hosts.${h}.address = ${quote host.address} must look like http://HOST:PORT."
+        )
+        (check (host.publicKeys != [ ]) "fort.cluster.hosts.${h}.publicKeys is empty.")
+      ]) cluster.hosts
+    )
+    ++ each principalNames (
+      p:
+      check (cluster.principals.${p}.publicKeys != [ ]) "fort.cluster.principals.${p}.publicKeys is empty."
+    )
+    ++ each keyOwners (
+      o:
+      check (lib.hasPrefix "ssh-ed25519 " o.k)
+        "fort.cluster: a key of ${quote o.n} is not an OpenSSH ed25519 public key (\"ssh-ed25519 AAAA...\")."
+    )
+    ++ each sharedKeys (
+      k:
+      check false
+        "fort.cluster: duplicate key: one public key (${lib.substring 0 40 k}...) is listed for ${concatStringsSep " and " (ownersOf k)}; every host and principal needs its own."
+    )
+    ++ concatLists (
+      mapAttrsToList (
+        builtin: names:
+        each names (
+          who:
+          check (isPrincipal who)
+            "services.fort-agent.settings.access.${builtin}: ${quote who} is not a principal in fort.cluster.principals."
+        )
+      ) (cfg.settings.access or { })
+    )
+    ++ each (filter (e: e.enable && !(isHost e.host)) (attrValues cluster.fleet)) (
+      e:
+      check false "lib.mkFleet: host ${quote e.host} runs an agent but is not in fort.cluster.hosts."
+    );
+
+  unusedTags = concatLists (
+    mapAttrsToList (
+      name: inst:
+      map (t: "fort.cluster.instances.${name}.roles.consumer.tags.${t}: no host in fort.cluster.hosts carries this tag.") (
+        filter (t: !lib.any (h: builtins.elem t h.tags) (attrValues cluster.hosts)) (
+          attrNames inst.roles.consumer.tags
+        )
+      )
+    ) cluster.instances
+  );
+in
+{
+  config = lib.mkIf cfg.enable {
+    assertions = clusterAssertions ++ instanceAssertions ++ capabilityAssertions ++ needAssertions;
+
+    warnings =
+      lib.optional (!haveFleet && (capabilities != { } || lib.any (n: n.from != self) (needList needs)))
+        "fort: fort.cluster.fleet is empty, so capabilities.json lists as callers only this host's and fort.cluster.instances' consumers, and needs from other hosts are not checked against what those hosts serve. Build the hosts with fort's lib.mkFleet."
+      ++ unusedTags;
+  };
+}

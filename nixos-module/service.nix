@@ -1,0 +1,225 @@
+# What an enabled agent puts on the host: /etc/fort/{hosts,needs,capabilities}.json and
+# agent.toml (validated by `fort-agent check` at build time), fort-agent.service, the
+# trigger oneshots, the firewall port, and the optional unprivileged user.
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+let
+  cfg = config.services.fort-agent;
+  cluster = config.fort.cluster;
+  inherit (config.fort.host) needs capabilities;
+  fortLib = import ./lib.nix { inherit lib; };
+  settingsFormat = pkgs.formats.toml { };
+
+  etcDir = "/etc/fort";
+  configPath = "${etcDir}/agent.toml";
+  # LoadCredential= puts the key here, readable by the service user only, so the agent
+  # need not run as root to sign and the key never passes through the store.
+  credentialKeyPath = "/run/credentials/fort-agent.service/host-key";
+
+  callers = fortLib.callersOf {
+    self = cfg.hostName;
+    inherit (cluster) fleet instances hosts;
+    inherit needs;
+  };
+
+  hostsFile = pkgs.writeText "fort-hosts.json" (
+    builtins.toJSON (fortLib.hostsJson { inherit (cluster) hosts principals; })
+  );
+  needsFile = pkgs.writeText "fort-needs.json" (builtins.toJSON (fortLib.needsJson needs));
+  capabilitiesFile = pkgs.writeText "fort-capabilities.json" (
+    builtins.toJSON (fortLib.capabilitiesJson { inherit capabilities callers; })
+  );
+
+  # The installed config names /etc/fort/*.json, so a switch that changes only those
+  # files is a SIGHUP (reloadTriggers), not a restart.
+  configFile = settingsFormat.generate "fort-agent.toml" cfg.settings;
+  # The same config naming the store copies, which exist inside the build sandbox.
+  checkConfigFile = settingsFormat.generate "fort-agent-check.toml" (
+    cfg.settings
+    // {
+      hosts = "${hostsFile}";
+      needs = "${needsFile}";
+      capabilities = "${capabilitiesFile}";
+    }
+  );
+  # The file installed as agent.toml only builds when the check passes. --skip-key: the
+  # host key is a runtime secret and is not in the sandbox.
+  checkedConfigFile =
+    if cfg.checkConfig then
+      pkgs.runCommand "fort-agent-checked.toml"
+        {
+          nativeBuildInputs = [ cfg.package ];
+          config = configFile;
+          checkConfig = checkConfigFile;
+          preferLocalBuild = true;
+        }
+        ''
+          fort-agent check --config "$checkConfig" --skip-key
+          cp "$config" "$out"
+        ''
+    else
+      configFile;
+
+  triggered = lib.filterAttrs (_: c: c.triggers.systemd != [ ]) capabilities;
+  unitBase = unit: lib.removeSuffix ".service" unit;
+in
+{
+  config = lib.mkIf cfg.enable (
+    lib.mkMerge [
+      {
+        services.fort-agent.settings = lib.mapAttrs (_: lib.mkDefault) (
+          {
+            host = cfg.hostName;
+            inherit (cfg) listen;
+            host_key = credentialKeyPath;
+            hosts = "${etcDir}/hosts.json";
+            needs = "${etcDir}/needs.json";
+            capabilities = "${etcDir}/capabilities.json";
+            state_dir = "/var/lib/fort";
+            admin_socket = "/run/fort/agent.sock";
+          }
+          // lib.optionalAttrs cfg.metrics.enable { metrics_listen = cfg.metrics.listen; }
+        );
+
+        environment.etc = {
+          "fort/hosts.json".source = hostsFile;
+          "fort/needs.json".source = needsFile;
+          "fort/capabilities.json".source = capabilitiesFile;
+          "fort/agent.toml".source = checkedConfigFile;
+        };
+
+        # `fort` for operators, `fort-agent trigger` for scripts.
+        environment.systemPackages = [ cfg.package ];
+
+        networking.firewall.allowedTCPPorts = lib.mkIf cfg.openFirewall [
+          (fortLib.listenPort cfg.listen)
+        ];
+
+        systemd.services.fort-agent = {
+          description = "fort agent";
+          wantedBy = [ "multi-user.target" ];
+          wants = [ "network-online.target" ];
+          # The default key is the SSH host key, created on first boot by sshd's units.
+          after = [
+            "network-online.target"
+            "sshd-keygen.service"
+            "sshd.service"
+          ];
+          # ExecStart names the package, so a new binary restarts the agent; so does a
+          # new agent.toml. New JSON files only reload it: SIGHUP re-reads them, and new
+          # needs are asked for at once.
+          restartTriggers = [
+            cfg.package
+            checkedConfigFile
+          ];
+          reloadTriggers = [
+            hostsFile
+            needsFile
+            capabilitiesFile
+          ];
+          inherit (cfg) path;
+
+          serviceConfig = {
+            Type = "notify";
+            NotifyAccess = "main";
+            ExecStart = "${cfg.package}/bin/fort-agent serve --config ${configPath}";
+            ExecReload = "${pkgs.coreutils}/bin/kill -HUP $MAINPID";
+            Restart = "on-failure";
+            RestartSec = "5s";
+
+            User = cfg.user;
+            Group = cfg.group;
+            LoadCredential = [ "host-key:${toString cfg.hostKeyFile}" ];
+            StateDirectory = "fort";
+            StateDirectoryMode = "0700";
+            RuntimeDirectory = "fort";
+            RuntimeDirectoryMode = "0750";
+            UMask = "0077";
+
+            # Hardening, always on. Handlers run inside this unit as `user`, usually root,
+            # and legitimately write other services' files and restart units over D-Bus;
+            # nothing below takes that away. What it takes: kernel tunables, modules, logs
+            # and clock, cgroup writes, setuid escalation, exotic sockets and personalities.
+            NoNewPrivileges = true;
+            PrivateTmp = true;
+            ProtectKernelTunables = true;
+            ProtectKernelModules = true;
+            ProtectKernelLogs = true;
+            ProtectControlGroups = true;
+            ProtectClock = true;
+            ProtectHostname = true;
+            LockPersonality = true;
+            RestrictRealtime = true;
+            RestrictSUIDSGID = true;
+            SystemCallArchitectures = "native";
+            RestrictAddressFamilies = [
+              "AF_UNIX"
+              "AF_INET"
+              "AF_INET6"
+              "AF_NETLINK"
+            ];
+          }
+          // lib.optionalAttrs cfg.strictSandbox {
+            # Hardening that breaks handlers acting on the rest of the system; opt-in
+            # (services.fort-agent.strictSandbox). The state and runtime directories stay
+            # writable; anything else a handler writes goes in readWritePaths.
+            ProtectSystem = "strict";
+            ReadWritePaths = cfg.readWritePaths;
+            ProtectHome = true;
+            PrivateDevices = true;
+            ProtectProc = "invisible";
+            RestrictNamespaces = true;
+            MemoryDenyWriteExecute = true;
+            SystemCallFilter = [ "@system-service" ];
+            SystemCallErrorNumber = "EPERM";
+            # Enough for a root handler to place a file owned by another service in
+            # readWritePaths; nothing else. An unprivileged `user` has none anyway.
+            CapabilityBoundingSet = [
+              "CAP_CHOWN"
+              "CAP_DAC_OVERRIDE"
+              "CAP_FOWNER"
+            ];
+          };
+        };
+      }
+
+      {
+        # triggers.systemd: one oneshot per capability, started by OnSuccess= of every
+        # unit that capability watches. Ordered after the agent so a trigger at boot
+        # waits for it; not Wants= it, so a stopped agent stays stopped (the trigger then
+        # fails, and triggers.initialize covers the next start).
+        systemd.services = lib.mkMerge (
+          lib.mapAttrsToList (
+            name: cap:
+            {
+              "fort-trigger-${name}" = {
+                description = "Run fort capability ${name} after ${lib.concatStringsSep ", " cap.triggers.systemd}";
+                after = [ "fort-agent.service" ];
+                serviceConfig = {
+                  Type = "oneshot";
+                  ExecStart = "${cfg.package}/bin/fort-agent trigger ${name} --reason systemd --config ${configPath}";
+                };
+              };
+            }
+            // lib.genAttrs (map unitBase cap.triggers.systemd) (_: {
+              onSuccess = [ "fort-trigger-${name}.service" ];
+            })
+          ) triggered
+        );
+      }
+
+      (lib.mkIf (cfg.user == "fort") {
+        users.users.fort = {
+          isSystemUser = true;
+          inherit (cfg) group;
+          description = "fort agent";
+        };
+      })
+      (lib.mkIf (cfg.group == "fort") { users.groups.fort = { }; })
+    ]
+  );
+}

@@ -1,0 +1,111 @@
+# Stand-ins for the parts of NixOS and nixpkgs the module touches, so the module can be
+# evaluated with nothing but nixpkgs `lib`. Each "derivation" is a plain attribute set
+# with an `outPath` (so interpolation yields a store-like path) that keeps its input
+# (`text`, `value`, `buildCommand`) for the test to read back.
+{ lib }:
+let
+  inherit (lib) mkOption types;
+
+  # The "hash" covers the inputs, so files that differ between hosts get different paths.
+  drv =
+    name: attrs:
+    attrs
+    // {
+      inherit name;
+      type = "derivation";
+      outPath = "/nix/store/${builtins.substring 0 32 (builtins.hashString "sha256" (name + builtins.toJSON attrs))}-${name}";
+    };
+
+  # As nixpkgs' pkgs.formats.toml's type (pkgs/pkgs-lib/formats.nix).
+  tomlValue =
+    types.oneOf [
+      types.bool
+      types.int
+      types.float
+      types.str
+      types.path
+      (types.attrsOf tomlValue)
+      (types.listOf tomlValue)
+    ]
+    // {
+      description = "TOML value";
+    };
+
+  list = mkOption {
+    type = types.listOf types.raw;
+    default = [ ];
+  };
+  freeform = types.submodule { freeformType = types.lazyAttrsOf types.raw; };
+in
+{
+  pkgs = rec {
+    writeText = name: text: drv name { inherit text; };
+    writeShellScript = name: text: writeText name text;
+    runCommand = name: env: buildCommand: drv name { inherit env buildCommand; };
+    formats.toml = { }: {
+      type = tomlValue;
+      generate = name: value: drv name { inherit value; };
+    };
+    coreutils = drv "coreutils-9.5" { };
+    fort = drv "fort-0.1.0" { };
+    callPackage = _: _: fort;
+  };
+
+  module = {
+    options = {
+      assertions = mkOption {
+        type = types.listOf types.unspecified;
+        default = [ ];
+      };
+      warnings = mkOption {
+        type = types.listOf types.str;
+        default = [ ];
+      };
+      networking.hostName = mkOption {
+        type = types.str;
+        default = "nixos";
+      };
+      networking.firewall.allowedTCPPorts = mkOption {
+        type = types.listOf types.port;
+        default = [ ];
+      };
+      environment.etc = mkOption {
+        type = types.attrsOf (types.submodule { options.source = mkOption { type = types.raw; }; });
+        default = { };
+      };
+      environment.systemPackages = list;
+      systemd.services = mkOption {
+        default = { };
+        type = types.attrsOf (
+          types.submodule {
+            options = {
+              description = mkOption {
+                type = types.str;
+                default = "";
+              };
+              wantedBy = list;
+              wants = list;
+              after = list;
+              onSuccess = list;
+              restartTriggers = list;
+              reloadTriggers = list;
+              path = list;
+              serviceConfig = mkOption {
+                type = types.lazyAttrsOf types.raw;
+                default = { };
+              };
+            };
+          }
+        );
+      };
+      users.users = mkOption {
+        type = types.attrsOf freeform;
+        default = { };
+      };
+      users.groups = mkOption {
+        type = types.attrsOf freeform;
+        default = { };
+      };
+    };
+  };
+}
