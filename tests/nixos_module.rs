@@ -1,0 +1,87 @@
+//! The NixOS module, evaluated with the real nixpkgs `lib` (set `NIXPKGS_LIB`): its
+//! generated files match the expected JSON and pass `fort-agent check`; and every `.nix`
+//! file in the repo parses. Skips with a message when nixpkgs lib or Nix is absent.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repo root")
+        .to_path_buf()
+}
+
+#[test]
+fn every_nix_file_parses() {
+    if Command::new("nix-instantiate")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIP: nix-instantiate not found (Debian: apt-get install nix-bin)");
+        return;
+    }
+    let out = Command::new("bash")
+        .arg(repo().join("nixos-module/tests/parse-all.sh"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn module_generates_the_expected_files_and_they_pass_check() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = Command::new("bash")
+        .arg(repo().join("nixos-module/tests/run.sh"))
+        .env("OUT_DIR", out_dir.path())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.code() == Some(77) {
+        eprintln!("{}", text.trim());
+        return;
+    }
+    assert!(out.status.success(), "module evaluation failed:\n{text}");
+    let mut checked = 0;
+    for host in std::fs::read_dir(out_dir.path()).unwrap() {
+        let config = host.unwrap().path().join("agent.toml");
+        let check = Command::new(fort_tests::bin("fort-agent"))
+            .args(["check", "--skip-key", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "{}: {}",
+            config.display(),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "three hosts generated");
+    // And check refuses a typo in a generated file.
+    let forge = out_dir.path().join("forge");
+    let caps = std::fs::read_to_string(forge.join("capabilities.json")).unwrap();
+    std::fs::write(
+        forge.join("capabilities.json"),
+        caps.replacen("\"mode\"", "\"mdoe\"", 1),
+    )
+    .unwrap();
+    let check = Command::new(fort_tests::bin("fort-agent"))
+        .args(["check", "--skip-key", "--config"])
+        .arg(forge.join("agent.toml"))
+        .output()
+        .unwrap();
+    assert!(!check.status.success());
+    assert!(String::from_utf8_lossy(&check.stderr).contains("mdoe"));
+}
