@@ -469,3 +469,36 @@ async fn the_cli_does_not_follow_redirects() {
     );
     f.principals.clear();
 }
+
+#[tokio::test]
+async fn the_readme_s_hand_signing_script_works() {
+    if Command::new("curl").arg("--version").output().is_err() {
+        eprintln!("SKIP: curl not found");
+        return;
+    }
+    let (f, _) = fleet();
+    let key = f.dir.path().join("ops-key");
+    write_key(&key, &f.principals["ops"]);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fort-curl.sh");
+    let out = Command::new("sh")
+        .arg(script)
+        .arg(&key)
+        .args([
+            "ops",
+            "a",
+            &format!("http://{}", f.hosts["a"].addr),
+            PATH,
+            r#"{"hand":"signed"}"#,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap(),
+        json!({"hand": "signed"})
+    );
+}
