@@ -1,0 +1,210 @@
+//! Operator surfaces: built-in capabilities and who may call them, `fort` exit codes,
+//! `fort fleet`, `fort-agent status`, and the metrics endpoint.
+
+use std::process::Command;
+use std::time::Duration;
+
+use fort_tests::{eventually, write_key, Fleet};
+use serde_json::{json, Value};
+
+fn fleet() -> Fleet {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    f.principal("viewer");
+    let h = f.script("provide", r#"jq -c 'with_entries(.value = "OK")'"#);
+    f.capability("p", "web", json!({"handler": h, "mode": "async"}));
+    f.need("c", "web/site", "p", json!({"nag_seconds": 600}));
+    f.host("down");
+    f.host("p").extra_toml = "[access]\njournal = [\"ops\"]\nsystemd = [\"ops\"]\n".into();
+    f
+}
+
+fn fort(f: &Fleet, origin: &str, args: &[&str]) -> (i32, String, String) {
+    let key = f.dir.path().join(format!("{origin}.key"));
+    write_key(&key, &f.principals[origin]);
+    let out = Command::new(fort_tests::bin("fort"))
+        .args(["--origin", origin, "--key"])
+        .arg(&key)
+        .arg("--hosts")
+        .arg(f.host_dir("p").join("hosts.json"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builtins_and_their_access() {
+    let mut f = fleet();
+    f.write_files();
+    f.start_host("p");
+    f.start_host("c");
+    for cap in ["status", "manifest", "needs"] {
+        for who in ["viewer", "c"] {
+            let r = f
+                .post(who, "p", &format!("/agent/capabilities/{cap}"), &json!({}))
+                .await;
+            assert_eq!(r.status, 200, "{who} {cap}");
+            assert!(r.verified());
+        }
+    }
+    let manifest: Value = serde_json::from_slice(
+        &f.post("viewer", "p", "/agent/capabilities/manifest", &json!({}))
+            .await
+            .body,
+    )
+    .unwrap();
+    assert_eq!(manifest["capabilities"]["web"]["callers"], json!(["c"]));
+    let needs: Value =
+        serde_json::from_slice(&f.post("viewer", "c", "/agent/needs", &json!({})).await.body)
+            .unwrap();
+    assert_eq!(needs, json!({"needs": ["web/site"]}));
+    // Operator built-ins: listed principals only; hosts never.
+    for (who, cap) in [
+        ("viewer", "journal"),
+        ("c", "journal"),
+        ("viewer", "systemd"),
+    ] {
+        let r = f
+            .post(
+                who,
+                "p",
+                &format!("/agent/capabilities/{cap}"),
+                &json!({"unit": "x.service", "action": "status"}),
+            )
+            .await;
+        assert_eq!(r.status, 403, "{who} {cap}");
+    }
+    // Parameters are checked before anything runs.
+    for body in [
+        json!({"unit": "--all"}),
+        json!({"unit": "x", "lines": 5000}),
+        json!({"unit": "x", "extra": 1}),
+    ] {
+        let r = f
+            .post("ops", "p", "/agent/capabilities/journal", &body)
+            .await;
+        assert_eq!(r.status, 400, "{body}");
+    }
+    let r = f
+        .post(
+            "ops",
+            "p",
+            "/agent/capabilities/systemd",
+            &json!({"action": "mask", "unit": "x.service"}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    // A well-formed call runs journalctl: 200 where there is a journal, otherwise the
+    // handler failure is reported as such.
+    let r = f
+        .post(
+            "ops",
+            "p",
+            "/agent/capabilities/journal",
+            &json!({"unit": "fort-agent.service", "lines": 3}),
+        )
+        .await;
+    assert!(r.status == 200 || r.status == 500, "{}", r.status);
+    if r.status == 500 {
+        let body: Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["error"], "handler_failed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fort_cli_exit_codes_and_the_fleet_table() {
+    let mut f = fleet();
+    f.write_files();
+    f.start_host("p");
+    f.start_host("c");
+    assert!(
+        eventually(Duration::from_secs(10), || f.status("c")["needs"]
+            ["satisfied"]
+            == 1)
+        .await
+    );
+    let (code, out, _) = fort(&f, "viewer", &["status", "p"]);
+    assert_eq!(code, 0);
+    assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["host"], "p");
+    let (code, _, err) = fort(
+        &f,
+        "viewer",
+        &["call", "p", "journal", r#"{"unit":"x.service"}"#],
+    );
+    assert_eq!(code, 2, "{err}");
+    let (code, _, _) = fort(&f, "viewer", &["call", "p", "nonexistent"]);
+    assert_eq!(code, 1);
+    let (code, out, _) = fort(&f, "viewer", &["fleet"]);
+    assert_eq!(code, 1, "a host is down: {out}");
+    let down_line = out
+        .lines()
+        .find(|l| l.starts_with("down"))
+        .expect("unreachable hosts are shown");
+    assert!(down_line.contains("NO"), "{down_line}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("c ") && l.contains("1/1")),
+        "{out}"
+    );
+    let (_, out, _) = fort(&f, "viewer", &["fleet", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["hosts"]["down"]["reachable"], false);
+    assert_eq!(
+        v["hosts"]["p"]["status"]["provider"]["capabilities"]["web"]["entries"],
+        1
+    );
+    // The local table.
+    let (ok, table) = f.admin("c", &["status"]);
+    assert!(ok);
+    assert!(
+        table.contains("web/site") && table.contains("yes"),
+        "{table}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_failures_and_handler_runs() {
+    let mut f = fleet();
+    let metrics = fort_tests::free_addr("127.0.0.1");
+    // Top-level keys go before the [access] table.
+    let extra = format!("metrics_listen = \"{metrics}\"\n{}", f.host("p").extra_toml);
+    f.host("p").extra_toml = extra;
+    f.write_files();
+    f.start_host("p");
+    f.start_host("c");
+    assert!(
+        eventually(Duration::from_secs(10), || f.status("c")["needs"]
+            ["satisfied"]
+            == 1)
+        .await
+    );
+    let _ = f
+        .post("viewer", "p", "/agent/capabilities/journal", &json!({}))
+        .await;
+    let (_, _, body) = fort_tests::raw_http(
+        metrics,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains("fort_requests_total{endpoint=\"web\",status=\"202\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fort_handler_runs_total{capability=\"web\",outcome=\"ok\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fort_callbacks_total{outcome=\"sent\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fort_requests_total{endpoint=\"journal\",status=\"403\"}"),
+        "{text}"
+    );
+}
