@@ -77,9 +77,8 @@ let
       (check (!(isHost n.from) || served == null || served ? ${n.type})
         "${where}: nobody serves this need: host ${quote n.from} declares no capability ${quote n.type} (fort.host.capabilities.${n.type} on ${n.from}, with services.fort-agent.enable)."
       )
-      (check (served == null || !(served ? ${n.type}) || served.${n.type}.mode == "async")
-        "${where}: capability ${quote n.type} on ${quote n.from} is rpc mode; needs are served by async capabilities."
-      )
+      # A need may be served by an rpc capability too: the provider answers at once and
+      # the consumer feeds the verified reply to its handler (no callback, no GC).
       (check (fortLib.durationSeconds n.nag > 0) "${where}.nag must be longer than 0s.")
       (check (n.fromInstance == null || length n.fromDefinedIn <= 1)
         "${where}: duplicate need key ${n.type}/${n.id}: fort.cluster.instances.${toString n.fromInstance} declares it, and `from` is also set in ${concatStringsSep ", " (lib.remove inventoryFile n.fromDefinedIn)}. Rename the instance or the need; to add a handler to the instance's need, set only handler/check/nag here."

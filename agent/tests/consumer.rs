@@ -412,3 +412,31 @@ async fn twenty_needs_converge_and_survive_a_restart_of_both() {
         20
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_need_served_by_an_rpc_capability_is_satisfied_by_the_reply() {
+    let mut f = Fleet::new();
+    let h = f.script(
+        "token",
+        r#"jq -c '{token: ("t-" + env.FORT_ORIGIN), asked: .}'"#,
+    );
+    f.capability("p", "token", json!({"handler": h, "mode": "rpc"}));
+    let recv = receiver(&f);
+    f.need(
+        "c",
+        "token/git",
+        "p",
+        json!({"handler": recv, "nag_seconds": 600, "request": {"repo": "x"}}),
+    );
+    f.start();
+    assert!(eventually(Duration::from_secs(10), || satisfied(&f, "c", "token/git")).await);
+    let got: Value =
+        serde_json::from_slice(&std::fs::read(f.dir.path().join("got/c-token_git")).unwrap())
+            .unwrap();
+    assert_eq!(got["token"], "t-c");
+    assert_eq!(got["asked"]["need"], "token/git");
+    // rpc mode keeps no state at the provider.
+    assert!(f.read_state("p", "provider-state.json")["entries"]
+        .as_object()
+        .is_none_or(|m| m.is_empty()));
+}
