@@ -107,7 +107,7 @@ async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
             };
             let rx = app
                 .provider
-                .enqueue(app, &capability, trigger, None, false, force);
+                .enqueue(app, &capability, trigger, false, force);
             match rx.await {
                 Ok(record) => json!({"ok": record.ok, "run": record, "error": record.error}),
                 Err(_) => json!({"ok": false, "error": "agent is shutting down"}),

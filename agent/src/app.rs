@@ -173,12 +173,29 @@ impl App {
             .map_err(|e| StartError::Invalid(e.to_string()))?;
         tasks.spawn(fulfiller.run());
         tasks.spawn(crate::provider::gc::run_periodic(app.clone()));
+        // Capabilities with requesters still owed a response (accepted just before a
+        // crash) run at once; `initialize` ones run anyway and call everyone back. In the
+        // background: the agent serves while the handlers run.
+        let owed: std::collections::BTreeSet<String> = app.provider.store.read(|s| {
+            s.entries
+                .iter()
+                .filter(|(_, e)| e.awaiting_response)
+                .filter_map(|(k, _)| crate::provider::state::capability_of(k).map(str::to_owned))
+                .collect()
+        });
         for (name, cap) in &loaded.capabilities {
-            if cap.mode == Mode::Async && cap.triggers.initialize {
-                // In the background: the agent serves while the handler runs.
+            if cap.mode != Mode::Async {
+                continue;
+            }
+            if cap.triggers.initialize {
                 drop(
                     app.provider
-                        .enqueue(&app, name, Trigger::Initialize, None, true, false),
+                        .enqueue(&app, name, Trigger::Initialize, true, false),
+                );
+            } else if owed.contains(name) {
+                drop(
+                    app.provider
+                        .enqueue(&app, name, Trigger::Request, false, false),
                 );
             }
         }

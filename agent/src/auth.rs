@@ -267,6 +267,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     app.metrics
         .requests
         .inc(&[("endpoint", label), ("status", reply.status.as_str())]);
+    tracing::debug!(origin = %origin, path = %path, nonce = %nonce, status = reply.status.as_u16(), "request served");
     sign_reply(&app, &nonce, reply)
 }
 

@@ -423,3 +423,23 @@ pub fn raw_post(path: &str, headers: &[(String, String)], body: &[u8]) -> Vec<u8
     bytes.extend_from_slice(body);
     bytes
 }
+
+impl Drop for Fleet {
+    /// On a failing test, the agents' own words are the best evidence: print their logs.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        for name in self.hosts.keys() {
+            let log =
+                std::fs::read_to_string(self.host_dir(name).join("agent.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(40)..];
+            eprintln!(
+                "----- {name}: last {} log lines -----\n{}",
+                tail.len(),
+                tail.join("\n")
+            );
+        }
+    }
+}

@@ -253,8 +253,7 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
     }
     // Let handlers clean up outside resources for what is gone.
     for cap in touched {
-        app.provider
-            .enqueue(app, &cap, Trigger::Gc, None, false, false);
+        app.provider.enqueue(app, &cap, Trigger::Gc, false, false);
     }
     report.duration_ms = started.elapsed().as_millis() as u64;
     *app.last_gc.lock().expect("gc lock") = Some(report.clone());

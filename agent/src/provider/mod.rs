@@ -6,7 +6,7 @@ pub mod gc;
 pub mod state;
 mod worker;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use fort_core::durable::{Durable, PersistError};
@@ -55,11 +55,11 @@ pub struct RunRecord {
     pub callbacks: usize,
 }
 
-/// Work waiting for the next run of one capability's worker.
+/// Work waiting for the next run of one capability's worker. Which requesters are owed
+/// a callback is not here but on each entry (`awaiting_response`), so it survives a crash
+/// and is not counted twice when a run already saw the entry.
 #[derive(Default)]
 struct Pending {
-    /// Entries whose requester must get its response whatever it is.
-    requesters: BTreeSet<String>,
     /// The strongest reason queued (a request beats a gc run).
     trigger: Option<Trigger>,
     callback_all: bool,
@@ -115,15 +115,17 @@ impl Provider {
                     created_at: now,
                     requested_at: now,
                     absent_since: None,
+                    awaiting_response: true,
                     delivery: Default::default(),
                 });
                 entry.request = request;
                 entry.requested_at = now;
                 entry.absent_since = None;
+                entry.awaiting_response = true;
                 ((), true)
             })
             .await?;
-        self.enqueue(app, &need.kind, Trigger::Request, Some(key), false, false);
+        drop(self.enqueue(app, &need.kind, Trigger::Request, false, false));
         Ok(())
     }
 
@@ -144,7 +146,7 @@ impl Provider {
             .await?;
         if removed {
             tracing::info!(entry = %key, "entry released");
-            self.enqueue(app, &need.kind, Trigger::Gc, None, false, false);
+            drop(self.enqueue(app, &need.kind, Trigger::Gc, false, false));
         }
         Ok(removed)
     }
@@ -155,7 +157,6 @@ impl Provider {
         app: &Arc<App>,
         capability: &str,
         trigger: Trigger,
-        requester: Option<String>,
         callback_all: bool,
         force: bool,
     ) -> oneshot::Receiver<RunRecord> {
@@ -163,7 +164,6 @@ impl Provider {
         let (tx, rx) = oneshot::channel();
         {
             let mut p = slot.pending.lock().expect("pending lock");
-            p.requesters.extend(requester);
             p.trigger = Some(match (p.trigger, trigger) {
                 (Some(Trigger::Request), _) | (_, Trigger::Request) => Trigger::Request,
                 (Some(old), Trigger::Gc) => old,

@@ -38,6 +38,11 @@ pub struct Entry {
     /// Since when GC has proof the consumer no longer declares this need.
     #[serde(default)]
     pub absent_since: Option<u64>,
+    /// The requester asked since the last run that planned its callback: it is owed its
+    /// response whether or not it changed. Persisted, so a provider killed between the
+    /// 202 and the handler run still owes it after a restart.
+    #[serde(default)]
+    pub awaiting_response: bool,
     #[serde(default)]
     pub delivery: Delivery,
 }

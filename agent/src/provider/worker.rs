@@ -176,9 +176,14 @@ impl Worker {
                 };
                 let new = output.get(key).filter(|v| !v.is_null()).cloned();
                 let changed = new != entry.response;
-                let requester = pending.requesters.contains(key);
+                let requester = entry.awaiting_response;
                 if changed {
                     entry.response = new.clone();
+                    changed_any = true;
+                }
+                if requester {
+                    // This run answers the request: whatever it decided is what is owed.
+                    entry.awaiting_response = false;
                     changed_any = true;
                 }
                 let wanted = changed || pending.callback_all || (requester && new.is_some());
