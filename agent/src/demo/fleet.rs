@@ -1,0 +1,326 @@
+//! The demo fleet on disk and as processes: keys, `hosts.json`, per-host `needs.json`,
+//! `capabilities.json` (with `callers` computed from the needs, as the NixOS module does)
+//! and `agent.toml`, the example handlers written out, and one `fort-agent serve` child per
+//! host, killed when the fleet is dropped, so an error or a panic never leaves agents behind.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use fort_core::sign::Signer;
+use serde_json::{json, Map, Value};
+
+use crate::admin::{self, AdminRequest};
+
+/// One need a demo host declares.
+pub struct NeedDecl {
+    pub consumer: &'static str,
+    pub key: &'static str,
+    pub from: &'static str,
+    pub request: Value,
+    /// An example handler's file name; `None` for a side-effect-only need.
+    pub handler: Option<&'static str>,
+}
+
+/// One capability a demo host serves.
+pub struct CapDecl {
+    pub host: &'static str,
+    pub name: &'static str,
+    pub handler: &'static str,
+    pub cache_response: bool,
+    pub description: &'static str,
+}
+
+pub struct Host {
+    pub name: &'static str,
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    signer: Signer,
+    child: Option<Child>,
+}
+
+pub struct Fleet {
+    pub root: PathBuf,
+    pub hosts: Vec<Host>,
+    pub needs: Vec<NeedDecl>,
+    pub caps: Vec<CapDecl>,
+    exe: PathBuf,
+}
+
+/// Nag interval of every demo need: short, so a lost request is retried within seconds.
+const NAG_SECONDS: u64 = 5;
+
+/// Tunables that make a loopback fleet converge in well under a second and retry fast.
+const AGENT_TOML_EXTRA: &str = r#"handler_timeout = "30s"
+
+[callbacks]
+backoff = "500ms"
+timeout = "5s"
+
+[fulfill]
+backoff = "500ms"
+timeout = "5s"
+"#;
+
+/// A free loopback port: bind to port 0, read it, release it for the agent.
+fn free_addr() -> anyhow::Result<SocketAddr> {
+    let l = TcpListener::bind("127.0.0.1:0").context("cannot bind a loopback port")?;
+    Ok(l.local_addr()?)
+}
+
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(())
+}
+
+fn write_json(path: &Path, v: &Value) -> anyhow::Result<()> {
+    let bytes = serde_json::to_vec_pretty(v).expect("JSON serialises");
+    std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
+}
+
+impl Fleet {
+    /// Generates keys and ports and writes every file under `root` (which must exist).
+    pub fn create(
+        root: &Path,
+        names: &[&'static str],
+        caps: Vec<CapDecl>,
+        needs: Vec<NeedDecl>,
+    ) -> anyhow::Result<Fleet> {
+        let exe = std::env::current_exe().context("cannot locate the fort-agent binary")?;
+        let scripts = root.join("handlers");
+        std::fs::create_dir_all(&scripts)?;
+        for (name, text) in fort_handlers::examples::EXAMPLES {
+            let path = scripts.join(name);
+            std::fs::write(&path, text)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        }
+        let mut hosts = Vec::new();
+        for name in names {
+            let dir = root.join(name);
+            std::fs::create_dir_all(dir.join("state"))?;
+            let signer = Signer::generate();
+            write_private(&dir.join("key"), &signer.private_openssh())?;
+            hosts.push(Host {
+                name,
+                addr: free_addr()?,
+                dir,
+                signer,
+                child: None,
+            });
+        }
+        // The operator: its key is written so the printed `fort` commands work as is.
+        let ops = Signer::generate();
+        write_private(&root.join("ops.key"), &ops.private_openssh())?;
+        std::fs::write(root.join("ops.key.pub"), ops.public_openssh() + "\n")?;
+        let registry = json!({
+            "hosts": hosts.iter().map(|h| (h.name.to_owned(), json!({
+                "address": format!("http://{}", h.addr),
+                "keys": [h.signer.public_openssh()],
+            }))).collect::<Map<_, _>>(),
+            "principals": {"ops": {"keys": [ops.public_openssh()]}},
+        });
+        write_json(&root.join("hosts.json"), &registry)?;
+        let fleet = Fleet {
+            root: root.to_owned(),
+            hosts,
+            needs,
+            caps,
+            exe,
+        };
+        for h in &fleet.hosts {
+            fleet.write_capabilities(h)?;
+            fleet.write_needs(h.name, |_| true)?;
+            let d = h.dir.display();
+            let toml = format!(
+                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{root}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n{AGENT_TOML_EXTRA}",
+                name = h.name,
+                addr = h.addr,
+                root = root.display(),
+            );
+            std::fs::write(h.dir.join("agent.toml"), toml)?;
+            crate::check::check(&fleet.config(h.name), false)
+                .with_context(|| format!("the generated configuration of {} is wrong", h.name))?;
+        }
+        Ok(fleet)
+    }
+
+    /// `capabilities.json`: `callers` is every host declaring a need of that type from here.
+    fn write_capabilities(&self, h: &Host) -> anyhow::Result<()> {
+        let mut out = Map::new();
+        for c in self.caps.iter().filter(|c| c.host == h.name) {
+            let callers: BTreeSet<&str> = self
+                .needs
+                .iter()
+                .filter(|n| n.from == h.name && n.key.split('/').next() == Some(c.name))
+                .map(|n| n.consumer)
+                .collect();
+            // `initialize`: after a restart the handler runs over the stored entries and
+            // calls every consumer back, so nothing waits for a nag.
+            out.insert(
+                c.name.to_owned(),
+                json!({
+                    "handler": self.script(c.handler),
+                    "mode": "async",
+                    "cacheResponse": c.cache_response,
+                    "callers": callers,
+                    "triggers": {"initialize": true},
+                    "description": c.description,
+                }),
+            );
+        }
+        write_json(&h.dir.join("capabilities.json"), &Value::Object(out))
+    }
+
+    /// Writes `host`'s `needs.json` with the declared needs `keep` accepts.
+    pub fn write_needs(&self, host: &str, keep: impl Fn(&str) -> bool) -> anyhow::Result<()> {
+        let mut out = Map::new();
+        for n in self
+            .needs
+            .iter()
+            .filter(|n| n.consumer == host && keep(n.key))
+        {
+            out.insert(
+                n.key.to_owned(),
+                json!({
+                    "from": n.from,
+                    "request": n.request,
+                    "nag_seconds": NAG_SECONDS,
+                    "handler": n.handler.map(|s| self.script(s)),
+                }),
+            );
+        }
+        write_json(&self.host(host).dir.join("needs.json"), &Value::Object(out))
+    }
+
+    pub fn script(&self, name: &str) -> PathBuf {
+        self.root.join("handlers").join(name)
+    }
+
+    pub fn host(&self, name: &str) -> &Host {
+        self.hosts
+            .iter()
+            .find(|h| h.name == name)
+            .expect("a demo host")
+    }
+
+    fn host_mut(&mut self, name: &str) -> &mut Host {
+        self.hosts
+            .iter_mut()
+            .find(|h| h.name == name)
+            .expect("a demo host")
+    }
+
+    pub fn config(&self, name: &str) -> PathBuf {
+        self.host(name).dir.join("agent.toml")
+    }
+
+    /// What the example handlers of `name` see as `FORT_EXAMPLE_STATE`.
+    pub fn examples_dir(&self, name: &str) -> PathBuf {
+        self.host(name).dir.join("examples")
+    }
+
+    /// Starts `name`'s agent and returns once its admin socket answers.
+    pub async fn start(&mut self, name: &str) -> anyhow::Result<u32> {
+        let exe = self.exe.clone();
+        let examples = self.examples_dir(name);
+        let h = self.host_mut(name);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(h.dir.join("agent.log"))?;
+        let child = Command::new(&exe)
+            .arg("serve")
+            .arg("--config")
+            .arg(h.dir.join("agent.toml"))
+            .env("FORT_EXAMPLE_STATE", &examples)
+            .env("FORT_LOG", "info")
+            // The log is a file, not a terminal: no colour escapes in it.
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", exe.display()))?;
+        let pid = child.id();
+        h.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.admin(name, &AdminRequest::Status).await.is_ok() {
+                return Ok(pid);
+            }
+            let h = self.host_mut(name);
+            if let Some(status) = h.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                h.child = None;
+                bail!(
+                    "agent {name} exited at start with {status}; see {}/agent.log",
+                    h.dir.display()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!("agent {name} did not come up within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// `kill -9`: no shutdown, no flush; only what the agent made durable survives.
+    pub fn kill(&mut self, name: &str) {
+        if let Some(mut c) = self.host_mut(name).child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub async fn admin(&self, name: &str, req: &AdminRequest) -> anyhow::Result<Value> {
+        let socket = self.host(name).dir.join("agent.sock");
+        let reply = admin::call(&socket, req).await.map_err(|e| anyhow!(e))?;
+        if reply["ok"].as_bool() != Some(true) {
+            bail!("{name}: {}", reply["error"]);
+        }
+        Ok(reply)
+    }
+
+    pub async fn status(&self, name: &str) -> anyhow::Result<Value> {
+        Ok(self.admin(name, &AdminRequest::Status).await?["status"].take())
+    }
+
+    /// The last lines of every agent's log, for a failure report.
+    pub fn log_tails(&self, lines: usize) -> String {
+        let mut out = String::new();
+        for h in &self.hosts {
+            let text = std::fs::read_to_string(h.dir.join("agent.log")).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {}/agent.log (last {lines} lines)\n", h.name));
+            for l in &all[all.len().saturating_sub(lines)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        let names: Vec<&'static str> = self.hosts.iter().map(|h| h.name).collect();
+        for n in names {
+            self.kill(n);
+        }
+    }
+}
+
+/// Entries of `provider-state.json` as written on disk (whether or not the agent runs).
+pub fn stored_entries(fleet: &Fleet, host: &str) -> BTreeMap<String, Value> {
+    let path = fleet.host(host).dir.join("state/provider-state.json");
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .and_then(|v| v["entries"].as_object().cloned())
+        .map(|m| m.into_iter().collect())
+        .unwrap_or_default()
+}

@@ -1,0 +1,395 @@
+//! `fort-agent demo`: a three-host fleet on loopback, started from this very binary, that
+//! converges and then walks through a certificate rotation, a released need and a
+//! provider killed with `kill -9`. Every step checks its claim against the agents' state
+//! and the files the example handlers write, and fails the demo when it does not hold, so
+//! the demo doubles as an end-to-end test in CI.
+
+mod fleet;
+mod steps;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use fleet::{CapDecl, Fleet, NeedDecl};
+use steps::{all_satisfied, cert_serial, need_items, payload, Wait};
+
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Keep the fleet running after the walkthrough (until Ctrl-C) to try `fort` commands.
+    #[arg(long)]
+    pub keep: bool,
+    /// Put the fleet's files here (a new or empty directory, kept afterwards) instead of a
+    /// temporary directory.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+const WIKI_DOMAIN: &str = "wiki.demo.test";
+const API_DOMAIN: &str = "api.demo.test";
+
+fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
+    let cap = |host, name, handler, cache_response, description| CapDecl {
+        host,
+        name,
+        handler,
+        cache_response,
+        description,
+    };
+    let caps = vec![
+        cap(
+            "forge",
+            "oidc",
+            "oidc-provider.sh",
+            true,
+            "OIDC client id and secret per consumer need",
+        ),
+        cap(
+            "forge",
+            "ssl-cert",
+            "cert-provider.sh",
+            true,
+            "self-signed certificate per requested domain",
+        ),
+        cap(
+            "beacon",
+            "proxy",
+            "proxy-provider.sh",
+            false,
+            "reverse-proxy vhost file; answers OK",
+        ),
+    ];
+    let need = |key, from, request, handler| NeedDecl {
+        consumer: "app",
+        key,
+        from,
+        request,
+        handler,
+    };
+    let store = Some("store-payload.sh");
+    let needs = vec![
+        need(
+            "oidc/wiki",
+            "forge",
+            json!({"client_name": "wiki", "redirect_uri": format!("https://{WIKI_DOMAIN}/oauth/callback")}),
+            store,
+        ),
+        need(
+            "ssl-cert/wiki",
+            "forge",
+            json!({"domain": WIKI_DOMAIN}),
+            store,
+        ),
+        need(
+            "ssl-cert/api",
+            "forge",
+            json!({"domain": API_DOMAIN}),
+            store,
+        ),
+        need(
+            "proxy/wiki",
+            "beacon",
+            json!({"server_name": WIKI_DOMAIN, "upstream": "http://127.0.0.1:3000"}),
+            None,
+        ),
+    ];
+    (caps, needs)
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    for tool in ["jq", "openssl"] {
+        if !on_path(tool) {
+            bail!("the example handlers need `{tool}` on PATH");
+        }
+    }
+    let (temp, root) = match &args.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+            if std::fs::read_dir(d)?.next().is_some() {
+                bail!(
+                    "{} is not empty: old keys and state would mix with the demo's",
+                    d.display()
+                );
+            }
+            (None, d.canonicalize()?)
+        }
+        None => {
+            let t = tempfile::Builder::new().prefix("fort-demo-").tempdir()?;
+            let root = t.path().to_owned();
+            (Some(t), root)
+        }
+    };
+    let (caps, needs) = declarations();
+    let mut fleet = Fleet::create(&root, &["forge", "beacon", "app"], caps, needs)?;
+    // Ctrl-C or SIGTERM ends the demo through the normal path, so the agents are killed.
+    let outcome = tokio::select! {
+        r = walkthrough(&mut fleet) => r,
+        s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}")),
+    };
+    match outcome {
+        Ok(()) if args.keep => {
+            print_commands(&fleet, temp.is_some());
+            let how = interrupted().await;
+            println!("\n{how}: stopping the fleet.");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+        Err(e) => {
+            eprintln!("\n{}", fleet.log_tails(15));
+            drop(fleet);
+            // On failure the files and logs stay for a post-mortem.
+            let kept = match temp {
+                Some(t) => t.keep(),
+                None => root,
+            };
+            Err(e.context(format!(
+                "demo failed; files and agent logs kept in {}",
+                kept.display()
+            )))
+        }
+    }
+}
+
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "Ctrl-C",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+fn on_path(tool: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+}
+
+/// Elapsed seconds, for progress lines.
+fn secs(since: Instant) -> String {
+    format!("{:.2}s", since.elapsed().as_secs_f64())
+}
+
+async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
+    println!(
+        "fort demo: three agents on loopback, files in {}",
+        fleet.root.display()
+    );
+    for h in &fleet.hosts {
+        let addr = h.addr.to_string();
+        let mut first = true;
+        let mut line = |what: String| {
+            let (name, addr) = if first {
+                (h.name, addr.as_str())
+            } else {
+                ("", "")
+            };
+            println!("  {name:<7} {addr:<16} {what}");
+            first = false;
+        };
+        for c in fleet.caps.iter().filter(|c| c.host == h.name) {
+            line(format!("serves {:<14} {}", c.name, c.description));
+        }
+        for n in fleet.needs.iter().filter(|n| n.consumer == h.name) {
+            line(format!("needs  {:<14} from {}", n.key, n.from));
+        }
+    }
+    println!("  ops     principal        the operator; its key signs the `fort` CLI's calls\n");
+
+    // Converge: start everyone, then watch app's needs until all are satisfied.
+    println!("Starting the agents and waiting until every need of app is satisfied");
+    let t0 = Instant::now();
+    for name in ["forge", "beacon", "app"] {
+        let pid = fleet.start(name).await?;
+        println!("  +{}  {name} is up (pid {pid})", secs(t0));
+    }
+    let mut shown: std::collections::HashMap<String, (bool, bool, String)> = Default::default();
+    let wait = Wait::until("every need of app is satisfied");
+    loop {
+        let s = fleet.status("app").await?;
+        for n in need_items(&s) {
+            let key = n["need"].as_str().unwrap_or("?").to_owned();
+            let asked = !n["last_sought"].is_null();
+            let now = (
+                n["satisfied"] == true,
+                asked,
+                n["last_error"].as_str().unwrap_or("").to_owned(),
+            );
+            if shown.get(&key) != Some(&now) {
+                let what = match &now {
+                    (true, _, _) => "satisfied".to_owned(),
+                    (false, false, _) => "not asked yet".to_owned(),
+                    (false, true, e) if e.is_empty() => {
+                        "asked, waiting for the callback".to_owned()
+                    }
+                    (false, true, e) => format!("not yet: {e}"),
+                };
+                println!(
+                    "  +{}  {key:<14} from {:<7} {what}",
+                    secs(t0),
+                    n["from"].as_str().unwrap_or("?")
+                );
+                shown.insert(key, now);
+            }
+        }
+        if all_satisfied(&s) {
+            break;
+        }
+        if let Err(e) = wait.tick().await {
+            return Err(e.context(why_unsatisfied(fleet, &s).await));
+        }
+    }
+    let converged = t0.elapsed();
+    let s = fleet.status("app").await?;
+    println!(
+        "Converged: {}/{} needs satisfied in {:.2}s (from the first agent's start)",
+        s["needs"]["satisfied"],
+        s["needs"]["total"],
+        converged.as_secs_f64()
+    );
+    let (_, oidc) = payload(fleet, "oidc/wiki")
+        .context("oidc/wiki was satisfied but its payload is not stored")?;
+    let oidc: Value = serde_json::from_slice(&oidc).context("the oidc/wiki payload is not JSON")?;
+    let secret = oidc["client_secret"]
+        .as_str()
+        .context("oidc/wiki payload has no client_secret")?
+        .to_owned();
+    println!(
+        "  app/examples/oidc_wiki       client_id {}, client_secret {}… (0600)",
+        oidc["client_id"].as_str().unwrap_or("?"),
+        &secret[..8.min(secret.len())]
+    );
+    for need in ["ssl-cert/wiki", "ssl-cert/api"] {
+        let (_, pem) =
+            payload(fleet, need).with_context(|| format!("{need} payload is not stored"))?;
+        let pem = String::from_utf8_lossy(&pem);
+        if !pem.starts_with("-----BEGIN CERTIFICATE-----") || !pem.contains("PRIVATE KEY-----") {
+            bail!("{need}: the stored payload is not a PEM certificate and key");
+        }
+        println!(
+            "  app/examples/{:<15} PEM certificate + key, {}",
+            need.replace('/', "_"),
+            cert_serial(fleet, need)
+        );
+    }
+    let vhost = fleet.examples_dir("beacon").join("vhosts/app@wiki.conf");
+    let conf = std::fs::read_to_string(&vhost).context("beacon wrote no vhost for proxy/wiki")?;
+    println!(
+        "  beacon/examples/vhosts/app@wiki.conf  {}\n",
+        conf.lines().nth(1).unwrap_or("").trim()
+    );
+
+    let mut results = vec![format!(
+        "converged          {}/{} needs in {:.2}s",
+        s["needs"]["satisfied"],
+        s["needs"]["total"],
+        converged.as_secs_f64()
+    )];
+    let steps: [(&str, &str); 3] = [
+        ("rotation", "certificate rotation reaches only its consumer"),
+        ("release", "a removed need is released and cleaned up"),
+        ("kill -9", "the provider killed and restarted loses nothing"),
+    ];
+    for (i, (short, title)) in steps.iter().enumerate() {
+        println!("Step {}/3: {title}", i + 1);
+        let started = Instant::now();
+        let detail = match i {
+            0 => steps::rotation(fleet).await,
+            1 => steps::release(fleet).await,
+            _ => steps::kill_and_restart(fleet, &secret).await,
+        }
+        .with_context(|| format!("step {} ({title}) failed", i + 1))?;
+        let took = secs(started);
+        println!("  OK in {took}\n");
+        results.push(format!(
+            "{:<18} OK  {detail} ({took})",
+            format!("{} {short}", i + 1)
+        ));
+    }
+    println!("Summary");
+    for r in &results {
+        println!("  {r}");
+    }
+    println!("All steps passed.");
+    Ok(())
+}
+
+/// For a convergence failure: each unsatisfied need with its own last error, or else the
+/// outcome of its provider's last handler run (a failing handler is only seen there).
+async fn why_unsatisfied(fleet: &Fleet, status: &Value) -> String {
+    let mut out = Vec::new();
+    for n in need_items(status).iter().filter(|n| n["satisfied"] != true) {
+        let need = n["need"].as_str().unwrap_or("?");
+        let from = n["from"].as_str().unwrap_or("?");
+        let why = match n["last_error"].as_str() {
+            Some(e) => e.to_owned(),
+            None => {
+                let cap = need.split('/').next().unwrap_or("");
+                match fleet.status(from).await {
+                    Ok(p) => {
+                        let last = &p["provider"]["capabilities"][cap]["last_run"];
+                        match last["error"].as_str() {
+                            Some(e) => format!("{from}'s {cap} handler failed: {e}"),
+                            None => format!("no callback yet; {from}'s last {cap} run: {last}"),
+                        }
+                    }
+                    Err(e) => format!("{from} does not answer: {e:#}"),
+                }
+            }
+        };
+        out.push(format!("{need} from {from}: {why}"));
+    }
+    format!("unsatisfied: {}", out.join("; "))
+}
+
+/// Single-quotes `p` for a shell when it holds anything but plain path characters.
+fn sh_quote(p: &Path) -> String {
+    let s = p.display().to_string();
+    if s.bytes()
+        .all(|c| c.is_ascii_alphanumeric() || b"/._-+@:".contains(&c))
+    {
+        s
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+fn print_commands(fleet: &Fleet, temporary: bool) {
+    let exe = std::env::current_exe().unwrap_or_else(|_| "fort-agent".into());
+    let fort = exe.with_file_name("fort");
+    let root = &fleet.root;
+    println!("\nThe fleet keeps running. Try, in another terminal:\n");
+    println!(
+        "  export FORT_HOSTS={} FORT_SSH_KEY={} FORT_ORIGIN=ops",
+        sh_quote(&root.join("hosts.json")),
+        sh_quote(&root.join("ops.key"))
+    );
+    println!("  {} fleet", sh_quote(&fort));
+    println!("  {} status app", sh_quote(&fort));
+    println!(
+        "  {} status --config {}",
+        sh_quote(&exe),
+        sh_quote(&fleet.config("app"))
+    );
+    println!(
+        "  {} trigger ssl-cert --force --config {}",
+        sh_quote(&exe),
+        sh_quote(&fleet.config("forge"))
+    );
+    println!("  tail -f {}/*/agent.log", sh_quote(root));
+    if !fort.exists() {
+        println!(
+            "  ({} is not built yet: cargo build --bins)",
+            fort.display()
+        );
+    }
+    println!(
+        "\nCtrl-C stops the agents{}.",
+        if temporary {
+            " and removes the temporary directory"
+        } else {
+            ""
+        }
+    );
+}
