@@ -165,7 +165,7 @@ pub fn status_table(status: &Value) -> String {
                 "NO"
             },
             fmt_age(n["satisfied_at"].as_u64()),
-            n["attempts"],
+            n["attempts"].as_u64().unwrap_or(0),
             fmt_age(n["next_request"].as_u64()),
             n["last_error"].as_str().unwrap_or("")
         );
@@ -194,10 +194,16 @@ pub fn status_table(status: &Value) -> String {
                             .unwrap_or_default()
                     )
                 };
+                // serde_json::Value ignores width: pad the numbers as numbers.
+                let num = |k: &str| c[k].as_u64().unwrap_or(0);
                 let _ = writeln!(
                     out,
                     "{:<20} {:>8} {:>12} {:>6} {}",
-                    name, c["entries"], c["undelivered"], c["handler_runs"], last
+                    name,
+                    num("entries"),
+                    num("undelivered"),
+                    num("handler_runs"),
+                    last
                 );
             }
         }

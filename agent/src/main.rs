@@ -79,9 +79,11 @@ enum Command {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FORT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only for a person at a terminal, never into journald or a log file.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }

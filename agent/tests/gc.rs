@@ -350,3 +350,37 @@ async fn a_sweep_during_100_requests_loses_none_and_resurrects_nothing() {
     assert_eq!(left.iter().filter(|e| e.starts_with("live:")).count(), 100);
     drop(blackhole);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_is_honoured_after_the_caller_left_the_callers_list() {
+    let mut f = Fleet::new();
+    provider(&mut f);
+    f.need("leaver", "web/a", "p", json!({"nag_seconds": 3600}));
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(10), || entries(&f)
+            == vec!["leaver:web/a"])
+        .await
+    );
+    // Both sides deploy at once; the provider's new files arrive first.
+    f.host("p").capabilities.get_mut("web").unwrap()["callers"] = json!([]);
+    f.write_files();
+    f.agents["p"].hup();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = f
+        .post(
+            "leaver",
+            "p",
+            "/agent/capabilities/web",
+            &json!({"need": "web/a", "request": {}}),
+        )
+        .await;
+    assert_eq!(r.status, 403, "no longer a caller: requests are refused");
+    f.host("leaver").needs.clear();
+    f.write_files();
+    f.agents["leaver"].hup();
+    assert!(
+        eventually(Duration::from_secs(5), || entries(&f).is_empty()).await,
+        "release refused"
+    );
+}
