@@ -195,19 +195,36 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     };
 
     // The body, within the limit (a chunked body has no Content-Length to check above).
-    let body = match http_body_util::Limited::new(req.into_body(), limit)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(e)
+    // A deadline on the body too: a caller that trickles it would otherwise hold a
+    // concurrency slot for ever, and anyone who knows a host name could fill them all.
+    let reading = http_body_util::Limited::new(req.into_body(), limit).collect();
+    let body = match tokio::time::timeout(app.config.body_read_timeout, reading).await {
+        Err(_) => {
+            return refuse(
+                &app,
+                ApiError::Timeout("body not received in time".into()),
+                "body_timeout",
+            )
+        }
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e))
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>
         {
             return refuse(&app, ApiError::TooLarge(limit), "too_large")
         }
-        Err(e) => return refuse(&app, ApiError::BadRequest(format!("body: {e}")), "body"),
+        Ok(Err(e)) => return refuse(&app, ApiError::BadRequest(format!("body: {e}")), "body"),
     };
+    // The clock again, after the body: a request whose window closed while its body was
+    // in transit must not reach the nonce store, which forgets nonces past the window.
+    let now = unix_now();
+    if now.abs_diff(timestamp) > app.config.clock_skew.as_secs() {
+        return refuse(
+            &app,
+            ApiError::Unauthorized(format!("timestamp {timestamp} vs now {now} after the body")),
+            "clock",
+        );
+    }
 
     // 6. Signature over the bytes this host builds itself.
     let canonical = request_bytes(
@@ -259,8 +276,16 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             e.reply()
         }
     };
+    // Only names this agent serves become metric labels: a caller posting random names
+    // must not grow the metrics without bound.
     let label = match &route {
-        Route::Capability(c) => c.as_str(),
+        Route::Capability(c)
+            if crate::builtins::Builtin::from_name(c).is_some()
+                || app.loaded.load().capabilities.contains_key(c) =>
+        {
+            c.as_str()
+        }
+        Route::Capability(_) => "unknown",
         Route::Callback(_) => "callback",
         Route::NeedsList => "needs",
     };

@@ -46,6 +46,9 @@ pub struct Config {
     /// A connection that has not sent its headers by then is closed. Unset: 10 s.
     #[serde(default = "defaults::header_read_timeout", with = "humantime_serde")]
     pub header_read_timeout: Duration,
+    /// A request whose body has not fully arrived by then gets 408. Unset: 10 s.
+    #[serde(default = "defaults::body_read_timeout", with = "humantime_serde")]
+    pub body_read_timeout: Duration,
     /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
@@ -165,6 +168,9 @@ mod defaults {
         1_000_000
     }
     pub fn header_read_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub fn body_read_timeout() -> Duration {
         Duration::from_secs(10)
     }
     pub fn gc_interval() -> Duration {

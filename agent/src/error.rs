@@ -37,6 +37,8 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("body over {0} bytes")]
     TooLarge(usize),
+    #[error("timeout: {0}")]
+    Timeout(String),
     #[error("overloaded: {0}")]
     Overloaded(String),
     #[error("handler failed: {detail}")]
@@ -54,6 +56,7 @@ impl ApiError {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::HandlerFailed { .. } | ApiError::Internal(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -76,6 +79,7 @@ impl ApiError {
             ApiError::BadRequest(m) => ("bad_request", m.clone(), None),
             ApiError::MethodNotAllowed => ("method_not_allowed", "only POST".into(), None),
             ApiError::TooLarge(n) => ("too_large", format!("body over {n} bytes"), None),
+            ApiError::Timeout(m) => ("timeout", m.clone(), None),
             ApiError::Overloaded(m) => ("overloaded", m.clone(), None),
             ApiError::HandlerFailed { exit_code, .. } => {
                 return Reply::json(

@@ -107,6 +107,11 @@ impl NonceStore {
             inner.seen.remove(&(o, n));
         }
         let key = (origin.to_owned(), nonce);
+        // Past its window the nonce may already be forgotten: such a request can never be
+        // fresh, whatever the caller checked before.
+        if timestamp + self.window < now {
+            return NonceCheck::Replay;
+        }
         if inner.seen.contains(&key) {
             return NonceCheck::Replay;
         }

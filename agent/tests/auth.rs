@@ -502,3 +502,85 @@ async fn the_readme_s_hand_signing_script_works() {
         json!({"hand": "signed"})
     );
 }
+
+/// Sends headers and all of `body` but its last byte; returns the open connection.
+fn stall(f: &Fleet, headers: &[(String, String)], body: &[u8]) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(f.hosts["a"].addr).unwrap();
+    let req = raw_post(PATH, headers, body);
+    s.write_all(&req[..req.len() - 1]).unwrap();
+    s
+}
+
+fn finish(mut s: std::net::TcpStream, last: u8) -> u16 {
+    use std::io::{Read, Write};
+    s.write_all(&[last]).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf)
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_replay_whose_body_is_held_back_past_the_window_is_refused() {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    let marker = f.dir.path().join("marker");
+    let echo = f.script("echo", &format!("echo run >> {}; cat", marker.display()));
+    f.capability(
+        "a",
+        "echo",
+        json!({"handler": echo, "mode": "rpc", "allowed": ["ops"]}),
+    );
+    f.host("a").extra_toml = "clock_skew = \"2s\"\nbody_read_timeout = \"30s\"\n".into();
+    f.start();
+    let body = br#"{"replay":"me"}"#;
+    let h = ops_headers(&f, "a", PATH, body, unix_now());
+    assert_eq!(send(&f, "a", PATH, &h, body).0, 200);
+    // Inside the window: the replay's headers and most of its body.
+    let held = stall(&f, &h, body);
+    std::thread::sleep(std::time::Duration::from_millis(3500));
+    // Any request makes the store forget expired nonces.
+    assert_eq!(
+        send(
+            &f,
+            "a",
+            "/agent/capabilities/status",
+            &ops_headers(&f, "a", "/agent/capabilities/status", b"{}", unix_now()),
+            b"{}"
+        )
+        .0,
+        200
+    );
+    assert_eq!(finish(held, *body.last().unwrap()), 401);
+    assert_eq!(runs(&marker), 1);
+}
+
+#[tokio::test]
+async fn slow_bodies_cannot_hold_every_slot() {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    f.host("a").extra_toml = "max_concurrent_requests = 4\nbody_read_timeout = \"1s\"\n".into();
+    f.start();
+    // No key needed for this: a known origin name and a body that never finishes.
+    let fake = vec![
+        ("X-Fort-Origin".to_owned(), "ops".to_owned()),
+        ("X-Fort-Timestamp".to_owned(), unix_now().to_string()),
+        ("X-Fort-Nonce".to_owned(), "0".repeat(32)),
+        ("X-Fort-Signature".to_owned(), "AAAA".to_owned()),
+    ];
+    let held: Vec<_> = (0..4).map(|_| stall(&f, &fake, &[b' '; 100])).collect();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let r = f
+        .post("ops", "a", "/agent/capabilities/status", &json!({}))
+        .await;
+    assert_eq!(r.status, 200, "slots still held by slow bodies");
+    for s in held {
+        assert_eq!(finish(s, b' '), 408);
+    }
+}
