@@ -52,6 +52,10 @@ struct View {
     due: HashMap<NeedKey, Instant>,
     in_flight: HashSet<NeedKey>,
     failures: HashMap<NeedKey, u32>,
+    /// Needs whose current request (new, or changed by a reload) has not been sent yet.
+    /// A reply or callback arriving meanwhile answers an older request: it must neither
+    /// satisfy the need nor push its next request back.
+    unsent: HashSet<NeedKey>,
 }
 
 struct Inner {
@@ -129,9 +133,10 @@ impl Fulfiller {
     /// released at their provider and forgotten. Returns once the state is durable.
     pub async fn reload(&self, needs: Needs, registry: Arc<Registry>) -> Result<(), PersistError> {
         let now = Instant::now();
-        let removed = {
-            let (removed, ticket) = self.inner.store.mutate(|s| {
+        let (removed, fresh) = {
+            let ((removed, fresh), ticket) = self.inner.store.mutate(|s| {
                 let mut removed = Vec::new();
+                let mut fresh = Vec::new();
                 s.needs.retain(|key, st| {
                     let keep = NeedKey::parse(key).is_some_and(|k| needs.contains_key(&k));
                     if !keep {
@@ -144,6 +149,11 @@ impl Fulfiller {
                     let hash = request_hash(spec);
                     let st = s.needs.entry(key.to_string()).or_default();
                     if st.request_hash != hash || st.from != spec.from {
+                        // Moving to another provider releases the entry at the old one.
+                        if !st.from.is_empty() && st.from != spec.from {
+                            removed.push((key.to_string(), st.from.clone()));
+                        }
+                        fresh.push(key.clone());
                         *st = NeedState {
                             from: spec.from.clone(),
                             request_hash: hash,
@@ -152,10 +162,10 @@ impl Fulfiller {
                         changed = true;
                     }
                 }
-                (removed, changed)
+                ((removed, fresh), changed)
             });
             self.inner.store.wait(ticket).await?;
-            removed
+            (removed, fresh)
         };
         let satisfied: HashSet<String> = self.inner.store.read(|s| {
             s.needs
@@ -174,6 +184,8 @@ impl Fulfiller {
                     view.due.insert(key.clone(), now + jittered(nag(spec)));
                 }
             }
+            view.unsent.retain(|k| needs.contains_key(k));
+            view.unsent.extend(fresh);
             view.needs = Arc::new(needs);
             view.registry = registry.clone();
         }
@@ -212,6 +224,12 @@ impl Fulfiller {
         };
         let path = format!("/agent/capabilities/{}", need.kind);
         for attempt in 1..=3u32 {
+            // Declared again at the same provider (a roll-back) since the removal: the
+            // entry is wanted, and a late release would delete it under the consumer.
+            if self.spec(&need).is_some_and(|s| s.from == from) {
+                tracing::info!(need = %key, from, "need declared again; release cancelled");
+                return;
+            }
             match self.inner.client.post(&target, &path, body.clone()).await {
                 Ok(r) if r.is_success() => {
                     tracing::info!(need = %key, from, "need removed; released at its provider");
@@ -303,11 +321,15 @@ impl Fulfiller {
         next
     }
 
+    /// Plans the next request or check of `key` in `after` (`None`: nothing planned).
+    /// An earlier plan wins: a reload may have made the need due at once meanwhile.
     fn schedule(&self, key: &NeedKey, after: Option<Duration>) {
         let mut view = self.inner.view.lock().expect("view lock");
         match after {
             Some(d) => {
-                view.due.insert(key.clone(), Instant::now() + d);
+                let at = Instant::now() + d;
+                let slot = view.due.entry(key.clone()).or_insert(at);
+                *slot = (*slot).min(at);
             }
             None => {
                 view.due.remove(key);
@@ -350,10 +372,22 @@ impl Fulfiller {
                 return;
             }
         }
-        self.request(key, &spec).await;
+        self.request(key).await;
     }
 
-    async fn request(&self, key: &NeedKey, spec: &NeedSpec) {
+    /// Whether a reload changed the need's request after this one was sent.
+    fn superseded(&self, key: &NeedKey) -> bool {
+        self.inner
+            .view
+            .lock()
+            .expect("view lock")
+            .unsent
+            .contains(key)
+    }
+
+    async fn request(&self, key: &NeedKey) {
+        let Some(spec) = self.spec(key) else { return };
+        let spec = &spec;
         let registry = self.inner.view.lock().expect("view lock").registry.clone();
         let Some(peer) = registry.get(&spec.from) else {
             return;
@@ -372,6 +406,15 @@ impl Fulfiller {
                 .clone()
         };
         let _slot = limit.acquire().await.expect("semaphore open");
+        // The spec as it is now, after waiting for a slot; from here on it is sent.
+        let Some(spec) = self.spec(key) else { return };
+        let spec = &spec;
+        self.inner
+            .view
+            .lock()
+            .expect("view lock")
+            .unsent
+            .remove(key);
         let body = serde_json::to_vec(&AsyncBody {
             need: key.to_string(),
             request: Some(spec.request.clone()),
@@ -413,6 +456,11 @@ impl Fulfiller {
             me.record_error(key, error);
             me.schedule(key, Some(delay));
         };
+        if self.superseded(key) {
+            // Changed while in flight: this outcome is about the old request.
+            self.schedule(key, Some(Duration::ZERO));
+            return;
+        }
         let reply = match outcome {
             Err(_) => return transport_failure(self, "timeout".into()),
             Ok(Err(e)) => return transport_failure(self, e.to_string()),
@@ -435,7 +483,10 @@ impl Fulfiller {
             }
             200..=299 if reply.verified() => {
                 // An rpc-mode capability answers at once: treat the body as a callback.
-                let _ = self.deliver(key, &spec.from, &reply.body).await;
+                if let Err(e) = self.deliver(key, &spec.from, &reply.body).await {
+                    tracing::warn!(need = %key, error = %e, "rpc reply not recorded; asking again");
+                    self.schedule(key, Some(self.inner.opts.backoff));
+                }
             }
             200..=299 => {
                 self.record_error(
@@ -522,6 +573,10 @@ impl Fulfiller {
         };
         let _one_run = lock.lock().await;
         let digest = sha256_hex(payload);
+        if self.superseded(key) {
+            tracing::info!(need = %key, from = origin, bytes = payload.len(), "payload answers a request that has since changed; ignored");
+            return Ok(false);
+        }
         let (satisfied, error) = if payload.is_empty() {
             (false, Some("revoked by the provider".to_owned()))
         } else if let Some(handler) = &spec.handler {
@@ -553,18 +608,7 @@ impl Fulfiller {
         } else {
             Some(jittered(nag(&spec)))
         };
-        // Keep an earlier planned retry; otherwise plan per the need's state.
-        let keep_existing = !satisfied
-            && self
-                .inner
-                .view
-                .lock()
-                .expect("view lock")
-                .due
-                .contains_key(key);
-        if !keep_existing {
-            self.schedule(key, next);
-        }
+        self.schedule(key, next);
         Ok(satisfied)
     }
 
