@@ -187,9 +187,16 @@ async fn a_consumer_down_during_its_callback_gets_it_on_return() {
     std::fs::write(f.dir.path().join("rotate-app"), "").unwrap();
     let (ok, _) = f.admin("forge", &["trigger", "cert"]);
     assert!(ok);
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let entry = &f.read_state("forge", "provider-state.json")["entries"]["app:cert/web"];
-    assert!(entry["delivery"]["last_error"].is_string(), "{entry}");
+    let failed_once = eventually(Duration::from_secs(5), || {
+        f.read_state("forge", "provider-state.json")["entries"]["app:cert/web"]["delivery"]
+            ["last_error"]
+            .is_string()
+    })
+    .await;
+    assert!(
+        failed_once,
+        "the delivery to a stopped consumer did not fail"
+    );
     f.start_host("app");
     // The retry lands; the consumer's hour-long nag had nothing to do with it.
     assert!(
@@ -309,5 +316,41 @@ async fn kill_9_at_random_moments_loses_nothing_acknowledged() {
     assert!(
         converged,
         "fleet did not converge after 20 rounds of kill -9"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotation_interrupted_by_a_provider_crash_is_delivered_after_restart() {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    cert_provider(&mut f, "forge");
+    let store = store_handler(&f);
+    f.need(
+        "app",
+        "cert/web",
+        "forge",
+        json!({"handler": store, "nag_seconds": 3600}),
+    );
+    f.start();
+    assert!(eventually(Duration::from_secs(10), || satisfied(&f, "app")).await);
+    // The consumer is away while the rotation is decided; the provider then dies before
+    // any retry lands. The satisfied consumer will not nag for an hour.
+    f.kill("app");
+    std::fs::write(f.dir.path().join("rotate-app"), "").unwrap();
+    let (ok, _) = f.admin("forge", &["trigger", "cert"]);
+    assert!(ok);
+    f.kill("forge");
+    assert_eq!(
+        f.read_state("forge", "provider-state.json")["entries"]["app:cert/web"]["response"]
+            ["serial"],
+        2
+    );
+    f.start_host("app");
+    f.start_host("forge");
+    assert!(
+        eventually(Duration::from_secs(8), || payload(&f, "app", "cert/web")
+            .is_some_and(|p| p["serial"] == 2))
+        .await,
+        "the rotated certificate was never delivered"
     );
 }

@@ -75,19 +75,24 @@ pub fn check_own_key(config: &Config, loaded: &Loaded, signer: &Signer) -> Resul
     Ok(())
 }
 
-fn load_versioned<T>(path: std::path::PathBuf, version_of: impl Fn(&T) -> u32, current: u32) -> T
+fn load_versioned<T>(
+    path: std::path::PathBuf,
+    version_of: impl Fn(&T) -> u32,
+    current: u32,
+) -> Result<T, StartError>
 where
     T: serde::de::DeserializeOwned + Default,
 {
-    let value: T = load_or_quarantine(&path);
+    let value: T = load_or_quarantine(&path)
+        .map_err(|e| StartError::Io(format!("cannot read state file {}", path.display()), e))?;
     let found = version_of(&value);
     if found != current {
         let aside = path.with_extension(format!("v{found}-{}", unix_now()));
         let _ = std::fs::rename(&path, &aside);
         tracing::error!(file = %path.display(), found, expected = current, moved_to = %aside.display(), "STATE FILE HAS AN UNKNOWN VERSION: moved aside");
-        return T::default();
+        return Ok(T::default());
     }
-    value
+    Ok(value)
 }
 
 impl App {
@@ -111,7 +116,7 @@ impl App {
                 config.state_dir.join("provider-state.json"),
                 |s| s.version,
                 crate::provider::state::STATE_VERSION,
-            ),
+            )?,
         );
         let fulfill_store = Durable::new(
             config.state_dir.join("fulfillment-state.json"),
@@ -119,7 +124,7 @@ impl App {
                 config.state_dir.join("fulfillment-state.json"),
                 |s| s.version,
                 fort_fulfill::state::STATE_VERSION,
-            ),
+            )?,
         );
         tasks.spawn(provider_store.clone().run_flusher(shutdown.clone()));
         tasks.spawn(fulfill_store.clone().run_flusher(shutdown.clone()));
@@ -173,6 +178,7 @@ impl App {
             .map_err(|e| StartError::Invalid(e.to_string()))?;
         tasks.spawn(fulfiller.run());
         tasks.spawn(crate::provider::gc::run_periodic(app.clone()));
+        tasks.spawn(crate::provider::callbacks::run_redelivery(app.clone()));
         // Capabilities with requesters still owed a response (accepted just before a
         // crash) run at once; `initialize` ones run anyway and call everyone back. In the
         // background: the agent serves while the handlers run.

@@ -41,7 +41,6 @@ pub async fn handle(
     which: Builtin,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
-    let params = json_body(&body)?;
     let operator_list = match which {
         Builtin::Journal => Some(&app.config.access.journal),
         Builtin::Systemd => Some(&app.config.access.systemd),
@@ -55,8 +54,10 @@ pub async fn handle(
             )));
         }
     }
+    // Permission before parsing (§3 step 8: 403 before 400).
+    let params = json_body(&body)?;
     match which {
-        Builtin::Status => Ok(Reply::json(StatusCode::OK, &status(app))),
+        Builtin::Status => Ok(Reply::json(StatusCode::OK, &status(app, false))),
         Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
         Builtin::Needs => Ok(Reply::json(
             StatusCode::OK,
@@ -85,12 +86,12 @@ pub async fn handle(
                     &json!({"exit_code": 0, "output": String::from_utf8_lossy(&ok.stdout)}),
                 )),
                 // `systemctl status` exits 3 for an inactive unit: that is an answer, not a failure.
-                Err(fort_core::process::RunError::Exit { code, stderr })
+                Err(fort_core::process::RunError::Exit { code, stdout, .. })
                     if action == fort_handlers::systemd::Action::Status =>
                 {
                     Ok(Reply::json(
                         StatusCode::OK,
-                        &json!({"exit_code": code, "output": stderr}),
+                        &json!({"exit_code": code, "output": stdout}),
                     ))
                 }
                 Err(e) => crate::routes::run_output(app, "systemd", Err(e)),
@@ -99,9 +100,23 @@ pub async fn handle(
     }
 }
 
+/// The first words of an error (`handler failed`, `provider answered 503`): what the
+/// fleet may see. The detail (handler stderr, a provider's message) stays in the log and
+/// on the local admin socket.
+fn error_class(e: &str) -> String {
+    e.split(':').next().unwrap_or(e).chars().take(80).collect()
+}
+
 /// The `status` document: what this host needs, what it provides, how it is doing.
-pub fn status(app: &Arc<App>) -> Value {
-    let needs = app.fulfiller.status();
+/// `full` (the local admin socket) keeps error details; remote callers get classes.
+pub fn status(app: &Arc<App>, full: bool) -> Value {
+    let mut needs = app.fulfiller.status();
+    if !full {
+        for n in &mut needs {
+            n.last_error = n.last_error.as_deref().map(error_class);
+        }
+    }
+    let loaded = app.loaded.load_full();
     let satisfied = needs.iter().filter(|n| n.satisfied).count();
     let gc = app.last_gc.lock().expect("gc lock").clone();
     json!({
@@ -113,7 +128,7 @@ pub fn status(app: &Arc<App>) -> Value {
             "satisfied": satisfied,
             "items": needs,
         },
-        "provider": app.provider.summary(),
+        "provider": app.provider.summary(|origin| loaded.registry.is_host(origin)),
         "gc": gc.map(|g| json!({
             "at": g.at,
             "duration_ms": g.duration_ms,
@@ -121,6 +136,7 @@ pub fn status(app: &Arc<App>) -> Value {
             "removed": g.removed.len(),
             "pending_grace": g.pending_grace.len(),
             "kept_no_proof": g.kept_no_proof.len(),
+            "kept_no_proof_by_class": g.no_proof_classes,
         })),
         "nonces": app.nonces.len(),
     })

@@ -119,6 +119,11 @@ pub struct CallbackConfig {
     /// First retry delay; doubles each try (1+2+4+8 s … ≈ 2 min with 5 tries at 8 s). Unset: 8 s.
     #[serde(default = "defaults::callback_backoff", with = "humantime_serde")]
     pub backoff: Duration,
+    /// How often entries whose consumer has not acknowledged the current payload (after a
+    /// crash, or after the retries gave up) are delivered again; `0s`: only at start.
+    /// Unset: 5 min.
+    #[serde(default = "defaults::redeliver_interval", with = "humantime_serde")]
+    pub redeliver_interval: Duration,
     /// Timeout of one delivery. Unset: 30 s.
     #[serde(default = "defaults::callback_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -199,6 +204,9 @@ mod defaults {
     }
     pub fn callback_backoff() -> Duration {
         Duration::from_secs(8)
+    }
+    pub fn redeliver_interval() -> Duration {
+        Duration::from_secs(300)
     }
     pub fn callback_timeout() -> Duration {
         Duration::from_secs(30)

@@ -98,7 +98,7 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
             "/metrics",
             axum::routing::get(
                 |axum::extract::State(app): axum::extract::State<Arc<App>>| async move {
-                    let status = builtins::status(&app);
+                    let status = builtins::status(&app, true);
                     let needs = &status["needs"];
                     let total = needs["total"].as_f64().unwrap_or(0.0);
                     let satisfied = needs["satisfied"].as_f64().unwrap_or(0.0);

@@ -223,6 +223,17 @@ async fn side_effect_only_needs_want_ok() {
         .unwrap()
         .to_owned();
     assert!(err.contains("upstream unreachable"), "{err}");
+    // The provider's message is for the local operator; the fleet sees its class only.
+    let remote: Value = serde_json::from_slice(
+        &f.post("p", "c", "/agent/capabilities/status", &json!({}))
+            .await
+            .body,
+    )
+    .unwrap();
+    assert_eq!(
+        remote["needs"]["items"][0]["last_error"], "provider says",
+        "{remote}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,18 +45,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Reads a JSON state file. A missing file is `T::default()`; a file that does not parse
 /// (torn, foreign, or from a newer version) is moved aside loudly and replaced by the
-/// default, so a bad file never makes the agent crash in a loop.
-pub fn load_or_quarantine<T: DeserializeOwned + Default>(path: &Path) -> T {
+/// default, so a bad file never makes the agent crash in a loop. A file that exists but
+/// cannot be read (EIO, EACCES) is an error: starting empty would overwrite it.
+pub fn load_or_quarantine<T: DeserializeOwned + Default>(path: &Path) -> std::io::Result<T> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return T::default(),
-        Err(e) => {
-            tracing::error!(file = %path.display(), error = %e, "cannot read state file; starting empty");
-            return T::default();
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(T::default()),
+        Err(e) => return Err(e),
     };
     match serde_json::from_slice(&bytes) {
-        Ok(v) => v,
+        Ok(v) => Ok(v),
         Err(e) => {
             let aside = path.with_extension(format!("corrupt-{}", crate::wire::unix_now()));
             let moved = std::fs::rename(path, &aside);
@@ -67,7 +65,9 @@ pub fn load_or_quarantine<T: DeserializeOwned + Default>(path: &Path) -> T {
                 error = %e,
                 "STATE FILE UNREADABLE: moved aside, starting from an empty state"
             );
-            T::default()
+            // Not moved aside means the next write would destroy it: refuse instead.
+            moved?;
+            Ok(T::default())
         }
     }
 }
@@ -281,7 +281,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.json");
         std::fs::write(&path, b"{\"a\": ").unwrap();
-        let v: BTreeMap<String, u32> = load_or_quarantine(&path);
+        let v: BTreeMap<String, u32> = load_or_quarantine(&path).unwrap();
         assert!(v.is_empty());
         assert!(!path.exists());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);

@@ -64,7 +64,13 @@ pub enum RunError {
         source: std::io::Error,
     },
     #[error("exited with code {code}: {stderr}")]
-    Exit { code: i32, stderr: String },
+    Exit {
+        code: i32,
+        stderr: String,
+        /// What it printed before failing: some tools (`systemctl status`) answer
+        /// through a non-zero exit.
+        stdout: String,
+    },
     #[error("killed by signal {signal}: {stderr}")]
     Signal { signal: i32, stderr: String },
     #[error("timed out after {0:?}; process group killed")]
@@ -185,6 +191,7 @@ pub async fn run(spec: &RunSpec) -> Result<Success, RunError> {
             return Err(RunError::Exit {
                 code,
                 stderr: stderr_text,
+                stdout: String::from_utf8_lossy(&stdout).into_owned(),
             });
         }
     } else {

@@ -53,8 +53,8 @@ struct View {
     in_flight: HashSet<NeedKey>,
     failures: HashMap<NeedKey, u32>,
     /// Needs whose current request (new, or changed by a reload) has not been sent yet.
-    /// A reply or callback arriving meanwhile answers an older request: it must neither
-    /// satisfy the need nor push its next request back.
+    /// A reply or callback arriving meanwhile may answer an older request: it must not
+    /// stop the current one from going out at once.
     unsent: HashSet<NeedKey>,
 }
 
@@ -348,7 +348,7 @@ impl Fulfiller {
     /// A due need: a satisfied one with a check is checked; anything else is requested.
     async fn attend(&self, key: &NeedKey) {
         let Some(spec) = self.spec(key) else { return };
-        if self.satisfied(key) && !spec.never_satisfied {
+        if self.satisfied(key) && !spec.never_satisfied && !self.superseded(key) {
             if let Some(check) = &spec.check {
                 self.inner
                     .spawned
@@ -573,10 +573,6 @@ impl Fulfiller {
         };
         let _one_run = lock.lock().await;
         let digest = sha256_hex(payload);
-        if self.superseded(key) {
-            tracing::info!(need = %key, from = origin, bytes = payload.len(), "payload answers a request that has since changed; ignored");
-            return Ok(false);
-        }
         let (satisfied, error) = if payload.is_empty() {
             (false, Some("revoked by the provider".to_owned()))
         } else if let Some(handler) = &spec.handler {
@@ -608,7 +604,13 @@ impl Fulfiller {
         } else {
             Some(jittered(nag(&spec)))
         };
-        self.schedule(key, next);
+        // The payload may answer an older request (the protocol cannot say which); the
+        // current one must still go out, so it stays due at once.
+        if self.superseded(key) {
+            self.schedule(key, Some(Duration::ZERO));
+        } else {
+            self.schedule(key, next);
+        }
         Ok(satisfied)
     }
 

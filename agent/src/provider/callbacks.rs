@@ -19,6 +19,32 @@ use crate::app::App;
 pub struct Deliveries {
     limit: Arc<Semaphore>,
     per_entry: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Delivery tasks alive per entry, so a redelivery sweep does not double up.
+    active: Mutex<HashMap<String, usize>>,
+}
+
+/// Counts one live delivery task for an entry; uncounted when the task ends.
+struct ActiveDelivery {
+    app: Arc<App>,
+    key: String,
+}
+
+impl Drop for ActiveDelivery {
+    fn drop(&mut self) {
+        let mut active = self
+            .app
+            .provider
+            .deliveries
+            .active
+            .lock()
+            .expect("active lock");
+        if let Some(n) = active.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                active.remove(&self.key);
+            }
+        }
+    }
 }
 
 impl Deliveries {
@@ -26,6 +52,7 @@ impl Deliveries {
         Deliveries {
             limit: Arc::new(Semaphore::new(concurrency.max(1))),
             per_entry: Mutex::new(HashMap::new()),
+            active: Mutex::new(HashMap::new()),
         }
     }
 
@@ -40,9 +67,73 @@ impl Deliveries {
 }
 
 pub fn spawn_delivery(app: &Arc<App>, key: String, response: Option<Value>) {
+    *app.provider
+        .deliveries
+        .active
+        .lock()
+        .expect("active lock")
+        .entry(key.clone())
+        .or_insert(0) += 1;
+    let guard = ActiveDelivery {
+        app: app.clone(),
+        key: key.clone(),
+    };
     let app2 = app.clone();
-    app.tasks
-        .spawn(async move { deliver(&app2, key, response).await });
+    app.tasks.spawn(async move {
+        let _counted = guard;
+        deliver(&app2, key, response).await
+    });
+}
+
+/// Starts a delivery for every host entry whose consumer has not acknowledged its
+/// current payload and that has no delivery under way: what a crash interrupted, and
+/// what gave up after its retries (a rotated credential must not wait for a nag that a
+/// satisfied consumer never sends). Returns how many were started.
+pub fn redeliver_undelivered(app: &Arc<App>) -> usize {
+    let loaded = app.loaded.load_full();
+    let owed: Vec<(String, Option<Value>)> = app.provider.store.read(|s| {
+        s.entries
+            .iter()
+            .filter(|(k, e)| {
+                e.undelivered()
+                    && parse_entry_key(k).is_some_and(|(o, _)| loaded.registry.is_host(o))
+            })
+            .map(|(k, e)| (k.clone(), e.response.clone()))
+            .collect()
+    });
+    let active = app
+        .provider
+        .deliveries
+        .active
+        .lock()
+        .expect("active lock")
+        .clone();
+    let mut started = 0;
+    for (key, response) in owed {
+        if !active.contains_key(&key) {
+            spawn_delivery(app, key, response);
+            started += 1;
+        }
+    }
+    if started > 0 {
+        tracing::info!(started, "redelivering unacknowledged callbacks");
+    }
+    started
+}
+
+/// Redelivery at start and then every `interval`, until shutdown.
+pub async fn run_redelivery(app: Arc<App>) {
+    let interval = app.config.callbacks.redeliver_interval;
+    loop {
+        redeliver_undelivered(&app);
+        if interval.is_zero() {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = app.shutdown.cancelled() => return,
+        }
+    }
 }
 
 /// Whether the entry still wants exactly this payload delivered.

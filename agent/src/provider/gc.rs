@@ -43,6 +43,8 @@ pub struct SweepReport {
     pub removed: Vec<Decision>,
     pub pending_grace: Vec<Decision>,
     pub kept_no_proof: Vec<Decision>,
+    /// Origins whose absence could not be proven, by failure class.
+    pub no_proof_classes: BTreeMap<String, usize>,
 }
 
 /// Asks one host which needs it declares.
@@ -187,6 +189,8 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
                         }
                     }
                     Some(Evidence::NoProof(class)) => {
+                        tracing::info!(entry = %key, origin = %origin, class = %class, "gc: absence not proven; entry kept");
+                        *report.no_proof_classes.entry(class.clone()).or_insert(0) += 1;
                         app.metrics
                             .gc
                             .inc(&[("decision", "kept_no_proof"), ("reason", class)]);

@@ -201,14 +201,17 @@ impl Provider {
     }
 
     /// Per capability: entries, undelivered, runs, last run.
-    pub fn summary(&self) -> Value {
+    /// `is_host` tells host origins from principals, which get no callbacks and so are
+    /// never counted as undelivered.
+    pub fn summary(&self, is_host: impl Fn(&str) -> bool) -> Value {
         let mut per_cap: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
         self.store.read(|s| {
             for (key, entry) in &s.entries {
                 if let Some(cap) = state::capability_of(key) {
                     let c = per_cap.entry(cap.to_owned()).or_default();
                     c.0 += 1;
-                    c.1 += entry.undelivered() as usize;
+                    let host = key.split_once(':').is_some_and(|(o, _)| is_host(o));
+                    c.1 += (host && entry.undelivered()) as usize;
                 }
             }
         });
