@@ -36,6 +36,10 @@ pub struct App {
     pub metrics: Metrics,
     pub started: Instant,
     pub shutdown: CancellationToken,
+    /// Stops the state flushers. Separate from `shutdown` and cancelled only once the
+    /// HTTP server has drained: a request finishing during the drain still gets its
+    /// change on disk before it is answered.
+    pub flush_stop: CancellationToken,
     pub tasks: TaskTracker,
     pub last_gc: Mutex<Option<SweepReport>>,
 }
@@ -126,8 +130,9 @@ impl App {
                 fort_fulfill::state::STATE_VERSION,
             )?,
         );
-        tasks.spawn(provider_store.clone().run_flusher(shutdown.clone()));
-        tasks.spawn(fulfill_store.clone().run_flusher(shutdown.clone()));
+        let flush_stop = CancellationToken::new();
+        tasks.spawn(provider_store.clone().run_flusher(flush_stop.clone()));
+        tasks.spawn(fulfill_store.clone().run_flusher(flush_stop.clone()));
 
         let nonces = NonceStore::open(
             Some(&config.state_dir),
@@ -168,6 +173,7 @@ impl App {
             metrics: Metrics::default(),
             started: Instant::now(),
             shutdown: shutdown.clone(),
+            flush_stop,
             tasks: tasks.clone(),
             last_gc: Mutex::new(None),
             config,

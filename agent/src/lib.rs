@@ -65,6 +65,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     notify_systemd("READY=1");
     server::serve(listener, app_router(app.clone()), header_timeout, shutdown).await;
     notify_systemd("STOPPING=1");
+    app.flush_stop.cancel();
     app.tasks.close();
     if tokio::time::timeout(Duration::from_secs(10), app.tasks.wait())
         .await
