@@ -96,26 +96,21 @@ async fn a_burst_of_200_requests_from_20_hosts_coalesces() {
     }
     f.start();
     // On top of the consumers' own start-up requests, 200 more at once from the test.
-    let mut tasks = Vec::new();
-    let f = std::sync::Arc::new(f);
-    for c in &consumers {
-        for n in 0..10 {
-            let (f, c) = (f.clone(), c.clone());
-            tasks.push(tokio::spawn(async move {
-                f.post(
-                    &c,
-                    "forge",
-                    "/agent/capabilities/oidc",
-                    &json!({"need": format!("oidc/app{n}"), "request": {"n": n}}),
+    let calls = consumers
+        .iter()
+        .flat_map(|c| {
+            (0..10).map(move |n| {
+                (
+                    c.clone(),
+                    json!({"need": format!("oidc/app{n}"), "request": {"n": n}}),
                 )
-                .await
-                .status
-            }));
-        }
-    }
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), 202);
-    }
+            })
+        })
+        .collect();
+    let statuses = f
+        .post_concurrently("forge", "/agent/capabilities/oidc", calls)
+        .await;
+    assert!(statuses.iter().all(|s| *s == Some(202)), "{statuses:?}");
     let done = eventually(Duration::from_secs(30), || {
         consumers.iter().all(|c| all_satisfied(&f, c))
     })
@@ -160,29 +155,21 @@ async fn kill_9_after_accepting_loses_nothing() {
     }
     f.write_files();
     f.start_host("forge");
-    let mut accepted = 0;
-    let mut tasks = Vec::new();
-    let fa = std::sync::Arc::new(f);
-    for c in &consumers {
-        for n in 0..10 {
-            let (f, c) = (fa.clone(), c.clone());
-            tasks.push(tokio::spawn(async move {
-                f.post(
-                    &c,
-                    "forge",
-                    "/agent/capabilities/oidc",
-                    &json!({"need": format!("oidc/n{n}"), "request": {}}),
+    let calls = consumers
+        .iter()
+        .flat_map(|c| {
+            (0..10).map(move |n| {
+                (
+                    c.clone(),
+                    json!({"need": format!("oidc/n{n}"), "request": {}}),
                 )
-                .await
-                .status
-            }));
-        }
-    }
-    for t in tasks {
-        accepted += (t.await.unwrap() == 202) as usize;
-    }
-    assert_eq!(accepted, 50);
-    let mut f = std::sync::Arc::try_unwrap(fa).ok().expect("sole owner");
+            })
+        })
+        .collect();
+    let statuses = f
+        .post_concurrently("forge", "/agent/capabilities/oidc", calls)
+        .await;
+    assert_eq!(statuses.iter().filter(|s| **s == Some(202)).count(), 50);
     f.kill("forge");
     let state = f.read_state("forge", "provider-state.json");
     assert_eq!(

@@ -255,6 +255,49 @@ impl Fleet {
             .expect("request reaches the agent")
     }
 
+    /// Signed `POST path` to `host` from many origins at once: `(origin, body)` pairs, sent
+    /// concurrently; returns each status in order (`None`: no reply).
+    pub async fn post_concurrently(
+        &self,
+        host: &str,
+        path: &str,
+        calls: Vec<(String, Value)>,
+    ) -> Vec<Option<u16>> {
+        let h = &self.hosts[host];
+        let address = format!("http://{}", h.addr);
+        let keys = vec![h.signer.public_key().clone()];
+        let tasks: Vec<_> = calls
+            .into_iter()
+            .map(|(origin, body)| {
+                let (client, address, keys, host, path) = (
+                    self.client(&origin),
+                    address.clone(),
+                    keys.clone(),
+                    host.to_owned(),
+                    path.to_owned(),
+                );
+                tokio::spawn(async move {
+                    let target = Target {
+                        name: &host,
+                        address: &address,
+                        keys: &keys,
+                    };
+                    let body = serde_json::to_vec(&body).expect("json");
+                    client
+                        .post(&target, &path, body)
+                        .await
+                        .ok()
+                        .map(|r| r.status)
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("task"));
+        }
+        out
+    }
+
     /// `fort-agent <args> --config <host's config>`, returning (exit ok, stdout).
     pub fn admin(&self, host: &str, args: &[&str]) -> (bool, String) {
         let out = Command::new(bin("fort-agent"))
