@@ -1,0 +1,184 @@
+//! Issue 3: N consumer agents × M needs requested at once against one provider agent
+//! with a trivial handler.
+//!
+//! Method: every agent is started and listening first, consumers with an empty
+//! needs.json. Then each consumer's needs.json is replaced with its M needs and all
+//! consumers get SIGHUP at the same instant (t0): a reload requests every new need at
+//! once. So the clock covers request → durable 202 → coalesced handler runs → signed
+//! callbacks → consumer acknowledgement, and not process start-up. The end is the first
+//! poll (every `--poll`) at which the provider has N×M entries with nothing undelivered
+//! and every consumer reports M of M needs satisfied.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+
+use crate::util::{self, ms, AgentProc, Report};
+
+#[derive(clap::Args, Debug)]
+pub struct BurstArgs {
+    /// Consumer agents.
+    #[arg(long, default_value_t = 20)]
+    consumers: usize,
+    /// Needs per consumer.
+    #[arg(long, default_value_t = 50)]
+    needs: usize,
+    /// Give up after this long.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// How often completion is polled over the admin sockets.
+    #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
+    poll: Duration,
+    /// Print every poll: time, entries, undelivered, handler runs, state writes.
+    #[arg(long)]
+    timeline: bool,
+    /// Consumers run a handler (`cat >/dev/null`) per callback instead of taking `OK`.
+    #[arg(long)]
+    consumer_handler: bool,
+}
+
+const CAP: &str = "burst";
+
+pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
+    util::require_jq()?;
+    let mut fleet = util::new_fleet();
+    let handler = util::ok_handler(&fleet, None);
+    let sink = fleet.script("sink", "cat >/dev/null");
+    fleet.capability("forge", CAP, json!({"handler": handler, "mode": "async"}));
+    let consumers: Vec<String> = (0..args.consumers).map(|i| format!("c{i:03}")).collect();
+    for c in &consumers {
+        for n in 0..args.needs {
+            let mut spec = json!({"nag_seconds": 3600, "request": {"n": n}});
+            if args.consumer_handler {
+                spec["handler"] = json!(sink);
+            }
+            fleet.need(c, &format!("{CAP}/n{n:04}"), "forge", spec);
+        }
+    }
+    fleet.write_files();
+    for c in &consumers {
+        std::fs::write(fleet.host_dir(c).join("needs.json"), "{}")?;
+    }
+
+    let mut provider = vec![AgentProc::spawn(&fleet, "forge")?];
+    util::wait_listening(&mut provider, Duration::from_secs(20))?;
+    let provider = provider.pop().expect("one");
+    let mut agents = Vec::new();
+    for c in &consumers {
+        agents.push(AgentProc::spawn(&fleet, c)?);
+    }
+    util::wait_listening(&mut agents, Duration::from_secs(60))?;
+    for a in &agents {
+        // Answers once the agent has started (both sockets are bound before that).
+        util::status(&a.socket()).with_context(|| format!("{} admin socket", a.name))?;
+    }
+    // The SIGHUP handler is installed just after the admin socket starts answering;
+    // a SIGHUP before that would kill the agent.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = util::status(&provider.socket())?;
+    let (_, _, runs0, writes0) = util::provider_counts(&before, CAP);
+    let cpu0 = util::proc_cpu(provider.pid()).unwrap_or_default();
+    let consumer_cpu0: Duration = agents.iter().filter_map(|a| util::proc_cpu(a.pid())).sum();
+
+    for c in &consumers {
+        let needs = serde_json::to_vec_pretty(&fleet.hosts[c].needs)?;
+        std::fs::write(fleet.host_dir(c).join("needs.json"), needs)?;
+    }
+    let t0 = Instant::now();
+    for a in &agents {
+        a.hup();
+    }
+    let total = (args.consumers * args.needs) as u64;
+    let deadline = t0 + args.timeout;
+    let mut polls = 0u64;
+    let mut timeline = Vec::new();
+    let mut all_entries: Option<(Duration, u64, u64)> = None;
+    let (elapsed, last) = loop {
+        polls += 1;
+        let s = util::status(&provider.socket())?;
+        let (entries, undelivered, runs, writes) = util::provider_counts(&s, CAP);
+        let at = t0.elapsed();
+        timeline.push((at, entries, undelivered, runs - runs0, writes - writes0));
+        if entries == total && all_entries.is_none() {
+            all_entries = Some((at, runs - runs0, writes - writes0));
+        }
+        if entries == total
+            && undelivered == 0
+            && agents.iter().all(|a| {
+                util::needs_satisfied(&a.socket()) == Some((args.needs as u64, args.needs as u64))
+            })
+        {
+            break (t0.elapsed(), s);
+        }
+        if Instant::now() > deadline {
+            let satisfied: u64 = agents
+                .iter()
+                .filter_map(|a| util::needs_satisfied(&a.socket()))
+                .map(|(_, s)| s)
+                .sum();
+            bail!(
+                "not converged after {:?}: provider entries {entries}/{total}, undelivered {undelivered}, consumers satisfied {satisfied}/{total}",
+                args.timeout
+            );
+        }
+        tokio::time::sleep(args.poll).await;
+    };
+    let cpu = util::proc_cpu(provider.pid()).unwrap_or_default() - cpu0;
+    let consumer_cpu = agents
+        .iter()
+        .filter_map(|a| util::proc_cpu(a.pid()))
+        .sum::<Duration>()
+        - consumer_cpu0;
+    let hwm = util::proc_kb(provider.pid(), "VmHWM").unwrap_or(0);
+    let (_, _, runs1, writes1) = util::provider_counts(&last, CAP);
+    let runs = runs1 - runs0;
+    let writes = writes1 - writes0;
+    let last_run = &last["provider"]["capabilities"][CAP]["last_run"];
+
+    let mut r = Report::new("burst", json_out);
+    r.line("consumers", args.consumers, args.consumers);
+    r.line("needs_per_consumer", args.needs, args.needs);
+    r.line("needs_total", total, total);
+    r.line("all_called_back_ms", ms(elapsed), format!("{:.1} ms (SIGHUP of all consumers → last callback acknowledged; polled every {:?}, {polls} polls)", ms(elapsed), args.poll));
+    if let Some((at, runs, writes)) = all_entries {
+        r.line("all_entries_stored_ms", ms(at), format!("{:.1} ms (first poll showing all {total} entries; {runs} handler runs and {writes} state writes by then)", ms(at)));
+    }
+    r.line("handler_runs", runs, runs);
+    r.line(
+        "state_writes",
+        writes,
+        format!("{writes} (provider-state.json)"),
+    );
+    r.line(
+        "provider_cpu_ms",
+        ms(cpu),
+        format!(
+            "{:.0} ms (utime+stime during the burst, 10 ms ticks)",
+            ms(cpu)
+        ),
+    );
+    r.line(
+        "provider_peak_rss_kb",
+        hwm,
+        format!("{:.1} MiB (VmHWM)", hwm as f64 / 1024.0),
+    );
+    r.line(
+        "consumers_cpu_ms",
+        ms(consumer_cpu),
+        format!("{:.0} ms (all consumers together)", ms(consumer_cpu)),
+    );
+    r.line("last_handler_run", last_run.clone(), last_run);
+    if args.timeline {
+        for (at, entries, undelivered, runs, writes) in &timeline {
+            r.note(&format!("t={:>7.1} ms entries={entries:>5} undelivered={undelivered:>5} handler_runs={runs:>3} state_writes={writes:>4}", ms(*at)));
+        }
+    }
+    r.target("all called back < 3 s", elapsed < Duration::from_secs(3));
+    r.target("< 50 handler runs", runs < 50);
+    r.target("< 100 state writes", writes < 100);
+    r.finish();
+    drop(agents);
+    drop(provider);
+    Ok(())
+}

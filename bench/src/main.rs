@@ -1,0 +1,105 @@
+//! `fort-bench`: benchmarks that start real `fort-agent` processes on loopback (keys and
+//! files generated per run, agents killed on exit) and print their numbers.
+//!
+//! Build both binaries into one target dir, then run, e.g.:
+//!   cargo build --release -p fort-agent -p fort-bench
+//!   target/release/fort-bench status --connections 32 --duration 10s
+
+mod burst;
+mod converge;
+mod cycle;
+mod gc;
+mod status;
+mod util;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "fort-bench",
+    version,
+    about = "Benchmarks of fort agents on loopback"
+)]
+#[command(after_help = "Examples:
+  fort-bench status --connections 32 --duration 10s
+  fort-bench status --target http://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
+  fort-bench burst --consumers 20 --needs 50
+  fort-bench fulfill-cycle --needs 500
+  fort-bench gc --origins 200
+  fort-bench converge --consumers 50 --needs 10
+  fort-bench --json converge")]
+struct Cli {
+    /// Print one JSON object instead of aligned lines.
+    #[arg(long, global = true)]
+    json: bool,
+    /// The fort-agent binary. Default: $FORT_BIN_FORT_AGENT, else next to fort-bench.
+    #[arg(long, global = true)]
+    agent_bin: Option<PathBuf>,
+    /// FORT_LOG for the agents started (what a deployment runs with: info).
+    #[arg(long, global = true, default_value = "info")]
+    agent_log: String,
+    /// Keep the fleet directory (configs, state files, agent logs) after the run.
+    #[arg(long, global = true)]
+    keep: bool,
+    /// Worker threads of this process's runtime. Default: one per core.
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Issue 2: signed `status` calls over N connections; req/s and latency.
+    Status(status::StatusArgs),
+    /// Issue 3: N consumers × M needs at once against one provider.
+    Burst(burst::BurstArgs),
+    /// Issue 4: CPU time of one fulfiller cycle, steady state and all due.
+    FulfillCycle(cycle::CycleArgs),
+    /// Issue 5: one GC sweep over entries from many origin agents.
+    Gc(gc::GcArgs),
+    /// Issue 7: time for K consumer agents to converge, and idle RSS.
+    Converge(converge::ConvergeArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = util::init_agent_bin(cli.agent_bin.clone(), &cli.agent_log) {
+        eprintln!("fort-bench: {e:#}");
+        return ExitCode::from(2);
+    }
+    util::set_keep(cli.keep);
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cli.threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = match rt.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fort-bench: runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let json = cli.json;
+    // Every agent is owned inside these futures and killed when they return.
+    let result = rt.block_on(async move {
+        match cli.command {
+            Cmd::Status(a) => status::run(a, json).await,
+            Cmd::Burst(a) => burst::run(a, json).await,
+            Cmd::FulfillCycle(a) => cycle::run(a, json).await,
+            Cmd::Gc(a) => gc::run(a, json).await,
+            Cmd::Converge(a) => converge::run(a, json).await,
+        }
+    });
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fort-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

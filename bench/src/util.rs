@@ -1,0 +1,415 @@
+//! Shared pieces: finding and running `fort-agent` processes (killed on drop, and with
+//! the bench if it dies), the admin socket, per-process CPU and memory from `/proc`, our
+//! own CPU time from `getrusage`, percentiles, and the printed report.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use fort_tests::Fleet;
+use serde_json::{json, Value};
+
+static AGENT_BIN: OnceLock<PathBuf> = OnceLock::new();
+static AGENT_LOG: OnceLock<String> = OnceLock::new();
+static KEEP: OnceLock<bool> = OnceLock::new();
+
+/// With `--keep`: the fleet directory (configs, state, agent logs) outlives the run.
+pub fn set_keep(keep: bool) {
+    let _ = KEEP.set(keep);
+}
+
+/// A fresh fleet directory, kept after the run with `--keep`.
+pub fn new_fleet() -> Fleet {
+    let mut fleet = Fleet::new();
+    if KEEP.get().copied().unwrap_or(false) {
+        fleet.dir.disable_cleanup(true);
+        eprintln!("fort-bench: keeping {}", fleet.dir.path().display());
+    }
+    fleet
+}
+
+/// Finds `fort-agent`: `--agent-bin`, then `$FORT_BIN_FORT_AGENT`, then next to this exe
+/// (both built into the same target dir).
+pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<PathBuf> {
+    let path = match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_AGENT").map(PathBuf::from))
+    {
+        Some(p) => p,
+        None => std::env::current_exe()
+            .context("current exe")?
+            .parent()
+            .ok_or_else(|| anyhow!("exe has no directory"))?
+            .join("fort-agent"),
+    };
+    if !path.is_file() {
+        bail!(
+            "{} not found: build it next to fort-bench (`cargo build --release -p fort-agent -p fort-bench`) or pass --agent-bin",
+            path.display()
+        );
+    }
+    let _ = AGENT_BIN.set(path.clone());
+    let _ = AGENT_LOG.set(log_level.to_owned());
+    Ok(path)
+}
+
+pub fn require_jq() -> Result<()> {
+    let ok = Command::new("jq")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        bail!("jq is needed for the provider's handler script and is not on PATH");
+    }
+    Ok(())
+}
+
+/// A provider handler that answers `"OK"` for every entry (a side-effect-only need is
+/// satisfied by it without any consumer process), optionally only for keys ending in
+/// `only_suffix`.
+pub fn ok_handler(fleet: &Fleet, only_suffix: Option<&str>) -> PathBuf {
+    let expr = match only_suffix {
+        None => r#"with_entries(.value = "OK")"#.to_owned(),
+        Some(s) => {
+            format!(
+                r#"with_entries(.value = (if (.key | endswith("{s}")) then "OK" else null end))"#
+            )
+        }
+    };
+    fleet.script("ok-handler", &format!("exec jq -c '{expr}'"))
+}
+
+/// Asks the kernel to SIGKILL the child when the thread that spawned it dies (even on
+/// `panic = "abort"`), so no agent outlives the bench. Spawn only from the main thread.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs between fork and exec and only calls prctl(2), which is
+    // async-signal-safe; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+            Ok(())
+        });
+    }
+}
+
+#[allow(unsafe_code)]
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on the pid of a child we own and have not reaped.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// A running `fort-agent serve`; SIGKILLed and reaped on drop.
+pub struct AgentProc {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    child: Child,
+}
+
+impl AgentProc {
+    /// Starts `name`'s agent from the files `fleet.write_files()` wrote. Does not wait.
+    pub fn spawn(fleet: &Fleet, name: &str) -> Result<AgentProc> {
+        let bin = AGENT_BIN
+            .get()
+            .ok_or_else(|| anyhow!("agent binary not set"))?;
+        let spec = fleet
+            .hosts
+            .get(name)
+            .ok_or_else(|| anyhow!("no host {name}"))?;
+        let dir = fleet.host_dir(name);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("agent.log"))
+            .context("agent log")?;
+        let mut cmd = Command::new(bin);
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(dir.join("agent.toml"))
+            .env(
+                "FORT_LOG",
+                AGENT_LOG.get().map(String::as_str).unwrap_or("info"),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        die_with_parent(&mut cmd);
+        let child = cmd.spawn().context("spawn fort-agent")?;
+        Ok(AgentProc {
+            name: name.to_owned(),
+            addr: spec.addr,
+            dir,
+            child,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+
+    pub fn hup(&self) {
+        signal(self.pid(), libc::SIGHUP);
+    }
+
+    fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => {
+                let log = std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(10).collect();
+                Some(format!(
+                    "agent {} exited with {status}; log tail:\n{}",
+                    self.name,
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                ))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until every agent accepts TCP connections (bounded by `timeout`).
+pub fn wait_listening(agents: &mut [AgentProc], timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut up = vec![false; agents.len()];
+    while up.iter().any(|u| !u) {
+        for (i, a) in agents.iter_mut().enumerate() {
+            if up[i] {
+                continue;
+            }
+            if let Some(why) = a.exited() {
+                bail!(why);
+            }
+            up[i] = TcpStream::connect_timeout(&a.addr, Duration::from_millis(50)).is_ok();
+        }
+        if Instant::now() > deadline {
+            let down: Vec<&str> = agents
+                .iter()
+                .zip(&up)
+                .filter(|(_, u)| !**u)
+                .map(|(a, _)| a.name.as_str())
+                .collect();
+            bail!("agents not listening after {timeout:?}: {down:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// One admin-socket exchange (a JSON line each way).
+pub fn admin(socket: &Path, req: &Value, timeout: Duration) -> Result<Value> {
+    let mut s = UnixStream::connect(socket)
+        .with_context(|| format!("admin socket {}", socket.display()))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let mut line = serde_json::to_vec(req)?;
+    line.push(b'\n');
+    s.write_all(&line)?;
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply)?;
+    let v: Value = serde_json::from_str(&reply).context("admin reply")?;
+    if v["ok"] != json!(true) {
+        bail!("admin {req} failed: {}", v["error"]);
+    }
+    Ok(v)
+}
+
+/// The agent's status document over its admin socket.
+pub fn status(socket: &Path) -> Result<Value> {
+    Ok(admin(socket, &json!({"cmd": "status"}), Duration::from_secs(30))?["status"].take())
+}
+
+/// `(total, satisfied)` needs of an agent, or `None` while its socket is not up.
+pub fn needs_satisfied(socket: &Path) -> Option<(u64, u64)> {
+    let s = status(socket).ok()?;
+    Some((
+        s["needs"]["total"].as_u64()?,
+        s["needs"]["satisfied"].as_u64()?,
+    ))
+}
+
+/// `(entries, undelivered, handler_runs)` of one provider capability, and state writes.
+pub fn provider_counts(status: &Value, cap: &str) -> (u64, u64, u64, u64) {
+    let c = &status["provider"]["capabilities"][cap];
+    (
+        c["entries"].as_u64().unwrap_or(0),
+        c["undelivered"].as_u64().unwrap_or(0),
+        c["handler_runs"].as_u64().unwrap_or(0),
+        status["provider"]["state_writes"].as_u64().unwrap_or(0),
+    )
+}
+
+#[allow(unsafe_code)]
+fn clock_ticks() -> u64 {
+    // SAFETY: sysconf(3) has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as u64
+    } else {
+        100
+    }
+}
+
+/// utime + stime of a process, from `/proc/<pid>/stat` (clock-tick resolution).
+pub fn proc_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_micros(ticks * 1_000_000 / clock_ticks()))
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`).
+pub fn proc_kb(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+/// CPU time the whole machine spent busy (all cores, from `/proc/stat`), to tell how
+/// much of a run's CPU went to other processes.
+pub fn machine_busy() -> Duration {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal …
+    let busy: u64 = f.iter().take(8).sum::<u64>() - f.get(3).unwrap_or(&0) - f.get(4).unwrap_or(&0);
+    Duration::from_micros(busy * 1_000_000 / clock_ticks())
+}
+
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[allow(unsafe_code)]
+fn rusage(who: libc::c_int) -> Duration {
+    // SAFETY: getrusage(2) fills the zeroed struct we pass; `who` is a valid constant.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(who, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// CPU time of the calling thread (µs resolution).
+pub fn thread_cpu() -> Duration {
+    rusage(libc::RUSAGE_THREAD)
+}
+
+/// CPU time of this whole process.
+pub fn self_cpu() -> Duration {
+    rusage(libc::RUSAGE_SELF)
+}
+
+pub fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Nearest-rank percentile of sorted values.
+pub fn percentile<T: Copy + Default>(sorted: &[T], q: f64) -> T {
+    if sorted.is_empty() {
+        return T::default();
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// `(min, median, max)` of unsorted values.
+pub fn spread(values: &mut [u64]) -> (u64, u64, u64) {
+    values.sort_unstable();
+    (
+        percentile(values, 0.0),
+        percentile(values, 0.5),
+        percentile(values, 1.0),
+    )
+}
+
+/// Numbers printed as aligned lines, or as one JSON object with `--json`.
+pub struct Report {
+    json: bool,
+    fields: serde_json::Map<String, Value>,
+    targets: serde_json::Map<String, Value>,
+}
+
+impl Report {
+    pub fn new(title: &str, json: bool) -> Report {
+        if !json {
+            println!("== fort-bench {title}");
+        }
+        let mut fields = serde_json::Map::new();
+        fields.insert("bench".into(), json!(title));
+        let load = loadavg();
+        if !json {
+            println!("  {:<36} {load} (before the run)", "loadavg");
+        }
+        fields.insert("loadavg".into(), json!(load));
+        Report {
+            json,
+            fields,
+            targets: serde_json::Map::new(),
+        }
+    }
+
+    /// Records `key = value` and prints `label: shown`.
+    pub fn line(&mut self, key: &str, value: impl Into<Value>, shown: impl std::fmt::Display) {
+        if !self.json {
+            println!("  {key:<36} {shown}");
+        }
+        self.fields.insert(key.to_owned(), value.into());
+    }
+
+    pub fn target(&mut self, what: &str, pass: bool) {
+        if !self.json {
+            println!("  target {what:<29} {}", if pass { "PASS" } else { "FAIL" });
+        }
+        self.targets.insert(what.to_owned(), json!(pass));
+    }
+
+    pub fn note(&self, text: &str) {
+        if !self.json {
+            println!("  note: {text}");
+        }
+    }
+
+    pub fn finish(mut self) {
+        if self.json {
+            self.fields
+                .insert("targets".into(), Value::Object(self.targets));
+            println!("{}", Value::Object(self.fields));
+        }
+    }
+}
