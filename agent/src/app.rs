@@ -42,6 +42,8 @@ pub struct App {
     pub flush_stop: CancellationToken,
     pub tasks: TaskTracker,
     pub last_gc: Mutex<Option<SweepReport>>,
+    /// Requests served since start (for housekeeping: was there a burst to clean up?).
+    pub served: std::sync::atomic::AtomicU64,
 }
 
 /// Why the agent cannot start.
@@ -98,6 +100,38 @@ where
     }
     Ok(value)
 }
+
+/// After a burst, glibc keeps the freed heap (connection buffers, handler I/O) mapped;
+/// an idle agent hands it back so its resident size stays small. Checked every 2 s,
+/// trimming only when requests were served since the last look and none is in flight.
+async fn release_memory_when_idle(app: Arc<App>) {
+    use std::sync::atomic::Ordering;
+    let mut seen = 0;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+            _ = app.shutdown.cancelled() => return,
+        }
+        let served = app.served.load(Ordering::Relaxed);
+        let idle = app.limiter.available_permits() == app.config.max_concurrent_requests.max(1);
+        if served != seen && idle {
+            seen = served;
+            trim_heap();
+        }
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn trim_heap() {
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_heap() {}
 
 impl App {
     /// Loads everything and starts the background tasks (flushers, fulfiller, GC,
@@ -176,6 +210,7 @@ impl App {
             flush_stop,
             tasks: tasks.clone(),
             last_gc: Mutex::new(None),
+            served: Default::default(),
             config,
         });
         fulfiller
@@ -185,6 +220,7 @@ impl App {
         tasks.spawn(fulfiller.run());
         tasks.spawn(crate::provider::gc::run_periodic(app.clone()));
         tasks.spawn(crate::provider::callbacks::run_redelivery(app.clone()));
+        tasks.spawn(release_memory_when_idle(app.clone()));
         // Capabilities with requesters still owed a response (accepted just before a
         // crash) run at once; `initialize` ones run anyway and call everyone back. In the
         // background: the agent serves while the handlers run.

@@ -248,6 +248,9 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     };
     drop(loaded);
 
+    app.served
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+
     // 7. Replay. From here on every reply is signed.
     let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
         NonceCheck::Fresh => crate::routes::handle(&app, &caller, route.clone(), body).await,

@@ -8,7 +8,7 @@
 //! windows; by then everything in the older file has expired.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -27,10 +27,24 @@ struct Journal {
     opened_at: u64,
 }
 
+/// Origins are interned to small numbers: only verified callers reach the store, so the
+/// table is bounded by the registry, and an entry costs ~70 bytes instead of ~165.
 struct Inner {
-    seen: HashSet<(String, u128)>,
-    expiry: BinaryHeap<Reverse<(u64, String, u128)>>,
+    origins: HashMap<String, u32>,
+    seen: HashSet<(u32, u128)>,
+    expiry: BinaryHeap<Reverse<(u64, u32, u128)>>,
     journal: Option<Journal>,
+}
+
+impl Inner {
+    fn origin_id(&mut self, origin: &str) -> u32 {
+        if let Some(id) = self.origins.get(origin) {
+            return *id;
+        }
+        let id = self.origins.len() as u32;
+        self.origins.insert(origin.to_owned(), id);
+        id
+    }
 }
 
 pub struct NonceStore {
@@ -48,6 +62,7 @@ impl NonceStore {
         now: u64,
     ) -> std::io::Result<NonceStore> {
         let mut inner = Inner {
+            origins: HashMap::new(),
             seen: HashSet::new(),
             expiry: BinaryHeap::new(),
             journal: None,
@@ -68,8 +83,9 @@ impl NonceStore {
                     else {
                         continue;
                     };
-                    if exp >= now && inner.seen.insert((origin.to_owned(), nonce)) {
-                        inner.expiry.push(Reverse((exp, origin.to_owned(), nonce)));
+                    let id = inner.origin_id(origin);
+                    if exp >= now && inner.seen.insert((id, nonce)) {
+                        inner.expiry.push(Reverse((exp, id, nonce)));
                     }
                 }
             }
@@ -106,7 +122,7 @@ impl NonceStore {
             let Reverse((_, o, n)) = inner.expiry.pop().expect("peeked");
             inner.seen.remove(&(o, n));
         }
-        let key = (origin.to_owned(), nonce);
+        let key = (inner.origin_id(origin), nonce);
         // Past its window the nonce may already be forgotten: such a request can never be
         // fresh, whatever the caller checked before.
         if timestamp + self.window < now {
@@ -120,9 +136,7 @@ impl NonceStore {
         }
         let expires = timestamp + self.window;
         inner.seen.insert(key);
-        inner
-            .expiry
-            .push(Reverse((expires, origin.to_owned(), nonce)));
+        inner.expiry.push(Reverse((expires, key.0, nonce)));
         let window = self.window;
         if let Some(journal) = inner.journal.as_mut() {
             if now.saturating_sub(journal.opened_at) > 2 * window + 1 {

@@ -125,6 +125,9 @@ impl SignedClient {
             .read_timeout(options.read_timeout)
             .timeout(options.total_timeout)
             .pool_idle_timeout(Duration::from_secs(30))
+            // A burst opens many connections; keeping them all idle costs the other side
+            // (a provider with 50 consumers) hundreds of sockets and their buffers.
+            .pool_max_idle_per_host(2)
             .user_agent(concat!("fort/", env!("CARGO_PKG_VERSION")))
             .build()
             .expect("HTTP client builds");

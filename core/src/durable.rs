@@ -15,6 +15,9 @@ use serde::Serialize;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+/// The longest a lazy change waits for its write.
+pub const LAZY_FLUSH: Duration = Duration::from_millis(500);
+
 /// Replaces `path` with `bytes`: a crash leaves either the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -90,6 +93,9 @@ struct Inner<T> {
     state: Mutex<(T, u64)>,
     path: PathBuf,
     dirty: Notify,
+    /// Changes nobody waits for (delivery records, attempt counters): written with the
+    /// next flush, or within [`LAZY_FLUSH`], so a burst of them is one write, not one each.
+    lazy_dirty: std::sync::atomic::AtomicBool,
     flushed: watch::Sender<Flushed>,
     writes: AtomicU64,
 }
@@ -119,6 +125,7 @@ impl<T: Serialize + Send + 'static> Durable<T> {
                 state: Mutex::new((value, 0)),
                 path,
                 dirty: Notify::new(),
+                lazy_dirty: std::sync::atomic::AtomicBool::new(false),
                 flushed: watch::channel(Flushed::default()).0,
                 writes: AtomicU64::new(0),
             }),
@@ -154,6 +161,18 @@ impl<T: Serialize + Send + 'static> Durable<T> {
         (r, ticket)
     }
 
+    /// Applies `f` in memory like [`Durable::mutate`], for bookkeeping nobody waits on: it
+    /// reaches the disk with the next flush, at most [`LAZY_FLUSH`] later.
+    pub fn mutate_lazy<R>(&self, f: impl FnOnce(&mut T) -> (R, bool)) -> R {
+        let mut guard = self.inner.state.lock().expect("state lock");
+        let (r, changed) = f(&mut guard.0);
+        if changed {
+            guard.1 += 1;
+            self.inner.lazy_dirty.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+
     /// Waits until a flush covering `ticket` has reached the disk.
     pub async fn wait(&self, ticket: Ticket) -> Result<(), PersistError> {
         let mut rx = self.inner.flushed.subscribe();
@@ -185,7 +204,8 @@ impl<T: Serialize + Send + 'static> Durable<T> {
 
     fn snapshot(&self) -> (Vec<u8>, u64) {
         let guard = self.inner.state.lock().expect("state lock");
-        let bytes = serde_json::to_vec_pretty(&guard.0).expect("state serialises");
+        // Compact: a 1,000-entry file is written many times in a burst; `jq .` reads it.
+        let bytes = serde_json::to_vec(&guard.0).expect("state serialises");
         (bytes, guard.1)
     }
 
@@ -229,6 +249,11 @@ impl<T: Serialize + Send + 'static> Durable<T> {
         loop {
             tokio::select! {
                 _ = self.inner.dirty.notified() => {}
+                _ = tokio::time::sleep(LAZY_FLUSH) => {
+                    if !self.inner.lazy_dirty.swap(false, Ordering::Relaxed) {
+                        continue;
+                    }
+                }
                 _ = shutdown.cancelled() => break,
             }
             if self.flush_once().await.is_err() {

@@ -428,10 +428,9 @@ impl Fulfiller {
         };
         let path = format!("/agent/capabilities/{}", key.kind);
         let sent_at = unix_now();
-        let _ = self
-            .inner
+        self.inner
             .store
-            .mutate(|s| match s.needs.get_mut(&key.to_string()) {
+            .mutate_lazy(|s| match s.needs.get_mut(&key.to_string()) {
                 Some(st) => {
                     st.last_sought = Some(sent_at);
                     st.attempts += 1;
@@ -518,10 +517,9 @@ impl Fulfiller {
     }
 
     fn record_error_opt(&self, key: &NeedKey, error: Option<String>) {
-        let _ = self
-            .inner
+        self.inner
             .store
-            .mutate(|s| match s.needs.get_mut(&key.to_string()) {
+            .mutate_lazy(|s| match s.needs.get_mut(&key.to_string()) {
                 Some(st) if st.last_error != error => {
                     st.last_error = error;
                     ((), true)

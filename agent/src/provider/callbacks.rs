@@ -197,10 +197,9 @@ async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {
             Ok(Err(e)) => e.to_string(),
             Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
                 let acked = hash.clone();
-                let _ = app
-                    .provider
+                app.provider
                     .store
-                    .mutate(|s| match s.entries.get_mut(&key) {
+                    .mutate_lazy(|s| match s.entries.get_mut(&key) {
                         Some(e) => {
                             e.delivery.delivered_hash = acked;
                             e.delivery.delivered_at = Some(unix_now());
@@ -227,10 +226,9 @@ async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {
         };
         app.metrics.callbacks.inc(&[("outcome", "failed")]);
         tracing::warn!(entry = %key, attempt, error = %error, "callback failed");
-        let _ = app
-            .provider
+        app.provider
             .store
-            .mutate(|s| match s.entries.get_mut(&key) {
+            .mutate_lazy(|s| match s.entries.get_mut(&key) {
                 Some(e) => {
                     e.delivery.last_error = Some(error.clone());
                     e.delivery.attempts = attempt;
