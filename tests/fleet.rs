@@ -169,8 +169,9 @@ async fn consumers_converge_soon_after_a_provider_comes_back() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_down_during_its_callback_gets_it_on_return() {
+/// `app` holds a satisfied certificate (nag: an hour away), is stopped, and forge rotates
+/// it: the new serial is decided while nobody can receive it.
+async fn rotation_while_app_is_away() -> Fleet {
     let mut f = Fleet::new();
     f.principal("ops");
     cert_provider(&mut f, "forge");
@@ -187,6 +188,12 @@ async fn a_consumer_down_during_its_callback_gets_it_on_return() {
     std::fs::write(f.dir.path().join("rotate-app"), "").unwrap();
     let (ok, _) = f.admin("forge", &["trigger", "cert"]);
     assert!(ok);
+    f
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_down_during_its_callback_gets_it_on_return() {
+    let mut f = rotation_while_app_is_away().await;
     let failed_once = eventually(Duration::from_secs(5), || {
         f.read_state("forge", "provider-state.json")["entries"]["app:cert/web"]["delivery"]
             ["last_error"]
@@ -327,24 +334,8 @@ async fn kill_9_at_random_moments_loses_nothing_acknowledged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotation_interrupted_by_a_provider_crash_is_delivered_after_restart() {
-    let mut f = Fleet::new();
-    f.principal("ops");
-    cert_provider(&mut f, "forge");
-    let store = store_handler(&f);
-    f.need(
-        "app",
-        "cert/web",
-        "forge",
-        json!({"handler": store, "nag_seconds": 3600}),
-    );
-    f.start();
-    assert!(eventually(Duration::from_secs(10), || satisfied(&f, "app")).await);
-    // The consumer is away while the rotation is decided; the provider then dies before
-    // any retry lands. The satisfied consumer will not nag for an hour.
-    f.kill("app");
-    std::fs::write(f.dir.path().join("rotate-app"), "").unwrap();
-    let (ok, _) = f.admin("forge", &["trigger", "cert"]);
-    assert!(ok);
+    // The provider then dies before any retry lands.
+    let mut f = rotation_while_app_is_away().await;
     f.kill("forge");
     assert_eq!(
         f.read_state("forge", "provider-state.json")["entries"]["app:cert/web"]["response"]
