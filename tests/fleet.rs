@@ -51,18 +51,6 @@ fn payload(f: &Fleet, host: &str, need: &str) -> Option<Value> {
         .and_then(|b| serde_json::from_slice(&b).ok())
 }
 
-fn satisfied(f: &Fleet, host: &str) -> bool {
-    let s = f.status(host);
-    !s.is_null() && s["needs"]["total"] == s["needs"]["satisfied"]
-}
-
-fn entries(f: &Fleet, host: &str) -> Vec<String> {
-    f.read_state(host, "provider-state.json")["entries"]
-        .as_object()
-        .map(|m| m.keys().cloned().collect())
-        .unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_lifecycle_declare_satisfy_rotate_release_gc() {
     let mut f = Fleet::new();
@@ -91,8 +79,8 @@ async fn full_lifecycle_declare_satisfy_rotate_release_gc() {
     f.start();
     // Declare → satisfied.
     assert!(
-        eventually(Duration::from_secs(10), || satisfied(&f, "app")
-            && satisfied(&f, "old"))
+        eventually(Duration::from_secs(10), || f.all_satisfied("app")
+            && f.all_satisfied("old"))
         .await
     );
     assert_eq!(payload(&f, "app", "cert/web").unwrap()["serial"], 1);
@@ -111,7 +99,8 @@ async fn full_lifecycle_declare_satisfy_rotate_release_gc() {
     f.write_files();
     f.agents["app"].hup();
     assert!(
-        eventually(Duration::from_secs(5), || !entries(&f, "forge")
+        eventually(Duration::from_secs(5), || !f
+            .entries("forge")
             .contains(&"app:cert/api".to_owned()))
         .await
     );
@@ -124,14 +113,14 @@ async fn full_lifecycle_declare_satisfy_rotate_release_gc() {
     f.start_host("old");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     f.start_host("forge");
-    assert!(entries(&f, "forge").contains(&"old:cert/legacy".to_owned()));
+    assert!(f.entries("forge").contains(&"old:cert/legacy".to_owned()));
     let (ok, out) = f.admin("forge", &["gc"]);
     assert!(ok, "{out}");
     assert!(
-        !entries(&f, "forge").contains(&"old:cert/legacy".to_owned()),
+        !f.entries("forge").contains(&"old:cert/legacy".to_owned()),
         "{out}"
     );
-    assert_eq!(entries(&f, "forge"), vec!["app:cert/web"]);
+    assert_eq!(f.entries("forge"), vec!["app:cert/web"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,13 +143,13 @@ async fn consumers_converge_soon_after_a_provider_comes_back() {
         f.start_host(c);
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!satisfied(&f, "c1"));
+    assert!(!f.all_satisfied("c1"));
     let back = std::time::Instant::now();
     f.start_host("forge");
     assert!(
         eventually(Duration::from_secs(10), || ["c1", "c2", "c3"]
             .iter()
-            .all(|c| satisfied(&f, c)))
+            .all(|c| f.all_satisfied(c)))
         .await
     );
     assert!(
@@ -183,7 +172,7 @@ async fn rotation_while_app_is_away() -> Fleet {
         json!({"handler": store, "nag_seconds": 3600}),
     );
     f.start();
-    assert!(eventually(Duration::from_secs(10), || satisfied(&f, "app")).await);
+    assert!(eventually(Duration::from_secs(10), || f.all_satisfied("app")).await);
     f.kill("app");
     std::fs::write(f.dir.path().join("rotate-app"), "").unwrap();
     let (ok, _) = f.admin("forge", &["trigger", "cert"]);
@@ -255,7 +244,7 @@ async fn kill_9_at_random_moments_loses_nothing_acknowledged() {
     assert!(
         eventually(Duration::from_secs(15), || consumers
             .iter()
-            .all(|c| satisfied(&f, c)))
+            .all(|c| f.all_satisfied(c)))
         .await
     );
     let seed = std::env::var("FORT_CHAOS_SEED")
@@ -319,7 +308,7 @@ async fn kill_9_at_random_moments_loses_nothing_acknowledged() {
     assert!(ok);
     let converged = eventually(Duration::from_secs(30), || {
         consumers.iter().all(|c| {
-            satisfied(&f, c)
+            f.all_satisfied(c)
                 && (0..5).all(|n| {
                     payload(&f, c, &format!("cert/n{n}")).is_some_and(|p| p["round"] == "20")
                 })

@@ -99,10 +99,10 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
             "/metrics",
             axum::routing::get(
                 |axum::extract::State(app): axum::extract::State<Arc<App>>| async move {
-                    let status = builtins::status(&app, true);
-                    let needs = &status["needs"];
-                    let total = needs["total"].as_f64().unwrap_or(0.0);
-                    let satisfied = needs["satisfied"].as_f64().unwrap_or(0.0);
+                    // Two counts, not the whole status document, per scrape.
+                    let needs = app.fulfiller.status();
+                    let total = needs.len() as f64;
+                    let satisfied = needs.iter().filter(|n| n.satisfied).count() as f64;
                     let gauges = vec![(
                         "fort_needs",
                         "Declared needs by state.",

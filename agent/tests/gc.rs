@@ -28,14 +28,6 @@ fn allow_everyone(f: &mut Fleet) {
     f.host("p").capabilities.get_mut("web").unwrap()["allowed"] = json!(allowed);
 }
 
-fn entries(f: &Fleet) -> Vec<String> {
-    let s = f.read_state("p", "provider-state.json");
-    s["entries"]
-        .as_object()
-        .map(|m| m.keys().cloned().collect())
-        .unwrap_or_default()
-}
-
 fn sweep(f: &Fleet) -> Value {
     let (ok, out) = f.admin("p", &["gc"]);
     assert!(ok, "{out}");
@@ -202,7 +194,7 @@ async fn only_verified_absence_removes_and_only_after_grace() {
         .map(|d| d["entry"].as_str().unwrap())
         .collect();
     assert_eq!(removed, vec!["forgot:web/site"]);
-    let left = entries(&f);
+    let left = f.entries("p");
     assert_eq!(left.len(), 8);
     assert!(!left.contains(&"forgot:web/site".to_owned()));
     let status = f.status("p");
@@ -226,7 +218,7 @@ async fn a_re_request_inside_the_grace_period_cancels_the_removal() {
     tokio::time::sleep(Duration::from_millis(2200)).await;
     // Absent again, but the clock of grace restarted: not removed yet.
     assert!(sweep(&f)["removed"].as_array().unwrap().is_empty());
-    assert_eq!(entries(&f), vec!["flaky:web/site"]);
+    assert_eq!(f.entries("p"), vec!["flaky:web/site"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,9 +233,9 @@ async fn removed_hosts_expired_principals_and_releases() {
     f.start();
     request(&f, "gone", "web/site").await;
     assert!(
-        eventually(Duration::from_secs(10), || entries(&f).len() == 3).await,
+        eventually(Duration::from_secs(10), || f.entries("p").len() == 3).await,
         "{:?}",
-        entries(&f)
+        f.entries("p")
     );
 
     // A release goes at once, without a sweep.
@@ -251,11 +243,12 @@ async fn removed_hosts_expired_principals_and_releases() {
     f.write_files();
     f.agents["leaver"].hup();
     assert!(
-        eventually(Duration::from_secs(5), || !entries(&f)
+        eventually(Duration::from_secs(5), || !f
+            .entries("p")
             .contains(&"leaver:web/b".to_owned()))
         .await
     );
-    assert!(entries(&f).contains(&"leaver:web/a".to_owned()));
+    assert!(f.entries("p").contains(&"leaver:web/a".to_owned()));
 
     // The principal's entry is young: kept. `gone` leaves hosts.json: its entry goes at
     // the next sweep, with no query.
@@ -273,7 +266,7 @@ async fn removed_hosts_expired_principals_and_releases() {
         .map(|d| d["entry"].as_str().unwrap())
         .collect();
     assert_eq!(removed, vec!["gone:web/site"], "{r}");
-    assert!(entries(&f).contains(&"ops:web/tool".to_owned()));
+    assert!(f.entries("p").contains(&"ops:web/tool".to_owned()));
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let r = sweep(&f);
     let removed: Vec<&str> = r["removed"]
@@ -283,7 +276,7 @@ async fn removed_hosts_expired_principals_and_releases() {
         .map(|d| d["entry"].as_str().unwrap())
         .collect();
     assert_eq!(removed, vec!["ops:web/tool"], "{r}");
-    assert_eq!(entries(&f), vec!["leaver:web/a"]);
+    assert_eq!(f.entries("p"), vec!["leaver:web/a"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -333,7 +326,8 @@ async fn a_sweep_during_100_requests_loses_none_and_resurrects_nothing() {
         "{report}"
     );
     assert!(
-        eventually(Duration::from_secs(10), || entries(&f)
+        eventually(Duration::from_secs(10), || f
+            .entries("p")
             .iter()
             .filter(|e| e.starts_with("live:"))
             .count()
@@ -342,7 +336,7 @@ async fn a_sweep_during_100_requests_loses_none_and_resurrects_nothing() {
     );
     // Another write later (a new request) must not bring the removed entries back.
     request(&f, "slow", "web/other").await;
-    let left = entries(&f);
+    let left = f.entries("p");
     assert!(
         left.iter().all(|e| !e.starts_with("leftover:")),
         "resurrected: {left:?}"
@@ -358,7 +352,7 @@ async fn a_release_is_honoured_after_the_caller_left_the_callers_list() {
     f.need("leaver", "web/a", "p", json!({"nag_seconds": 3600}));
     f.start();
     assert!(
-        eventually(Duration::from_secs(10), || entries(&f)
+        eventually(Duration::from_secs(10), || f.entries("p")
             == vec!["leaver:web/a"])
         .await
     );
@@ -380,7 +374,7 @@ async fn a_release_is_honoured_after_the_caller_left_the_callers_list() {
     f.write_files();
     f.agents["leaver"].hup();
     assert!(
-        eventually(Duration::from_secs(5), || entries(&f).is_empty()).await,
+        eventually(Duration::from_secs(5), || f.entries("p").is_empty()).await,
         "release refused"
     );
 }

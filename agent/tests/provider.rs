@@ -68,11 +68,6 @@ fn got(f: &Fleet, host: &str, need: &str) -> Option<Value> {
         .and_then(|b| serde_json::from_slice(&b).ok())
 }
 
-fn all_satisfied(f: &Fleet, host: &str) -> bool {
-    let s = f.status(host);
-    s["needs"]["total"].as_u64().is_some() && s["needs"]["total"] == s["needs"]["satisfied"]
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_of_200_requests_from_20_hosts_coalesces() {
     let mut f = Fleet::new();
@@ -112,7 +107,7 @@ async fn a_burst_of_200_requests_from_20_hosts_coalesces() {
         .await;
     assert!(statuses.iter().all(|s| *s == Some(202)), "{statuses:?}");
     let done = eventually(Duration::from_secs(30), || {
-        consumers.iter().all(|c| all_satisfied(&f, c))
+        consumers.iter().all(|c| f.all_satisfied(c))
     })
     .await;
     assert!(done, "not every consumer converged");
@@ -185,7 +180,7 @@ async fn kill_9_after_accepting_loses_nothing() {
     }
     f.start_host("forge");
     let done = eventually(Duration::from_secs(40), || {
-        consumers.iter().all(|c| all_satisfied(&f, c))
+        consumers.iter().all(|c| f.all_satisfied(c))
     })
     .await;
     assert!(
@@ -208,7 +203,7 @@ async fn misbehaving_handlers_change_nothing() {
     f.need("app", "oidc/one", "forge", json!({"handler": receive}));
     f.need("app", "oidc/two", "forge", json!({"handler": receive}));
     f.start();
-    assert!(eventually(Duration::from_secs(15), || all_satisfied(&f, "app")).await);
+    assert!(eventually(Duration::from_secs(15), || f.all_satisfied("app")).await);
     let before = f.read_state("forge", "provider-state.json")["entries"].clone();
     for mode in ["fail", "hang", "garbage", "array", "huge"] {
         std::fs::write(f.dir.path().join("mode"), mode).unwrap();
@@ -230,7 +225,7 @@ async fn misbehaving_handlers_change_nothing() {
             "{mode}: {last}"
         );
     }
-    assert!(all_satisfied(&f, "app"), "a failed run revoked something");
+    assert!(f.all_satisfied("app"), "a failed run revoked something");
     // Keys that were not in the input are ignored; the rest applies.
     std::fs::write(f.dir.path().join("mode"), "stray").unwrap();
     let (ok, out) = f.admin("forge", &["trigger", "oidc"]);
@@ -257,7 +252,7 @@ async fn a_trigger_that_changes_one_response_calls_back_only_that_consumer() {
     assert!(
         eventually(Duration::from_secs(15), || ["u1", "u2", "u3"]
             .iter()
-            .all(|c| all_satisfied(&f, c)))
+            .all(|c| f.all_satisfied(c)))
         .await
     );
     let before: Vec<usize> = ["u1", "u2", "u3"]

@@ -319,6 +319,20 @@ impl Fleet {
         v["status"].clone()
     }
 
+    /// Whether the host answers `status` and every need it declares is satisfied.
+    pub fn all_satisfied(&self, host: &str) -> bool {
+        let s = self.status(host);
+        s["needs"]["total"].as_u64().is_some() && s["needs"]["total"] == s["needs"]["satisfied"]
+    }
+
+    /// Keys of the entries in `host`'s provider-state.json, as on disk.
+    pub fn entries(&self, host: &str) -> Vec<String> {
+        self.read_state(host, "provider-state.json")["entries"]
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
     pub fn read_state(&self, host: &str, file: &str) -> Value {
         let bytes = std::fs::read(self.host_dir(host).join("state").join(file)).unwrap_or_default();
         serde_json::from_slice(&bytes).unwrap_or(Value::Null)
