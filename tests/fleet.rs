@@ -253,7 +253,7 @@ async fn kill_9_at_random_moments_loses_nothing_acknowledged() {
         .unwrap_or(0x5eed);
     let mut rng = Lcg(seed);
     let ops = f.client("ops");
-    let forge_address = format!("http://{}", f.hosts["forge"].addr);
+    let forge_address = f.hosts["forge"].address();
     let forge_keys = vec![f.hosts["forge"].signer.public_key().clone()];
     for round in 1..=20u64 {
         std::fs::write(f.dir.path().join("round"), round.to_string()).unwrap();

@@ -17,7 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::limits::Budgets;
 use crate::loaded::{LoadError, Loaded};
+use crate::logging::Quiet;
 use crate::metrics::Metrics;
 use crate::nonce::NonceStore;
 use crate::provider::gc::SweepReport;
@@ -29,6 +31,12 @@ pub struct App {
     pub loaded: ArcSwap<Loaded>,
     pub nonces: NonceStore,
     pub limiter: Arc<Semaphore>,
+    /// Connections and unverified body bytes of the control plane, per peer address.
+    pub budgets: Arc<Budgets>,
+    /// `None`: this host serves plain HTTP (`plaintext = true` and an `http://` address).
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Aggregated logging of what strangers can trigger at will.
+    pub quiet: Arc<Quiet>,
     /// Outgoing signed calls: callbacks and GC enumerations.
     pub client: SignedClient,
     pub provider: Provider,
@@ -57,6 +65,8 @@ pub enum StartError {
     Invalid(String),
     #[error("{0}: {1}")]
     Io(String, std::io::Error),
+    #[error("TLS: {0}")]
+    Tls(#[from] fort_core::tls::TlsError),
 }
 
 /// Checks that `signer`'s public key is one of this host's keys in hosts.json.
@@ -143,6 +153,26 @@ impl App {
         let signer = Signer::from_file(&config.host_key)?;
         let loaded = Loaded::load(&config)?;
         check_own_key(&config, &loaded, &signer)?;
+        let tls = if loaded.serves_plaintext(&config.host) {
+            None
+        } else {
+            Some(tokio_rustls::TlsAcceptor::from(
+                fort_core::tls::server_config(&signer, &config.host)?,
+            ))
+        };
+        let descriptors = crate::limits::raise_descriptor_limit();
+        // The listeners together take at most half the descriptors: state files, handler
+        // pipes and outgoing calls must never be the ones that fail with EMFILE.
+        let max_connections = config
+            .max_connections
+            .min((descriptors / 2) as usize)
+            .max(16);
+        let budgets = Budgets::new(
+            max_connections,
+            config.max_connections_per_address,
+            config.unverified_body_bytes,
+            config.unverified_body_bytes_per_address,
+        );
         std::fs::create_dir_all(&config.state_dir).map_err(|e| {
             StartError::Io(format!("cannot create {}", config.state_dir.display()), e)
         })?;
@@ -180,6 +210,8 @@ impl App {
             signer.clone(),
             &ClientOptions {
                 total_timeout: config.callbacks.timeout.max(config.fulfill.timeout),
+                allow_plaintext: config.plaintext,
+                local_address: Some(config.listen.ip()).filter(|ip| !ip.is_unspecified()),
                 ..ClientOptions::default()
             },
         );
@@ -198,6 +230,9 @@ impl App {
         );
         let app = Arc::new(App {
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
+            budgets,
+            tls,
+            quiet: Arc::new(Quiet::default()),
             provider: Provider::new(provider_store, config.callbacks.concurrency),
             signer,
             loaded: ArcSwap::from_pointee(loaded.clone()),

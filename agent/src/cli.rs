@@ -16,6 +16,8 @@ pub struct Identity {
     pub hosts: PathBuf,
     pub key: PathBuf,
     pub origin: String,
+    /// Accept `http://` addresses (only on a network that already encrypts).
+    pub plaintext: bool,
 }
 
 /// Exit codes: 0 on 2xx, 2 on 401/403 or signing trouble, 1 otherwise.
@@ -38,7 +40,14 @@ impl Session {
                 format!("origin {:?} is not in {}", id.origin, id.hosts.display()),
             ));
         }
-        let client = SignedClient::new(&id.origin, signer, &ClientOptions::default());
+        let client = SignedClient::new(
+            &id.origin,
+            signer,
+            &ClientOptions {
+                allow_plaintext: id.plaintext,
+                ..ClientOptions::default()
+            },
+        );
         Ok(Session {
             registry: Arc::new(registry),
             client,
@@ -70,6 +79,25 @@ impl Session {
             .await
             .map_err(|e| (EXIT_FAIL, e.to_string()))
     }
+}
+
+/// `fort pin HOST`: the curl pins (`--pinnedpubkey`) of every key `hosts.json` lists for
+/// `host`, one per line. Needs no key of one's own.
+pub fn pins(hosts: &std::path::Path, host: &str) -> Result<Vec<String>, (u8, String)> {
+    let registry = Registry::load(hosts).map_err(|e| (EXIT_FAIL, e.to_string()))?;
+    let peer = registry
+        .get(host)
+        .filter(|p| p.address.is_some())
+        .ok_or_else(|| {
+            (
+                EXIT_FAIL,
+                format!("{host:?} is not a host in {}", hosts.display()),
+            )
+        })?;
+    peer.keys
+        .iter()
+        .map(|k| fort_core::tls::pin(k).map_err(|e| (EXIT_FAIL, e.to_string())))
+        .collect()
 }
 
 /// Turns a reply into (exit code, stdout text, stderr note).

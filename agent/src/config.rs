@@ -51,6 +51,49 @@ pub struct Config {
     /// A request whose body has not fully arrived by then gets 408. Unset: 10 s.
     #[serde(default = "defaults::body_read_timeout", with = "humantime_serde")]
     pub body_read_timeout: Duration,
+    /// Allow `http://` addresses in hosts.json (an overlay network such as WireGuard
+    /// already encrypts). This host then serves plain HTTP when its own address is
+    /// `http://`. Unset: false, every address must be `https://` (TLS 1.3 pinned to the
+    /// hosts' keys).
+    #[serde(default)]
+    pub plaintext: bool,
+    /// Connections the control plane holds at once (TLS handshakes included); more are
+    /// closed at once. Capped at half the descriptor limit, so state files, handler pipes
+    /// and outgoing calls always have descriptors. Unset: 4096.
+    #[serde(default = "defaults::max_connections")]
+    pub max_connections: usize,
+    /// Connections one peer address may hold at once. Unset: 64.
+    #[serde(default = "defaults::max_connections_per_address")]
+    pub max_connections_per_address: usize,
+    /// Bytes of request bodies being read before their signature is checked, all peers
+    /// together; a request that does not fit gets 503 at once. Unset: 64 MiB.
+    #[serde(default = "defaults::unverified_body_bytes")]
+    pub unverified_body_bytes: usize,
+    /// The same, for one peer address. Unset: 16 MiB.
+    #[serde(default = "defaults::unverified_body_bytes_per_address")]
+    pub unverified_body_bytes_per_address: usize,
+    /// Unexpired nonces one origin may hold, so no origin can fill the store for the
+    /// others; past it that origin gets 429 with Retry-After. ≈ 830 requests/s sustained
+    /// per origin at the default `clock_skew`. Unset: 250,000.
+    #[serde(default = "defaults::nonce_quota_per_origin")]
+    pub nonce_quota_per_origin: usize,
+    /// Entries a principal, or a host listed only in `allowed`, may hold per capability;
+    /// past it, 429 and nothing is stored. Hosts among a capability's `callers` may hold
+    /// exactly the need ids they declare. Unset: 64.
+    #[serde(default = "defaults::max_entries_per_origin")]
+    pub max_entries_per_origin: usize,
+    /// Largest stored async request (its `request` object as compact JSON); larger is
+    /// 413. Unset: 64 KiB.
+    #[serde(default = "defaults::max_request_bytes")]
+    pub max_request_bytes: usize,
+    /// Extra environment variables every handler gets, besides `PATH` and the `FORT_*`
+    /// variables. Unset: none.
+    #[serde(default)]
+    pub handler_environment: std::collections::BTreeMap<String, String>,
+    /// The program that restarts and reloads units for delivered files. Unset:
+    /// `systemctl` from PATH.
+    #[serde(default = "defaults::systemctl")]
+    pub systemctl: PathBuf,
     /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
@@ -179,6 +222,30 @@ mod defaults {
     }
     pub fn body_read_timeout() -> Duration {
         Duration::from_secs(10)
+    }
+    pub fn max_connections() -> usize {
+        4096
+    }
+    pub fn max_connections_per_address() -> usize {
+        64
+    }
+    pub fn unverified_body_bytes() -> usize {
+        64 * 1024 * 1024
+    }
+    pub fn unverified_body_bytes_per_address() -> usize {
+        16 * 1024 * 1024
+    }
+    pub fn nonce_quota_per_origin() -> usize {
+        250_000
+    }
+    pub fn max_entries_per_origin() -> usize {
+        64
+    }
+    pub fn max_request_bytes() -> usize {
+        64 * 1024
+    }
+    pub fn systemctl() -> std::path::PathBuf {
+        "systemctl".into()
     }
     pub fn gc_interval() -> Duration {
         Duration::from_secs(3600)

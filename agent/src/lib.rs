@@ -10,7 +10,9 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod limits;
 pub mod loaded;
+pub mod logging;
 pub mod metrics;
 pub mod nonce;
 pub mod provider;
@@ -48,11 +50,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         ),
         None => None,
     };
-    let header_timeout = config.header_read_timeout;
     let app = App::start(config, shutdown.clone()).await?;
+    if app.config.plaintext {
+        tracing::warn!(
+            "plaintext = true: plain http:// addresses are accepted; requests are still signed, but what they carry is readable on the wire unless an overlay network encrypts it"
+        );
+    }
     tracing::info!(
         host = %app.config.host,
         listen = %app.config.listen,
+        tls = app.tls.is_some(),
+        max_connections = app.budgets.max_connections(),
         needs = app.loaded.load().needs.len(),
         capabilities = app.loaded.load().capabilities.len(),
         "fort-agent ready"
@@ -62,8 +70,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         tokio::spawn(serve_metrics(app.clone(), l));
     }
     tokio::spawn(reload_on_sighup(app.clone()));
+    tokio::spawn(app.quiet.clone().run(app.shutdown.clone()));
     notify_systemd("READY=1");
-    server::serve(listener, app_router(app.clone()), header_timeout, shutdown).await;
+    let control = server::Listener {
+        tcp: listener,
+        tls: app.tls.clone(),
+        budgets: app.budgets.clone(),
+        header_read_timeout: app.config.header_read_timeout,
+        name: "control plane",
+        quiet: app.quiet.clone(),
+    };
+    server::serve(control, app_router(app.clone()), shutdown).await;
     notify_systemd("STOPPING=1");
     app.flush_stop.cancel();
     app.tasks.close();
@@ -116,10 +133,18 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
             ),
         )
         .with_state(app.clone());
-    let shutdown = app.shutdown.clone();
-    let _ = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await;
+    // Its own small budget and the same timeouts as the control plane: scrapes come from
+    // one or two collectors, and idle connections here must never cost the control plane
+    // its descriptors.
+    let metrics = server::Listener {
+        tcp: listener,
+        tls: None,
+        budgets: limits::Budgets::new(16, 8, 0, 0),
+        header_read_timeout: app.config.header_read_timeout,
+        name: "metrics",
+        quiet: app.quiet.clone(),
+    };
+    server::serve(metrics, router, app.shutdown.clone()).await;
 }
 
 /// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, if set.

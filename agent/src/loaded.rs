@@ -28,6 +28,15 @@ fn optional(path: &Option<std::path::PathBuf>) -> Option<&Path> {
 }
 
 impl Loaded {
+    /// Whether this host serves plain HTTP: only when its own address says so (which
+    /// `load` allows only with `plaintext = true`).
+    pub fn serves_plaintext(&self, host: &str) -> bool {
+        self.registry
+            .get(host)
+            .and_then(|p| p.address.as_deref())
+            .is_some_and(schema::is_plaintext_address)
+    }
+
     pub fn load(config: &Config) -> Result<Loaded, LoadError> {
         let registry = Registry::load(&config.hosts)?;
         if !registry.is_host(&config.host) {
@@ -36,6 +45,19 @@ impl Loaded {
                 config.hosts.display(),
                 config.host
             )));
+        }
+        if !config.plaintext {
+            if let Some((name, peer)) = registry.hosts().find(|(_, p)| {
+                p.address
+                    .as_deref()
+                    .is_some_and(schema::is_plaintext_address)
+            }) {
+                return Err(LoadError::Invalid(format!(
+                    "{}: host {name:?} has the plain address {:?}; use https:// (TLS pinned to its key), or set plaintext = true in the agent config if an overlay network already encrypts",
+                    config.hosts.display(),
+                    peer.address.as_deref().unwrap_or("")
+                )));
+            }
         }
         let needs = match optional(&config.needs) {
             Some(p) => schema::load_needs(p, &registry)?,

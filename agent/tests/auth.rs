@@ -42,7 +42,7 @@ fn send(
     headers: &[(String, String)],
     body: &[u8],
 ) -> (u16, String, Vec<u8>) {
-    raw_http(f.hosts[host].addr, &raw_post(path, headers, body))
+    raw_http(&f.hosts[host], &raw_post(path, headers, body))
 }
 
 fn ops_headers(f: &Fleet, target: &str, path: &str, body: &[u8], ts: u64) -> Vec<(String, String)> {
@@ -231,7 +231,7 @@ async fn unknown_origin_is_refused_before_the_body_is_read() {
     }
     req.push_str("\r\n");
     let started = std::time::Instant::now();
-    let (status, _, _) = raw_http(f.hosts["a"].addr, req.as_bytes());
+    let (status, _, _) = raw_http(&f.hosts["a"], req.as_bytes());
     assert_eq!(status, 401);
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
@@ -268,7 +268,7 @@ async fn paths_are_strict() {
     }
     // Any method but POST.
     let (status, _, _) = raw_http(
-        f.hosts["a"].addr,
+        &f.hosts["a"],
         format!("GET {PATH} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
     );
     assert_eq!(status, 405);
@@ -458,7 +458,7 @@ async fn the_cli_does_not_follow_redirects() {
         .arg(dir.join("key"))
         .arg("--hosts")
         .arg(dir.join("hosts.json"))
-        .args(["status", "redir"])
+        .args(["--plaintext", "status", "redir"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -470,28 +470,52 @@ async fn the_cli_does_not_follow_redirects() {
     f.principals.clear();
 }
 
+/// `fort pin HOST` as an operator runs it (it needs no key of its own).
+fn fort_pin(f: &Fleet, host: &str) -> String {
+    let hosts = f.dir.path().join("hosts-for-pin.json");
+    std::fs::write(&hosts, f.hosts_json().to_string()).unwrap();
+    let out = Command::new(fort_tests::bin("fort"))
+        .arg("--hosts")
+        .arg(&hosts)
+        .args(["pin", host])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
 #[tokio::test]
-async fn the_readme_s_hand_signing_script_works() {
+async fn the_readme_s_hand_signing_script_works_with_the_right_pin_only() {
     if Command::new("curl").arg("--version").output().is_err() {
         eprintln!("SKIP: curl not found");
         return;
     }
-    let (f, _) = fleet();
+    let (f, marker) = fleet();
     let key = f.dir.path().join("ops-key");
     write_key(&key, &f.principals["ops"]);
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fort-curl.sh");
-    let out = Command::new("sh")
-        .arg(script)
-        .arg(&key)
-        .args([
-            "ops",
-            "a",
-            &format!("http://{}", f.hosts["a"].addr),
-            PATH,
-            r#"{"hand":"signed"}"#,
-        ])
-        .output()
-        .unwrap();
+    let pin = fort_pin(&f, "a");
+    assert!(pin.starts_with("sha256//"), "{pin}");
+    let curl = |pin: &str| {
+        Command::new("sh")
+            .arg(&script)
+            .arg(&key)
+            .args([
+                "ops",
+                "a",
+                &f.hosts["a"].address(),
+                pin,
+                PATH,
+                r#"{"hand":"signed"}"#,
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = curl(&pin);
     assert!(
         out.status.success(),
         "{}",
@@ -501,22 +525,32 @@ async fn the_readme_s_hand_signing_script_works() {
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap(),
         json!({"hand": "signed"})
     );
+    assert_eq!(runs(&marker), 1);
+    // Another host's pin: curl aborts before sending a byte of the request.
+    let wrong = fort_pin(&f, "b");
+    let out = curl(&wrong);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("pinned"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(runs(&marker), 1, "the request reached the handler");
 }
 
 /// Sends headers and all of `body` but its last byte; returns the open connection.
-fn stall(f: &Fleet, headers: &[(String, String)], body: &[u8]) -> std::net::TcpStream {
+fn stall(f: &Fleet, headers: &[(String, String)], body: &[u8]) -> fort_tests::TlsStream {
     use std::io::Write;
-    let mut s = std::net::TcpStream::connect(f.hosts["a"].addr).unwrap();
+    let mut s = fort_tests::tls_connect(&f.hosts["a"]);
     let req = raw_post(PATH, headers, body);
     s.write_all(&req[..req.len() - 1]).unwrap();
+    s.flush().unwrap();
     s
 }
 
-fn finish(mut s: std::net::TcpStream, last: u8) -> u16 {
+fn finish(mut s: fort_tests::TlsStream, last: u8) -> u16 {
     use std::io::{Read, Write};
     s.write_all(&[last]).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .unwrap();
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
     String::from_utf8_lossy(&buf)

@@ -266,8 +266,8 @@ async fn callbacks_from_anyone_but_the_provider_are_refused() {
 async fn callback(f: &Fleet, from: &str, to: &str, need: &str, payload: &[u8]) -> Option<u16> {
     let client = f.client(from);
     let h = &f.hosts[to];
-    let address = format!("http://{}", h.addr);
-    let keys = vec![h.signer.public_key().clone()];
+    let address = h.address();
+    let keys = h.keys();
     let target = fort_core::client::Target {
         name: to,
         address: &address,
@@ -468,7 +468,7 @@ fn scripted_provider(
     std::thread::spawn(move || {
         for stream in listener.incoming().take(50) {
             let Ok(stream) = stream else { continue };
-            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+            let mut reader = std::io::BufReader::new(fort_tests::tls_accept(stream, &signer, name));
             let (mut len, mut nonce) = (0usize, String::new());
             loop {
                 let mut line = String::new();
@@ -493,9 +493,12 @@ fn scripted_provider(
             let sig = signer.sign(&fort_core::canonical::response_bytes(
                 name, &nonce, status, reply,
             ));
-            let mut s = stream;
+            let s = reader.get_mut();
             let _ = write!(s, "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nX-Fort-Origin: {name}\r\nX-Fort-Signature: {sig}\r\nConnection: close\r\n\r\n", reply.len());
             let _ = s.write_all(reply);
+            let _ = s.flush();
+            s.conn.send_close_notify();
+            let _ = s.flush();
         }
     });
     seen

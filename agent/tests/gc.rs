@@ -52,13 +52,16 @@ async fn request(f: &Fleet, origin: &str, need: &str) {
 fn fake_peer(
     listener: TcpListener,
     name: &'static str,
+    tls_key: Signer,
     signer: Option<Signer>,
     status: u16,
     body: &'static str,
 ) {
     std::thread::spawn(move || {
         for stream in listener.incoming().take(20) {
-            let Ok(mut s) = stream else { continue };
+            let Ok(stream) = stream else { continue };
+            // TLS with the key hosts.json lists, so only the reply itself is bad.
+            let mut s = fort_tests::tls_accept(stream, &tls_key, name);
             let mut buf = vec![0u8; 16384];
             let n = s.read(&mut buf).unwrap_or(0);
             let req = String::from_utf8_lossy(&buf[..n]).to_string();
@@ -81,6 +84,9 @@ fn fake_peer(
                 ));
             }
             let _ = s.write_all(format!("{head}\r\n{body}").as_bytes());
+            let _ = s.flush();
+            s.conn.send_close_notify();
+            let _ = s.flush();
         }
     });
 }
@@ -141,7 +147,7 @@ async fn only_verified_absence_removes_and_only_after_grace() {
     ];
     for (name, signer, status, body) in fakes {
         let l = TcpListener::bind(f.hosts[name].addr).unwrap();
-        fake_peer(l, name, signer, status, body);
+        fake_peer(l, name, f.hosts[name].signer.clone(), signer, status, body);
     }
     for origin in [
         "keeps",

@@ -186,7 +186,7 @@ async fn metrics_count_requests_failures_and_handler_runs() {
     let _ = f
         .post("viewer", "p", "/agent/capabilities/journal", &json!({}))
         .await;
-    let (_, _, body) = fort_tests::raw_http(
+    let (_, _, body) = fort_tests::raw_http_plain(
         metrics,
         b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
     );

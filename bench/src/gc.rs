@@ -138,7 +138,7 @@ pub async fn run(args: GcArgs, json_out: bool) -> Result<()> {
     // Entries the origins do not declare: proven absent by the sweep.
     let absent = args.absent.min(args.origins);
     let forge = &fleet.hosts["forge"];
-    let address = format!("http://{}", forge.addr);
+    let address = format!("https://{}", forge.addr);
     let keys = vec![forge.signer.public_key().clone()];
     let target = Target {
         name: "forge",

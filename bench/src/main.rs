@@ -25,7 +25,7 @@ use clap::{Parser, Subcommand};
 )]
 #[command(after_help = "Examples:
   fort-bench status --connections 32 --duration 10s
-  fort-bench status --target http://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
+  fort-bench status --target https://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
   fort-bench burst --consumers 20 --needs 50
   fort-bench fulfill-cycle --needs 500
   fort-bench gc --origins 200

@@ -185,7 +185,7 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
             let a = a.pop().expect("one agent");
             let ep = Endpoint {
                 host: "forge".into(),
-                address: format!("http://{}", a.addr),
+                address: format!("https://{}", a.addr),
                 keys: vec![fleet.hosts["forge"].signer.public_key().clone()],
             };
             let pid = a.pid();

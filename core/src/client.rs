@@ -1,8 +1,16 @@
 //! The signed HTTP client every fort program uses to talk to an agent: it signs the
-//! request (§3), never follows redirects, ignores proxy variables, bounds every phase
-//! with a timeout, caps the body it reads, and verifies the signed response (§4).
+//! request (§3), speaks TLS 1.3 pinned to the target's keys in hosts.json (§11.1), never
+//! follows redirects, ignores proxy variables, bounds every phase with a timeout, caps the
+//! body it reads, and verifies the signed response (§4).
+//!
+//! Connections are kept alive per peer (a bounded pool per peer, bounded number of peers),
+//! so steady traffic pays no handshake. Each peer gets its own pool because the pin is
+//! per peer: a connection made for one host's keys is never reused for another host.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use rand::RngCore;
@@ -20,6 +28,16 @@ pub struct ClientOptions {
     pub total_timeout: Duration,
     /// Response bodies longer than this are an error, not a truncation.
     pub max_response_bytes: usize,
+    /// Idle keep-alive connections kept per peer. A provider with hundreds of consumers
+    /// keeps a few to each, not hundreds of sockets and their buffers.
+    pub max_idle_per_peer: usize,
+    /// Peers whose connection pools are kept; the least recently used go beyond this.
+    pub max_peers: usize,
+    /// Accept `http://` addresses (`plaintext = true`: an overlay network encrypts).
+    pub allow_plaintext: bool,
+    /// Source address of outgoing connections (the agent's own listen address, so a
+    /// peer counts this host's connections under its address).
+    pub local_address: Option<IpAddr>,
 }
 
 impl Default for ClientOptions {
@@ -29,6 +47,10 @@ impl Default for ClientOptions {
             read_timeout: Duration::from_secs(30),
             total_timeout: Duration::from_secs(60),
             max_response_bytes: 16 * 1024 * 1024,
+            max_idle_per_peer: 4,
+            max_peers: 1024,
+            allow_plaintext: false,
+            local_address: None,
         }
     }
 }
@@ -44,6 +66,15 @@ pub enum ClientError {
     Transport { url: String, detail: String },
     #[error("{url}: response body over {limit} bytes")]
     TooLarge { url: String, limit: usize },
+    /// The TLS handshake failed: most often the server's key is not pinned for the host.
+    #[error("{url}: TLS: {detail}")]
+    Tls { url: String, detail: String },
+    #[error(
+        "{url}: plain http is refused (set plaintext = true only on an encrypted overlay network)"
+    )]
+    Plaintext { url: String },
+    #[error("{url}: address must be https://HOST:PORT")]
+    BadAddress { url: String },
 }
 
 impl ClientError {
@@ -54,6 +85,9 @@ impl ClientError {
             ClientError::Timeout { .. } => "timeout",
             ClientError::Transport { .. } => "transport",
             ClientError::TooLarge { .. } => "too_large",
+            ClientError::Tls { .. } => "tls",
+            ClientError::Plaintext { .. } => "plaintext_refused",
+            ClientError::BadAddress { .. } => "bad_address",
         }
     }
 }
@@ -94,19 +128,37 @@ impl Reply {
 pub struct Target<'a> {
     /// The receiving host's name in hosts.json (the signed target line).
     pub name: &'a str,
-    /// Base URL, `http://10.0.0.5:7770`.
+    /// Base URL, `https://10.0.0.5:7770`.
     pub address: &'a str,
     /// The receiving host's keys, to verify its response.
     pub keys: &'a [PublicKey],
 }
 
-/// A reusable signing client: one connection pool, one identity.
+/// A reusable signing client: one identity, a pinned connection pool per peer.
 #[derive(Clone)]
 pub struct SignedClient {
-    http: reqwest::Client,
+    inner: Arc<ClientInner>,
+}
+
+struct ClientInner {
     origin: String,
     signer: Signer,
-    max_response_bytes: usize,
+    options: ClientOptions,
+    peers: Mutex<HashMap<PeerKey, PeerPool>>,
+}
+
+/// A pool is valid for one host name, address and key set; a reload that changes any of
+/// them gets a new pool, so an old pin never serves a new configuration.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PeerKey {
+    name: String,
+    address: String,
+    keys: Vec<[u8; 32]>,
+}
+
+struct PeerPool {
+    http: reqwest::Client,
+    last_used: Instant,
 }
 
 /// 16 random bytes, lower-case hex.
@@ -118,29 +170,100 @@ pub fn new_nonce() -> String {
 
 impl SignedClient {
     pub fn new(origin: &str, signer: Signer, options: &ClientOptions) -> SignedClient {
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .connect_timeout(options.connect_timeout)
-            .read_timeout(options.read_timeout)
-            .timeout(options.total_timeout)
-            .pool_idle_timeout(Duration::from_secs(30))
-            // A burst opens many connections; keeping them all idle costs the other side
-            // (a provider with 50 consumers) hundreds of sockets and their buffers.
-            .pool_max_idle_per_host(2)
-            .user_agent(concat!("fort/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .expect("HTTP client builds");
+        crate::tls::install_default_provider();
         SignedClient {
-            http,
-            origin: origin.to_owned(),
-            signer,
-            max_response_bytes: options.max_response_bytes,
+            inner: Arc::new(ClientInner {
+                origin: origin.to_owned(),
+                signer,
+                options: options.clone(),
+                peers: Mutex::new(HashMap::new()),
+            }),
         }
     }
 
     pub fn origin(&self) -> &str {
-        &self.origin
+        &self.inner.origin
+    }
+
+    /// Peers with a connection pool now (for tests and status).
+    pub fn pooled_peers(&self) -> usize {
+        self.inner.peers.lock().expect("peers lock").len()
+    }
+
+    fn builder(&self) -> reqwest::ClientBuilder {
+        let o = &self.inner.options;
+        reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .connect_timeout(o.connect_timeout)
+            .read_timeout(o.read_timeout)
+            .timeout(o.total_timeout)
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(o.max_idle_per_peer)
+            .tcp_nodelay(true)
+            .local_address(o.local_address)
+            .user_agent(concat!("fort/", env!("CARGO_PKG_VERSION")))
+    }
+
+    /// The pool for `target`, created on first use.
+    fn pool(&self, target: &Target<'_>, url: &str) -> Result<reqwest::Client, ClientError> {
+        let tls = if target.address.starts_with("https://") {
+            true
+        } else if target.address.starts_with("http://") {
+            if !self.inner.options.allow_plaintext {
+                return Err(ClientError::Plaintext {
+                    url: url.to_owned(),
+                });
+            }
+            false
+        } else {
+            return Err(ClientError::BadAddress {
+                url: url.to_owned(),
+            });
+        };
+        let key = PeerKey {
+            name: target.name.to_owned(),
+            address: target.address.to_owned(),
+            keys: target
+                .keys
+                .iter()
+                .filter_map(|k| k.key_data().ed25519().map(|e| e.0))
+                .collect(),
+        };
+        let mut peers = self.inner.peers.lock().expect("peers lock");
+        if let Some(p) = peers.get_mut(&key) {
+            p.last_used = Instant::now();
+            return Ok(p.http.clone());
+        }
+        if peers.len() >= self.inner.options.max_peers.max(1) {
+            if let Some(oldest) = peers
+                .iter()
+                .min_by_key(|(_, p)| p.last_used)
+                .map(|(k, _)| k.clone())
+            {
+                peers.remove(&oldest);
+            }
+        }
+        let builder = self.builder();
+        let builder = if tls {
+            builder
+                .tls_backend_preconfigured(crate::tls::client_config(target.name, target.keys))
+                .https_only(true)
+        } else {
+            builder
+        };
+        let http = builder.build().map_err(|e| ClientError::Transport {
+            url: url.to_owned(),
+            detail: root_cause(&e),
+        })?;
+        peers.insert(
+            key,
+            PeerPool {
+                http: http.clone(),
+                last_used: Instant::now(),
+            },
+        );
+        Ok(http)
     }
 
     /// Signs and sends `POST <path>` with `body`; reads and verifies the reply.
@@ -152,13 +275,14 @@ impl SignedClient {
     ) -> Result<Reply, ClientError> {
         let nonce = new_nonce();
         let timestamp = unix_now().to_string();
-        let canonical = request_bytes(target.name, path, &self.origin, &timestamp, &nonce, &body);
-        let signature = self.signer.sign(&canonical);
+        let origin = &self.inner.origin;
+        let canonical = request_bytes(target.name, path, origin, &timestamp, &nonce, &body);
+        let signature = self.inner.signer.sign(&canonical);
         let url = format!("{}{}", target.address.trim_end_matches('/'), path);
-        let sent = self
-            .http
+        let http = self.pool(target, &url)?;
+        let sent = http
             .post(&url)
-            .header(H_ORIGIN, &self.origin)
+            .header(H_ORIGIN, origin)
             .header(H_TIMESTAMP, &timestamp)
             .header(H_NONCE, &nonce)
             .header(H_SIGNATURE, signature)
@@ -179,7 +303,7 @@ impl SignedClient {
         let content_type = header("content-type");
         let location = header("location");
         let server_time = header(H_SERVER_TIME).and_then(|v| v.parse().ok());
-        let body = read_capped(sent, &url, self.max_response_bytes).await?;
+        let body = read_capped(sent, &url, self.inner.options.max_response_bytes).await?;
         let auth = match (responder, response_signature) {
             (Some(who), _) if who != target.name => ResponseAuth::WrongOrigin(who),
             (Some(_), Some(sig)) => {
@@ -222,6 +346,12 @@ async fn read_capped(
 
 fn classify(url: &str, e: reqwest::Error) -> ClientError {
     let url = url.to_owned();
+    if let Some(tls) = find_source::<rustls::Error>(&e) {
+        return ClientError::Tls {
+            url,
+            detail: tls.to_string(),
+        };
+    }
     if e.is_timeout() {
         ClientError::Timeout { url }
     } else if e.is_connect() {
@@ -235,6 +365,21 @@ fn classify(url: &str, e: reqwest::Error) -> ClientError {
             detail: root_cause(&e),
         }
     }
+}
+
+/// The first error of type `T` in `e`'s source chain (a TLS failure is buried under
+/// reqwest's and hyper's own errors).
+fn find_source<'a, T: std::error::Error + 'static>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a T> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(found) = err.downcast_ref::<T>() {
+            return Some(found);
+        }
+        cur = err.source();
+    }
+    None
 }
 
 fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {

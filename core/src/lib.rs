@@ -9,6 +9,7 @@ pub mod names;
 pub mod process;
 pub mod schema;
 pub mod sign;
+pub mod tls;
 pub mod wire;
 
 /// The crate version, reported by the `status` capability and `--version`.

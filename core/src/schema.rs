@@ -51,6 +51,29 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// `https://HOST:PORT` (or `http://HOST:PORT`, usable only with `plaintext = true`): a
+/// host and a port, nothing after them.
+pub fn is_address(address: &str) -> bool {
+    let Some(rest) = address
+        .strip_prefix("https://")
+        .or_else(|| address.strip_prefix("http://"))
+    else {
+        return false;
+    };
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty()
+        && !rest.contains(['/', '?', '#', '@'])
+        && !rest.chars().any(char::is_whitespace)
+        && port.parse::<u16>().is_ok_and(|p| p > 0)
+}
+
+/// Whether an address is plain HTTP (allowed only with `plaintext = true`).
+pub fn is_plaintext_address(address: &str) -> bool {
+    address.starts_with("http://")
+}
+
 fn read(file: &Path) -> Result<Vec<u8>, SchemaError> {
     std::fs::read(file).map_err(|source| SchemaError::Read {
         file: file.display().to_string(),
@@ -71,7 +94,7 @@ pub struct HostsFile {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct HostEntry {
-    /// Base URL, `http://10.0.0.5:7770`.
+    /// Base URL, `https://10.0.0.5:7770`.
     pub address: String,
     pub keys: Vec<String>,
 }
@@ -134,12 +157,11 @@ impl Registry {
                     format!("host name {name:?} breaks ^[a-z0-9][a-z0-9-]{{0,62}}$"),
                 ));
             }
-            let url = host.address.strip_prefix("http://").unwrap_or("");
-            if url.is_empty() || url.contains('/') || url.contains('?') || url.contains('#') {
+            if !is_address(&host.address) {
                 return Err(invalid(
                     file,
                     format!(
-                        "host {name:?} address {:?} must look like http://HOST:PORT",
+                        "host {name:?} address {:?} must look like https://HOST:PORT",
                         host.address
                     ),
                 ));
@@ -368,7 +390,7 @@ mod tests {
     fn hosts_json() -> String {
         let k = Signer::generate().public_openssh();
         format!(
-            r#"{{"hosts":{{"forge":{{"address":"http://127.0.0.1:1","keys":["{k}"]}}}},"principals":{{"ops":{{"keys":["{k}"]}}}}}}"#
+            r#"{{"hosts":{{"forge":{{"address":"https://127.0.0.1:1","keys":["{k}"]}}}},"principals":{{"ops":{{"keys":["{k}"]}}}}}}"#
         )
     }
 
@@ -394,6 +416,23 @@ mod tests {
         .unwrap();
         let err = validate_needs(Path::new("needs.json"), raw, &reg).unwrap_err();
         assert!(err.to_string().contains("nowhere"));
+    }
+
+    #[test]
+    fn addresses() {
+        assert!(is_address("https://10.0.0.5:7770"));
+        assert!(is_address("https://[::1]:7770"));
+        assert!(is_address("http://forge.lan:7770"));
+        for bad in [
+            "https://10.0.0.5",
+            "https://10.0.0.5:7770/",
+            "ftp://x:1",
+            "https://:1",
+            "https://a:0",
+            "https://u@a:1",
+        ] {
+            assert!(!is_address(bad), "{bad}");
+        }
     }
 
     #[test]

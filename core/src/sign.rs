@@ -99,6 +99,11 @@ impl Signer {
         self.key.public_key()
     }
 
+    /// The 32-byte ed25519 secret, for building the TLS certificate around this key.
+    pub fn ed25519_seed(&self) -> Option<[u8; 32]> {
+        self.key.key_data().ed25519().map(|k| k.private.to_bytes())
+    }
+
     /// `ssh-ed25519 AAAA...` without a comment.
     pub fn public_openssh(&self) -> String {
         let mut pk = self.key.public_key().clone();

@@ -68,6 +68,17 @@ pub struct HostSpec {
     pub extra_toml: String,
 }
 
+impl HostSpec {
+    /// Its address in hosts.json: TLS, as every agent serves.
+    pub fn address(&self) -> String {
+        format!("https://{}", self.addr)
+    }
+
+    pub fn keys(&self) -> Vec<ssh_key::PublicKey> {
+        vec![self.signer.public_key().clone()]
+    }
+}
+
 /// A test fleet: a registry, per-host files, and running agents.
 pub struct Fleet {
     pub dir: tempfile::TempDir,
@@ -158,7 +169,12 @@ impl Fleet {
         let hosts: serde_json::Map<String, Value> = self
             .hosts
             .values()
-            .map(|h| (h.name.clone(), json!({"address": format!("http://{}", h.addr), "keys": [h.signer.public_openssh()]})))
+            .map(|h| {
+                (
+                    h.name.clone(),
+                    json!({"address": h.address(), "keys": [h.signer.public_openssh()]}),
+                )
+            })
             .collect();
         let principals: serde_json::Map<String, Value> = self
             .principals
@@ -235,15 +251,25 @@ impl Fleet {
             .map(|h| h.signer.clone())
             .or_else(|| self.principals.get(origin).cloned())
             .expect("origin is in the fleet");
-        SignedClient::new(origin, signer, &ClientOptions::default())
+        // A host calls from its own address, as its agent does: peers budget connections
+        // per address, and twenty hosts are not one.
+        let local_address = self.hosts.get(origin).map(|h| h.addr.ip());
+        SignedClient::new(
+            origin,
+            signer,
+            &ClientOptions {
+                local_address,
+                ..ClientOptions::default()
+            },
+        )
     }
 
     /// Signed `POST path` from `origin` to `host`.
     pub async fn post(&self, origin: &str, host: &str, path: &str, body: &Value) -> Reply {
         let client = self.client(origin);
         let h = &self.hosts[host];
-        let address = format!("http://{}", h.addr);
-        let keys = vec![h.signer.public_key().clone()];
+        let address = h.address();
+        let keys = h.keys();
         let target = Target {
             name: host,
             address: &address,
@@ -264,8 +290,8 @@ impl Fleet {
         calls: Vec<(String, Value)>,
     ) -> Vec<Option<u16>> {
         let h = &self.hosts[host];
-        let address = format!("http://{}", h.addr);
-        let keys = vec![h.signer.public_key().clone()];
+        let address = h.address();
+        let keys = h.keys();
         let tasks: Vec<_> = calls
             .into_iter()
             .map(|(origin, body)| {
@@ -425,15 +451,66 @@ impl Drop for Agent {
     }
 }
 
-/// A raw HTTP/1.1 exchange, for requests no well-behaved client would send.
-pub fn raw_http(addr: SocketAddr, request: &[u8]) -> (u16, String, Vec<u8>) {
+/// A TLS stream to an agent, pinned to its key as every fort client pins.
+pub type TlsStream = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
+
+/// Opens a pinned TLS 1.3 connection to `host`'s agent (handshake not yet driven: the
+/// first write or read does it).
+pub fn tls_connect(host: &HostSpec) -> TlsStream {
+    tls_connect_to(host.addr, &host.name, &host.keys())
+}
+
+/// A pinned TLS connection to `addr`, expecting one of `keys` (for relays and impostors).
+pub fn tls_connect_to(addr: SocketAddr, name: &str, keys: &[ssh_key::PublicKey]) -> TlsStream {
+    fort_core::tls::install_default_provider();
+    let config = std::sync::Arc::new(fort_core::tls::client_config(name, keys));
+    let server_name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let conn = rustls::ClientConnection::new(config, server_name).expect("client connection");
+    let tcp = TcpStream::connect(addr).expect("connect");
+    tcp.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    rustls::StreamOwned::new(conn, tcp)
+}
+
+/// The server end of a TLS connection, for scripted peers that stand in for an agent.
+pub type TlsServerStream = rustls::StreamOwned<rustls::ServerConnection, TcpStream>;
+
+/// Serves TLS on an accepted connection as an agent would: a self-signed certificate
+/// around `signer`'s key (the handshake runs on the first read or write).
+pub fn tls_accept(tcp: TcpStream, signer: &Signer, name: &str) -> TlsServerStream {
+    fort_core::tls::install_default_provider();
+    let config = fort_core::tls::server_config(signer, name).expect("server config");
+    tcp.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    rustls::StreamOwned::new(
+        rustls::ServerConnection::new(config).expect("server connection"),
+        tcp,
+    )
+}
+
+/// A raw HTTP/1.1 exchange over pinned TLS, for requests no well-behaved client would send.
+pub fn raw_http(host: &HostSpec, request: &[u8]) -> (u16, String, Vec<u8>) {
+    let mut s = tls_connect(host);
+    s.write_all(request).expect("write");
+    let mut buf = Vec::new();
+    // A close without close_notify is an error for rustls; what was read still counts.
+    let _ = s.read_to_end(&mut buf);
+    parse_response(&buf)
+}
+
+/// A raw HTTP/1.1 exchange over plain TCP (the metrics listener).
+pub fn raw_http_plain(addr: SocketAddr, request: &[u8]) -> (u16, String, Vec<u8>) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     s.write_all(request).expect("write");
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
-    let text = String::from_utf8_lossy(&buf).into_owned();
+    parse_response(&buf)
+}
+
+fn parse_response(buf: &[u8]) -> (u16, String, Vec<u8>) {
+    let text = String::from_utf8_lossy(buf).into_owned();
     let status = text
         .split(' ')
         .nth(1)

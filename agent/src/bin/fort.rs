@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use fort_agent::cli::{fleet, fleet_json, fleet_table, judge, Identity, Session, EXIT_FAIL};
+use fort_agent::cli::{fleet, fleet_json, fleet_table, judge, pins, Identity, Session, EXIT_FAIL};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +31,10 @@ struct Cli {
         default_value = "/etc/fort/hosts.json"
     )]
     hosts: PathBuf,
+    /// Accept plain `http://` addresses in hosts.json (only where an overlay network such
+    /// as WireGuard already encrypts; otherwise every host is reached over pinned TLS).
+    #[arg(long, env = "FORT_PLAINTEXT", global = true)]
+    plaintext: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -56,6 +60,11 @@ enum Command {
         #[arg(long)]
         until: Option<String>,
     },
+    /// Print the TLS pin of a host's key(s) for `curl --pinnedpubkey` (one per line).
+    Pin {
+        /// A host in hosts.json.
+        host: String,
+    },
     /// Every host's status in one table, asked concurrently.
     Fleet {
         /// Machine-readable output.
@@ -78,10 +87,25 @@ fn default_origin() -> String {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Pin { host } = &cli.command {
+        return match pins(&cli.hosts, host) {
+            Ok(lines) => {
+                for l in lines {
+                    println!("{l}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err((code, e)) => {
+                eprintln!("fort: {e}");
+                ExitCode::from(code)
+            }
+        };
+    }
     let id = Identity {
         hosts: cli.hosts.clone(),
         key: cli.key.clone().unwrap_or_else(default_key),
         origin: cli.origin.clone().unwrap_or_else(default_origin),
+        plaintext: cli.plaintext,
     };
     let session = match Session::open(&id) {
         Ok(s) => s,
@@ -92,6 +116,7 @@ async fn main() -> ExitCode {
     };
     let pretty = std::io::stdout().is_terminal();
     let (host, capability, body) = match cli.command {
+        Command::Pin { .. } => unreachable!("answered above"),
         Command::Fleet { json } => {
             let rows = fleet(&session).await;
             if json {

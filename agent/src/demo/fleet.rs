@@ -119,7 +119,7 @@ impl Fleet {
         std::fs::write(root.join("ops.key.pub"), ops.public_openssh() + "\n")?;
         let registry = json!({
             "hosts": hosts.iter().map(|h| (h.name.to_owned(), json!({
-                "address": format!("http://{}", h.addr),
+                "address": format!("https://{}", h.addr),
                 "keys": [h.signer.public_openssh()],
             }))).collect::<Map<_, _>>(),
             "principals": {"ops": {"keys": [ops.public_openssh()]}},
