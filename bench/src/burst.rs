@@ -1,4 +1,4 @@
-//! Issue 3: N consumer agents × M needs requested at once against one provider agent
+//! N consumer agents × M needs requested at once against one provider agent
 //! with a trivial handler.
 //!
 //! Method: every agent is started and listening first, consumers with an empty

@@ -1,4 +1,4 @@
-//! Issue 7: one provider and K consumer agents with M needs each, started cold.
+//! One provider and K consumer agents with M needs each, started cold.
 //!
 //! The provider is started and serving first. The clock starts when the K consumer
 //! processes are spawned (all at once) and stops at the first poll at which the

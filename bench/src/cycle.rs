@@ -1,4 +1,4 @@
-//! Issue 4: CPU time of one fulfiller scheduler cycle over N needs, measured in-process
+//! CPU time of one fulfiller scheduler cycle over N needs, measured in-process
 //! on a real `fort_fulfill::Fulfiller` built the way the agent builds it.
 //!
 //! (b) all due: a fresh fulfiller whose N needs are all unsatisfied; one `run_due()`

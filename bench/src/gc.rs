@@ -1,4 +1,4 @@
-//! Issue 5: how long one GC sweep takes over entries from many origins.
+//! How long one GC sweep takes over entries from many origins.
 //!
 //! One provider and `--origins` real origin agents (each a `fort-agent` process that
 //! declares one need and answers signed `/agent/needs` enumerations). Once every origin

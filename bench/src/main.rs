@@ -24,7 +24,7 @@ use clap::{Parser, Subcommand};
     about = "Benchmarks of fort agents on loopback"
 )]
 #[command(after_help = "Examples:
-  fort-bench status --connections 32 --duration 10s
+  fort-bench status --connections 32 --duration 10s --compare-plaintext
   fort-bench status --target https://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
   fort-bench burst --consumers 20 --needs 50
   fort-bench fulfill-cycle --needs 500
@@ -53,15 +53,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Issue 2: signed `status` calls over N connections; req/s and latency.
+    /// Signed `status` calls over N keep-alive TLS connections: req/s, latency, TLS
+    /// handshakes/s, and (with --compare-plaintext) the ratio to plain HTTP.
     Status(status::StatusArgs),
-    /// Issue 3: N consumers × M needs at once against one provider.
+    /// N consumers × M needs at once against one provider: time until every need is
+    /// called back, provider CPU per need, state writes, peak memory.
     Burst(burst::BurstArgs),
-    /// Issue 4: CPU time of one fulfiller cycle, steady state and all due.
+    /// One consumer's fulfiller: CPU of a steady cycle, and N needs all due at once.
     FulfillCycle(cycle::CycleArgs),
-    /// Issue 5: one GC sweep over entries from many origin agents.
+    /// One GC sweep over entries from many origin agents.
     Gc(gc::GcArgs),
-    /// Issue 7: time for K consumer agents to converge, and idle RSS.
+    /// Time for K consumer agents to converge, and their idle memory.
     Converge(converge::ConvergeArgs),
 }
 

@@ -347,10 +347,12 @@ async fn read_capped(
 fn classify(url: &str, e: reqwest::Error) -> ClientError {
     let url = url.to_owned();
     if let Some(tls) = find_source::<rustls::Error>(&e) {
-        return ClientError::Tls {
-            url,
-            detail: tls.to_string(),
+        let detail = match tls {
+            // The pinning verifier's own words, without rustls's "unexpected error" prefix.
+            rustls::Error::General(message) => message.clone(),
+            other => other.to_string(),
         };
+        return ClientError::Tls { url, detail };
     }
     if e.is_timeout() {
         ClientError::Timeout { url }
@@ -376,6 +378,15 @@ fn find_source<'a, T: std::error::Error + 'static>(
     while let Some(err) = cur {
         if let Some(found) = err.downcast_ref::<T>() {
             return Some(found);
+        }
+        // An io::Error's `source()` skips the error it wraps; look inside it first.
+        if let Some(inner) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            if let Some(found) = find_source::<T>(inner) {
+                return Some(found);
+            }
         }
         cur = err.source();
     }

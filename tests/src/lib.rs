@@ -81,6 +81,9 @@ impl HostSpec {
 
 /// A test fleet: a registry, per-host files, and running agents.
 pub struct Fleet {
+    /// Plain HTTP everywhere (`plaintext = true`, `http://` addresses): only for tests that
+    /// show what TLS hides.
+    pub plaintext: bool,
     pub dir: tempfile::TempDir,
     pub hosts: BTreeMap<String, HostSpec>,
     pub principals: BTreeMap<String, Signer>,
@@ -96,6 +99,7 @@ impl Default for Fleet {
 impl Fleet {
     pub fn new() -> Fleet {
         Fleet {
+            plaintext: false,
             dir: tempfile::tempdir().expect("tempdir"),
             hosts: BTreeMap::new(),
             principals: BTreeMap::new(),
@@ -170,9 +174,14 @@ impl Fleet {
             .hosts
             .values()
             .map(|h| {
+                let address = if self.plaintext {
+                    format!("http://{}", h.addr)
+                } else {
+                    h.address()
+                };
                 (
                     h.name.clone(),
-                    json!({"address": h.address(), "keys": [h.signer.public_openssh()]}),
+                    json!({"address": address, "keys": [h.signer.public_openssh()]}),
                 )
             })
             .collect();
@@ -207,7 +216,8 @@ impl Fleet {
             )
             .expect("write");
             let toml = format!(
-                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{d}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n{extra}\n",
+                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{d}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\nplaintext = {plaintext}\n{extra}\n",
+                plaintext = self.plaintext,
                 name = h.name,
                 addr = h.addr,
                 d = d.display(),
@@ -215,6 +225,24 @@ impl Fleet {
             );
             std::fs::write(d.join("agent.toml"), toml).expect("write");
         }
+    }
+
+    /// `host`'s address as hosts.json lists it.
+    pub fn address_of(&self, host: &str) -> String {
+        self.hosts_json()["hosts"][host]["address"]
+            .as_str()
+            .expect("a host")
+            .to_owned()
+    }
+
+    /// Rewrites `host`'s own copy of hosts.json (after `write_files`): a host that sees
+    /// a peer at another address or with another key.
+    pub fn edit_hosts_json(&self, host: &str, edit: impl FnOnce(&mut Value)) {
+        let path = self.host_dir(host).join("hosts.json");
+        let mut v: Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("read hosts.json")).expect("json");
+        edit(&mut v);
+        std::fs::write(&path, serde_json::to_vec_pretty(&v).expect("json")).expect("write");
     }
 
     /// Writes files and starts every host's agent, waiting until each listens.
@@ -259,6 +287,7 @@ impl Fleet {
             signer,
             &ClientOptions {
                 local_address,
+                allow_plaintext: self.plaintext,
                 ..ClientOptions::default()
             },
         )
@@ -268,7 +297,7 @@ impl Fleet {
     pub async fn post(&self, origin: &str, host: &str, path: &str, body: &Value) -> Reply {
         let client = self.client(origin);
         let h = &self.hosts[host];
-        let address = h.address();
+        let address = self.address_of(host);
         let keys = h.keys();
         let target = Target {
             name: host,
@@ -290,7 +319,7 @@ impl Fleet {
         calls: Vec<(String, Value)>,
     ) -> Vec<Option<u16>> {
         let h = &self.hosts[host];
-        let address = h.address();
+        let address = self.address_of(host);
         let keys = h.keys();
         let tasks: Vec<_> = calls
             .into_iter()
@@ -575,5 +604,103 @@ impl Drop for Fleet {
                 tail.join("\n")
             );
         }
+    }
+}
+
+/// A loopback TCP relay to `target` that records every byte passing in either direction:
+/// what someone on the wire between two agents would see.
+pub struct Relay {
+    pub addr: SocketAddr,
+    recorded: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl Relay {
+    pub fn start(ip: &str, target: SocketAddr) -> Relay {
+        let listener = TcpListener::bind(format!("{ip}:0")).expect("bind relay");
+        let addr = listener.local_addr().expect("relay addr");
+        let recorded = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = recorded.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(target) else {
+                    continue;
+                };
+                for (mut from, mut to) in [
+                    (client.try_clone().expect("clone"), server.try_clone().expect("clone")),
+                    (server, client),
+                ] {
+                    let log = log.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 16384];
+                        loop {
+                            match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => {
+                                    log.lock().expect("relay log").extend_from_slice(&buf[..n]);
+                                    if to.write_all(&buf[..n]).is_err() {
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Relay { addr, recorded }
+    }
+
+    /// Everything that passed so far, both directions interleaved.
+    pub fn bytes(&self) -> Vec<u8> {
+        self.recorded.lock().expect("relay log").clone()
+    }
+}
+
+/// Whether `needle` occurs anywhere in `haystack`.
+pub fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// A TLS server that is not the host it claims to be: it presents `impostor`'s key and
+/// records whatever application bytes it manages to decrypt (none, if the client pins).
+pub struct Impostor {
+    pub addr: SocketAddr,
+    decrypted: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    pub connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Impostor {
+    pub fn start(ip: &str, name: &'static str) -> Impostor {
+        let listener = TcpListener::bind(format!("{ip}:0")).expect("bind impostor");
+        let addr = listener.local_addr().expect("impostor addr");
+        let key = Signer::generate();
+        let decrypted = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (log, count) = (decrypted.clone(), connections.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut tls = tls_accept(stream, &key, name);
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = tls.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    log.lock().expect("impostor log").extend_from_slice(&buf[..n]);
+                }
+            }
+        });
+        Impostor {
+            addr,
+            decrypted,
+            connections,
+        }
+    }
+
+    pub fn decrypted(&self) -> Vec<u8> {
+        self.decrypted.lock().expect("impostor log").clone()
     }
 }
