@@ -222,6 +222,11 @@ impl App {
                 per_provider_concurrency: config.fulfill.per_provider_concurrency,
                 backoff: config.fulfill.backoff,
                 request_timeout: config.fulfill.timeout,
+                handler_environment: config
+                    .handler_environment
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
             },
             fulfill_store,
             client.clone(),

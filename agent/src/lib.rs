@@ -50,6 +50,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         ),
         None => None,
     };
+    // Whatever a handler leaves behind (a double-forked daemon, a setsid child) is
+    // reparented to the agent instead of init, so it can be killed and reaped.
+    if let Err(e) = fort_core::process::become_child_subreaper() {
+        tracing::warn!(error = %e, "cannot become a child subreaper; processes that handlers leave behind may survive them");
+    }
     let app = App::start(config, shutdown.clone()).await?;
     if app.config.plaintext {
         tracing::warn!(
@@ -71,6 +76,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     }
     tokio::spawn(reload_on_sighup(app.clone()));
     tokio::spawn(app.quiet.clone().run(app.shutdown.clone()));
+    tokio::spawn(reap_orphans_periodically(app.shutdown.clone()));
     notify_systemd("READY=1");
     let control = server::Listener {
         tcp: listener,
@@ -92,6 +98,26 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     }
     let _ = std::fs::remove_file(&app.config.admin_socket);
     Ok(())
+}
+
+/// Runs also end by killing what they leave behind; this sweep catches orphans that
+/// died or escaped between runs, so none lingers as a zombie.
+async fn reap_orphans_periodically(shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let reaped = tokio::task::spawn_blocking(fort_core::process::reap_orphans)
+            .await
+            .unwrap_or(0);
+        if reaped > 0 {
+            tracing::info!(
+                reaped,
+                "killed or reaped processes that finished handlers left behind"
+            );
+        }
+    }
 }
 
 async fn reload_on_sighup(app: Arc<App>) {

@@ -280,7 +280,11 @@ async fn body_over_the_limit_is_413_without_a_signature_check() {
     let (f, marker) = fleet();
     let big = vec![b' '; 1024 * 1024 + 1];
     let h = vec![("X-Fort-Origin".to_owned(), "nobody".to_owned())];
-    let (status, _, _) = send(&f, "a", PATH, &h, &big);
+    // Only the head goes out: the agent must answer from the declared length alone,
+    // without waiting for (or reading) a byte of the body.
+    let request = raw_post(PATH, &h, &big);
+    let head_end = request.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let (status, _, _) = raw_http(&f.hosts["a"], &request[..head_end]);
     assert_eq!(status, 413);
     assert_eq!(runs(&marker), 0);
 }

@@ -57,7 +57,10 @@ async fn traffic_through_relays(secret: &str, plaintext: bool) -> Vec<u8> {
         "c never got its payload through the relays"
     );
     let got = std::fs::read(f.dir.path().join("got")).unwrap();
-    assert!(contains_bytes(&got, secret.as_bytes()), "c stored the secret");
+    assert!(
+        contains_bytes(&got, secret.as_bytes()),
+        "c stored the secret"
+    );
     let mut seen = to_p.bytes();
     seen.extend(to_c.bytes());
     assert!(seen.len() > 1000, "the relays carried the traffic");
@@ -68,7 +71,12 @@ async fn traffic_through_relays(secret: &str, plaintext: bool) -> Vec<u8> {
 async fn the_wire_between_two_agents_holds_no_delivered_secret() {
     let secret = fort_core::client::new_nonce();
     let seen = traffic_through_relays(&secret, false).await;
-    for needle in [secret.as_str(), "client_secret", "wiki-behind-relay", "X-Fort-"] {
+    for needle in [
+        secret.as_str(),
+        "client_secret",
+        "wiki-behind-relay",
+        "X-Fort-",
+    ] {
         assert!(
             !contains_bytes(&seen, needle.as_bytes()),
             "{needle:?} is readable on the wire"
@@ -149,8 +157,7 @@ async fn a_callback_to_an_impostor_is_not_delivered_and_the_record_says_why() {
     f.start_host("p");
     f.start_host("c");
     let delivery_error = || {
-        f.read_state("p", "provider-state.json")["entries"]["c:oidc/wiki"]["delivery"]
-            ["last_error"]
+        f.read_state("p", "provider-state.json")["entries"]["c:oidc/wiki"]["delivery"]["last_error"]
             .as_str()
             .map(str::to_owned)
     };
@@ -163,8 +170,16 @@ async fn a_callback_to_an_impostor_is_not_delivered_and_the_record_says_why() {
         why.contains("TLS") && why.contains("not one that hosts.json lists for c"),
         "{why}"
     );
-    assert!(impostor.connections.load(std::sync::atomic::Ordering::Relaxed) > 0);
-    assert!(impostor.decrypted().is_empty(), "the impostor read a request");
+    assert!(
+        impostor
+            .connections
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    assert!(
+        impostor.decrypted().is_empty(),
+        "the impostor read a request"
+    );
     let entry = &f.read_state("p", "provider-state.json")["entries"]["c:oidc/wiki"];
     assert!(entry["delivery"]["delivered_hash"].is_null());
     assert!(!f.all_satisfied("c"));

@@ -73,6 +73,7 @@ async fn build(
             per_provider_concurrency: concurrency,
             backoff: Duration::from_secs(2),
             request_timeout: Duration::from_secs(30),
+            handler_environment: Vec::new(),
         },
         store,
         client,

@@ -251,8 +251,9 @@ async fn handshakes(
         .ok_or_else(|| anyhow!("{} is not an https:// address", ep.address))?
         .parse()
         .with_context(|| format!("{} is not IP:PORT", ep.address))?;
-    let connector =
-        tokio_rustls::TlsConnector::from(Arc::new(fort_core::tls::client_config(&ep.host, &ep.keys)));
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(fort_core::tls::client_config(
+        &ep.host, &ep.keys,
+    )));
     let start = Instant::now();
     let end = start + duration;
     let mut tasks = tokio::task::JoinSet::new();
@@ -328,7 +329,12 @@ fn report_load(r: &mut Report, prefix: &str, m: &Measured) {
         (rps * 10.0).round() / 10.0,
         format!("{rps:.1} verified req/s"),
     );
-    for (name, q) in [("p50_ms", 0.5), ("p90_ms", 0.9), ("p99_ms", 0.99), ("max_ms", 1.0)] {
+    for (name, q) in [
+        ("p50_ms", 0.5),
+        ("p90_ms", 0.9),
+        ("p99_ms", 0.99),
+        ("max_ms", 1.0),
+    ] {
         r.line(&key(name), ms(m.lat(q)), format!("{:.3} ms", ms(m.lat(q))));
     }
     r.line(

@@ -29,6 +29,8 @@ pub struct FulfillOptions {
     pub per_provider_concurrency: usize,
     pub backoff: Duration,
     pub request_timeout: Duration,
+    /// Extra variables every handler and check gets (`handler_environment`).
+    pub handler_environment: Vec<(String, String)>,
 }
 
 /// One row of `fort-agent status`.
@@ -355,7 +357,8 @@ impl Fulfiller {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let run_spec = RunSpec::new(check, Vec::new(), self.inner.opts.handler_timeout)
                     .env("FORT_HOST", self.inner.opts.host.clone())
-                    .env("FORT_NEED", key.to_string());
+                    .env("FORT_NEED", key.to_string())
+                    .envs(self.inner.opts.handler_environment.clone());
                 match run(&run_spec).await {
                     Ok(_) => {
                         self.schedule(key, Some(jittered(nag(&spec))));
@@ -580,7 +583,8 @@ impl Fulfiller {
             let run_spec = RunSpec::new(handler, payload.to_vec(), self.inner.opts.handler_timeout)
                 .env("FORT_HOST", self.inner.opts.host.clone())
                 .env("FORT_NEED", key.to_string())
-                .env("FORT_ORIGIN", origin.to_owned());
+                .env("FORT_ORIGIN", origin.to_owned())
+                .envs(self.inner.opts.handler_environment.clone());
             match run(&run_spec).await {
                 Ok(_) => (true, None),
                 Err(e) => (false, Some(format!("handler failed: {e}"))),

@@ -520,7 +520,8 @@ pub fn tls_accept(tcp: TcpStream, signer: &Signer, name: &str) -> TlsServerStrea
 /// A raw HTTP/1.1 exchange over pinned TLS, for requests no well-behaved client would send.
 pub fn raw_http(host: &HostSpec, request: &[u8]) -> (u16, String, Vec<u8>) {
     let mut s = tls_connect(host);
-    s.write_all(request).expect("write");
+    // An agent may answer and close before reading all of a request it refuses.
+    let _ = s.write_all(request).and_then(|()| s.flush());
     let mut buf = Vec::new();
     // A close without close_notify is an error for rustls; what was read still counts.
     let _ = s.read_to_end(&mut buf);
@@ -627,7 +628,10 @@ impl Relay {
                     continue;
                 };
                 for (mut from, mut to) in [
-                    (client.try_clone().expect("clone"), server.try_clone().expect("clone")),
+                    (
+                        client.try_clone().expect("clone"),
+                        server.try_clone().expect("clone"),
+                    ),
                     (server, client),
                 ] {
                     let log = log.clone();
@@ -689,7 +693,9 @@ impl Impostor {
                     if n == 0 {
                         break;
                     }
-                    log.lock().expect("impostor log").extend_from_slice(&buf[..n]);
+                    log.lock()
+                        .expect("impostor log")
+                        .extend_from_slice(&buf[..n]);
                 }
             }
         });

@@ -137,7 +137,7 @@ impl Fleet {
             fleet.write_needs(h.name, |_| true)?;
             let d = h.dir.display();
             let toml = format!(
-                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{root}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n{AGENT_TOML_EXTRA}",
+                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{root}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n# Handlers get a clean environment: what they need is passed explicitly.\nhandler_environment = {{ FORT_EXAMPLE_STATE = \"{d}/examples\" }}\n{AGENT_TOML_EXTRA}",
                 name = h.name,
                 addr = h.addr,
                 root = root.display(),
@@ -227,7 +227,6 @@ impl Fleet {
     /// Starts `name`'s agent and returns once its admin socket answers.
     pub async fn start(&mut self, name: &str) -> anyhow::Result<u32> {
         let exe = self.exe.clone();
-        let examples = self.examples_dir(name);
         let h = self.host_mut(name);
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -237,7 +236,6 @@ impl Fleet {
             .arg("serve")
             .arg("--config")
             .arg(h.dir.join("agent.toml"))
-            .env("FORT_EXAMPLE_STATE", &examples)
             .env("FORT_LOG", "info")
             // The log is a file, not a terminal: no colour escapes in it.
             .env("NO_COLOR", "1")

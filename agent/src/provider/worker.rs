@@ -92,7 +92,8 @@ impl Worker {
         let mut spec_run = RunSpec::new(&spec.handler, stdin, app.config.handler_timeout)
             .env("FORT_HOST", app.config.host.clone())
             .env("FORT_CAPABILITY", self.capability.clone())
-            .env("FORT_TRIGGER", trigger.as_str());
+            .env("FORT_TRIGGER", trigger.as_str())
+            .envs(&app.config.handler_environment);
         spec_run.max_stdout = 64 * 1024 * 1024;
         let outcome = run(&spec_run).await;
         record.duration_ms = started.elapsed().as_millis() as u64;

@@ -104,7 +104,8 @@ async fn rpc(
         .env("FORT_HOST", app.config.host.clone())
         .env("FORT_CAPABILITY", name.to_owned())
         .env("FORT_TRIGGER", "request")
-        .env("FORT_ORIGIN", caller.origin.clone());
+        .env("FORT_ORIGIN", caller.origin.clone())
+        .envs(&app.config.handler_environment);
     run_output(app, name, run(&run_spec).await)
 }
 
