@@ -363,7 +363,7 @@ async fn a_release_is_honoured_after_the_caller_left_the_callers_list() {
         .await
     );
     // Both sides deploy at once; the provider's new files arrive first.
-    f.host("p").capabilities.get_mut("web").unwrap()["callers"] = json!([]);
+    f.host("p").capabilities.get_mut("web").unwrap()["callers"] = json!({});
     f.write_files();
     f.agents["p"].hup();
     tokio::time::sleep(Duration::from_millis(300)).await;

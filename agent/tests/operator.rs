@@ -58,7 +58,10 @@ async fn builtins_and_their_access() {
             .body,
     )
     .unwrap();
-    assert_eq!(manifest["capabilities"]["web"]["callers"], json!(["c"]));
+    assert_eq!(
+        manifest["capabilities"]["web"]["callers"],
+        json!({"c": ["site"]})
+    );
     let needs: Value =
         serde_json::from_slice(&f.post("viewer", "c", "/agent/needs", &json!({})).await.body)
             .unwrap();

@@ -35,6 +35,17 @@ pub fn is_capability_name(s: &str) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'_' || *c == b'-')
 }
 
+/// `^[A-Za-z0-9@._:\\-]{1,255}$`, not starting with `-` (so it can never be an option),
+/// and ending in a known unit suffix when it has a dot.
+pub fn is_unit_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 255
+        && !s.starts_with('-')
+        && !s.starts_with('.')
+        && s.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"@._:-".contains(&c))
+}
+
 /// A consumer-side need key, `<type>/<id>`.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NeedKey {

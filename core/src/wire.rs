@@ -58,6 +58,27 @@ pub fn payload_bytes(value: &serde_json::Value) -> Vec<u8> {
     }
 }
 
+/// How deeply a stored request may nest. serde_json refuses to parse past 128 levels; a
+/// request must stay far below that once it sits inside a state file (entry, map, file),
+/// or a caller could make the provider's own state unreadable.
+pub const MAX_REQUEST_DEPTH: usize = 32;
+
+/// The nesting depth of a JSON value (a scalar is 1, `{"a":[1]}` is 3), computed without
+/// recursion so a hostile value cannot exhaust the stack.
+pub fn json_depth(v: &serde_json::Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(v, 1usize)];
+    while let Some((v, d)) = stack.pop() {
+        deepest = deepest.max(d);
+        match v {
+            serde_json::Value::Object(m) => stack.extend(m.values().map(|c| (c, d + 1))),
+            serde_json::Value::Array(a) => stack.extend(a.iter().map(|c| (c, d + 1))),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 /// Current unix time in whole seconds.
 pub fn unix_now() -> u64 {
     std::time::SystemTime::now()
@@ -69,6 +90,17 @@ pub fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn depth() {
+        assert_eq!(json_depth(&serde_json::json!(1)), 1);
+        assert_eq!(json_depth(&serde_json::json!({"a": [1]})), 3);
+        let mut v = serde_json::json!(0);
+        for _ in 0..1000 {
+            v = serde_json::json!([v]);
+        }
+        assert_eq!(json_depth(&v), 1001);
+    }
 
     #[test]
     fn payloads() {

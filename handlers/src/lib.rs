@@ -11,13 +11,4 @@ pub mod systemd;
 #[error("{0}")]
 pub struct ParamError(pub String);
 
-/// `^[A-Za-z0-9@._:\\-]{1,255}$`, not starting with `-` (so it can never be an option),
-/// and ending in a known unit suffix when it has a dot.
-pub fn is_unit_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 255
-        && !s.starts_with('-')
-        && !s.starts_with('.')
-        && s.bytes()
-            .all(|c| c.is_ascii_alphanumeric() || b"@._:-".contains(&c))
-}
+pub use fort_core::names::is_unit_name;

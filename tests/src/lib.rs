@@ -139,8 +139,9 @@ impl Fleet {
         path
     }
 
-    /// Declares `consumer`'s need `<type>/<id>` from `provider`, and adds the consumer to
-    /// the provider capability's callers (as the NixOS module computes it).
+    /// Declares `consumer`'s need `<type>/<id>` from `provider`, and adds the need id to
+    /// the consumer's entry in the provider capability's callers (as the NixOS module
+    /// computes it).
     pub fn need(&mut self, consumer: &str, key: &str, provider: &str, spec: Value) {
         let mut spec = spec;
         spec["from"] = json!(provider);
@@ -151,12 +152,17 @@ impl Fleet {
             spec["nag_seconds"] = json!(60);
         }
         self.host(consumer).needs.insert(key.to_owned(), spec);
-        let cap = key.split('/').next().expect("type");
+        let (cap, id) = key.split_once('/').expect("<type>/<id>");
         let caps = &mut self.host(provider).capabilities;
         if let Some(c) = caps.get_mut(cap) {
-            let callers = c["callers"].as_array_mut().expect("callers array");
-            if !callers.contains(&json!(consumer)) {
-                callers.push(json!(consumer));
+            let ids = c["callers"]
+                .as_object_mut()
+                .expect("callers object")
+                .entry(consumer)
+                .or_insert_with(|| json!([]));
+            let ids = ids.as_array_mut().expect("need ids");
+            if !ids.contains(&json!(id)) {
+                ids.push(json!(id));
             }
         }
     }
@@ -164,7 +170,7 @@ impl Fleet {
     pub fn capability(&mut self, host: &str, name: &str, spec: Value) {
         let mut spec = spec;
         if spec.get("callers").is_none() {
-            spec["callers"] = json!([]);
+            spec["callers"] = json!({});
         }
         self.host(host).capabilities.insert(name.to_owned(), spec);
     }

@@ -149,16 +149,19 @@ impl Fleet {
         Ok(fleet)
     }
 
-    /// `capabilities.json`: `callers` is every host declaring a need of that type from here.
+    /// `capabilities.json`: `callers` maps every host declaring a need of that type from
+    /// here to the need ids it declares, as the NixOS module computes it.
     fn write_capabilities(&self, h: &Host) -> anyhow::Result<()> {
         let mut out = Map::new();
         for c in self.caps.iter().filter(|c| c.host == h.name) {
-            let callers: BTreeSet<&str> = self
-                .needs
-                .iter()
-                .filter(|n| n.from == h.name && n.key.split('/').next() == Some(c.name))
-                .map(|n| n.consumer)
-                .collect();
+            let mut callers: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+            for n in &self.needs {
+                if let Some((kind, id)) = n.key.split_once('/') {
+                    if n.from == h.name && kind == c.name {
+                        callers.entry(n.consumer).or_default().insert(id);
+                    }
+                }
+            }
             // `initialize`: after a restart the handler runs over the stored entries and
             // calls every consumer back, so nothing waits for a nag.
             out.insert(

@@ -1,0 +1,249 @@
+//! `capabilities.json`: what this host serves, to whom, and what a request must look like
+//! (docs/protocol.md §5, §10, §11.2, §11.6).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::hosts::Registry;
+use super::{invalid, parse_json, read, SchemaError, BUILTIN_CAPABILITIES};
+use crate::names::{is_capability_name, is_unit_name};
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Async,
+    Rpc,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Triggers {
+    /// Run the handler over all entries after start.
+    #[serde(default)]
+    pub initialize: bool,
+    /// Units whose success triggers a run (wired by the NixOS module).
+    #[serde(default)]
+    pub systemd: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CapabilitySpec {
+    pub handler: PathBuf,
+    pub mode: Mode,
+    /// Pass each entry's last response back to the handler.
+    #[serde(rename = "cacheResponse", default)]
+    pub cache_response: bool,
+    /// Principals and hosts allowed besides the callers; their entries are capped per
+    /// origin (`max_entries_per_origin`).
+    #[serde(default)]
+    pub allowed: Vec<String>,
+    /// Host → the need ids it declares of this type from this host (§11.2).
+    #[serde(default)]
+    pub callers: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    pub triggers: Triggers,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// What a request must look like (§11.6); checked before anything is stored or run.
+    #[serde(default)]
+    pub request_schema: Option<RequestSchema>,
+}
+
+impl CapabilitySpec {
+    /// Whether `origin` may call this capability at all.
+    pub fn permits(&self, origin: &str) -> bool {
+        self.allowed.iter().any(|n| n == origin) || self.callers.contains_key(origin)
+    }
+
+    /// Whether `origin` is listed in `allowed` (and so holds a capped number of entries).
+    pub fn allows(&self, origin: &str) -> bool {
+        self.allowed.iter().any(|n| n == origin)
+    }
+
+    /// Whether host `origin` declares the need id `id` of this capability from here.
+    pub fn declares(&self, origin: &str, id: &str) -> bool {
+        self.callers
+            .get(origin)
+            .is_some_and(|ids| ids.iter().any(|i| i == id))
+    }
+}
+
+/// A request schema, compiled once at load. Serialises as the schema it was given.
+#[derive(Clone)]
+pub struct RequestSchema {
+    source: Value,
+    validator: Arc<jsonschema::Validator>,
+}
+
+impl RequestSchema {
+    /// Compiles a draft 2020-12 schema. Remote references cannot be followed (no
+    /// resolver is built in): a schema must be self-contained.
+    pub fn compile(source: Value) -> Result<RequestSchema, String> {
+        let validator = jsonschema::draft202012::new(&source)
+            .map_err(|e| format!("request_schema is not a usable JSON Schema: {e}"))?;
+        Ok(RequestSchema {
+            source,
+            validator: Arc::new(validator),
+        })
+    }
+
+    pub fn source(&self) -> &Value {
+        &self.source
+    }
+
+    /// `Err` names the JSON pointer of the first violation and what is wrong there.
+    pub fn check(&self, instance: &Value) -> Result<(), String> {
+        self.validator.validate(instance).map_err(|e| {
+            let at = e.instance_path().to_string();
+            let at = if at.is_empty() { "/".to_owned() } else { at };
+            format!("at {at}: {e}")
+        })
+    }
+}
+
+impl std::fmt::Debug for RequestSchema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RequestSchema({})", self.source)
+    }
+}
+
+impl PartialEq for RequestSchema {
+    fn eq(&self, other: &Self) -> bool {
+        self.source == other.source
+    }
+}
+
+impl Serialize for RequestSchema {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.source.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RequestSchema {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let source = Value::deserialize(d)?;
+        RequestSchema::compile(source).map_err(serde::de::Error::custom)
+    }
+}
+
+pub type Capabilities = BTreeMap<String, CapabilitySpec>;
+
+pub fn load_capabilities(file: &Path, registry: &Registry) -> Result<Capabilities, SchemaError> {
+    let raw: Capabilities = parse_json(file, &read(file)?)?;
+    validate_capabilities(file, raw, registry)
+}
+
+pub fn validate_capabilities(
+    file: &Path,
+    caps: Capabilities,
+    registry: &Registry,
+) -> Result<Capabilities, SchemaError> {
+    for (name, cap) in &caps {
+        let bad = |message: String| invalid(file, format!("capability {name:?}: {message}"));
+        if !is_capability_name(name) {
+            return Err(invalid(
+                file,
+                format!("capability name {name:?} breaks ^[a-z0-9][a-z0-9_-]{{0,63}}$"),
+            ));
+        }
+        if BUILTIN_CAPABILITIES.contains(&name.as_str()) {
+            return Err(bad("clashes with a built-in capability".into()));
+        }
+        for who in &cap.allowed {
+            if registry.get(who).is_none() {
+                return Err(bad(format!("allowed {who:?} is not in hosts.json")));
+            }
+        }
+        for (who, ids) in &cap.callers {
+            if !registry.is_host(who) {
+                return Err(bad(format!("caller {who:?} is not a host in hosts.json")));
+            }
+            if let Some(id) = ids.iter().find(|i| !is_capability_name(i)) {
+                return Err(bad(format!("caller {who:?}: {id:?} is not a need id")));
+            }
+        }
+        for unit in &cap.triggers.systemd {
+            if !is_unit_name(unit) {
+                return Err(bad(format!("trigger {unit:?} is not a unit name")));
+            }
+        }
+        if cap.mode == Mode::Rpc
+            && (cap.cache_response || cap.triggers.initialize || !cap.triggers.systemd.is_empty())
+        {
+            return Err(bad(
+                "cacheResponse and triggers apply to async mode only".into()
+            ));
+        }
+    }
+    Ok(caps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::hosts::tests::hosts_json;
+
+    fn registry() -> Registry {
+        Registry::from_bytes(Path::new("h"), hosts_json().as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn builtin_clash_is_an_error() {
+        let caps: Capabilities =
+            serde_json::from_str(r#"{"status":{"handler":"/x","mode":"rpc"}}"#).unwrap();
+        assert!(validate_capabilities(Path::new("c"), caps, &registry()).is_err());
+    }
+
+    #[test]
+    fn callers_are_hosts_with_need_ids() {
+        let caps: Capabilities = serde_json::from_str(
+            r#"{"oidc":{"handler":"/x","mode":"async","callers":{"forge":["wiki"]},"allowed":["ops"]}}"#,
+        )
+        .unwrap();
+        let caps = validate_capabilities(Path::new("c"), caps, &registry()).unwrap();
+        let oidc = &caps["oidc"];
+        assert!(oidc.declares("forge", "wiki"));
+        assert!(!oidc.declares("forge", "other"));
+        assert!(oidc.permits("ops") && oidc.allows("ops") && !oidc.allows("forge"));
+        let old: Result<Capabilities, _> =
+            serde_json::from_str(r#"{"oidc":{"handler":"/x","mode":"async","callers":["forge"]}}"#);
+        assert!(old.is_err(), "the v1 list form is refused");
+        let caps: Capabilities = serde_json::from_str(
+            r#"{"oidc":{"handler":"/x","mode":"async","callers":{"ops":["wiki"]}}}"#,
+        )
+        .unwrap();
+        assert!(validate_capabilities(Path::new("c"), caps, &registry()).is_err());
+    }
+
+    #[test]
+    fn request_schemas_compile_and_name_the_path() {
+        let caps: Capabilities = serde_json::from_str(
+            r#"{"oidc":{"handler":"/x","mode":"async","request_schema":{
+                "type":"object","additionalProperties":false,"required":["client_name"],
+                "properties":{"client_name":{"type":"string","pattern":"^[a-z]+$"},
+                              "scopes":{"type":"array","items":{"enum":["openid","email"]}}}}}}"#,
+        )
+        .unwrap();
+        let schema = caps["oidc"].request_schema.as_ref().unwrap();
+        assert!(schema
+            .check(&serde_json::json!({"client_name": "wiki"}))
+            .is_ok());
+        let err = schema
+            .check(&serde_json::json!({"client_name": "wiki", "scopes": ["openid", "root"]}))
+            .unwrap_err();
+        assert!(err.contains("/scopes/1"), "{err}");
+        let err = schema
+            .check(&serde_json::json!({"client_name": 3}))
+            .unwrap_err();
+        assert!(err.contains("/client_name"), "{err}");
+        let bad: Result<Capabilities, _> = serde_json::from_str(
+            r#"{"oidc":{"handler":"/x","mode":"async","request_schema":{"type":"nonsense"}}}"#,
+        );
+        assert!(bad.is_err());
+    }
+}

@@ -1,0 +1,412 @@
+//! `needs.json`: what this host needs, from whom, and how a delivered payload lands
+//! (docs/protocol.md §10, §11.3–§11.5).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::hosts::Registry;
+use super::refs::{references, NeedRef};
+use super::{invalid, parse_json, read, SchemaError};
+use crate::names::{is_unit_name, NeedKey};
+use crate::wire::{json_depth, MAX_REQUEST_DEPTH};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NeedSpec {
+    /// The provider host.
+    pub from: String,
+    /// Sent as `request` in the async body; must be a JSON object. May hold references
+    /// to other needs' payloads (§11.5).
+    pub request: serde_json::Value,
+    /// How often an unsatisfied need is re-requested.
+    pub nag_seconds: u64,
+    /// Run with the payload on stdin; absent means a side-effect-only need (unless it
+    /// has `files`).
+    #[serde(default)]
+    pub handler: Option<PathBuf>,
+    /// Freshness probe run each cycle for a satisfied need; non-zero marks it unsatisfied.
+    #[serde(default)]
+    pub check: Option<PathBuf>,
+    /// Re-request every nag interval even when satisfied.
+    #[serde(default)]
+    pub never_satisfied: bool,
+    /// Files written from each non-empty payload (§11.3).
+    #[serde(default)]
+    pub files: Vec<FileSpec>,
+    /// Units restarted when a file's content changes (at most once per unit per round).
+    #[serde(default)]
+    pub restart_units: Vec<String>,
+    /// Units reloaded when a file's content changes.
+    #[serde(default)]
+    pub reload_units: Vec<String>,
+    /// Ask again this long before the payload expires (§11.4).
+    #[serde(default)]
+    pub renew_before_seconds: Option<u64>,
+    /// Needs that must be satisfied before this one is sent (§11.5).
+    #[serde(default)]
+    pub after: Vec<String>,
+}
+
+impl NeedSpec {
+    /// Side-effect-only: no handler and no files, satisfied by the payload `OK` (§7).
+    pub fn side_effect_only(&self) -> bool {
+        self.handler.is_none() && self.files.is_empty()
+    }
+
+    /// Every need this one waits for: its references and its `after`, once each.
+    pub fn dependencies(&self) -> BTreeSet<NeedKey> {
+        let mut deps: BTreeSet<NeedKey> = references(&self.request)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| r.need)
+            .collect();
+        deps.extend(self.after.iter().filter_map(|a| NeedKey::parse(a)));
+        deps
+    }
+
+    /// The references in the request (validated at load, so never an error here).
+    pub fn references(&self) -> Vec<NeedRef> {
+        references(&self.request).unwrap_or_default()
+    }
+}
+
+/// One file written from a payload (§11.3).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FileSpec {
+    /// A short name for status and logs (the NixOS module's attribute name).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Absolute path of the file.
+    pub path: PathBuf,
+    /// RFC 6901 pointer into the JSON payload; `""` writes the whole payload.
+    #[serde(default)]
+    pub pointer: String,
+    #[serde(default = "root")]
+    pub owner: String,
+    #[serde(default = "root")]
+    pub group: String,
+    /// Octal, e.g. `"0400"`.
+    #[serde(default = "default_mode")]
+    pub mode: String,
+}
+
+fn root() -> String {
+    "root".into()
+}
+
+fn default_mode() -> String {
+    "0400".into()
+}
+
+impl FileSpec {
+    /// The mode as a number (validated at load).
+    pub fn mode_bits(&self) -> u32 {
+        u32::from_str_radix(&self.mode, 8).unwrap_or(0o400)
+    }
+
+    pub fn label(&self) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| self.path.display().to_string())
+    }
+}
+
+/// `needs.json`, validated: keys are need keys.
+pub type Needs = BTreeMap<NeedKey, NeedSpec>;
+
+pub fn load_needs(file: &Path, registry: &Registry) -> Result<Needs, SchemaError> {
+    let raw: BTreeMap<String, NeedSpec> = parse_json(file, &read(file)?)?;
+    validate_needs(file, raw, registry)
+}
+
+/// A user or group name as `useradd` accepts it, or a numeric id.
+fn is_account_name(s: &str) -> bool {
+    if !s.is_empty() && s.len() <= 10 && s.bytes().all(|c| c.is_ascii_digit()) {
+        return true;
+    }
+    let b = s.as_bytes();
+    let body = b.strip_suffix(b"$").unwrap_or(b);
+    !body.is_empty()
+        && s.len() <= 32
+        && (body[0].is_ascii_lowercase() || body[0] == b'_')
+        && body
+            .iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'_' || *c == b'-')
+}
+
+fn is_mode(s: &str) -> bool {
+    // Permission bits only: setuid, setgid and sticky make no sense on a credential.
+    let digits = s.strip_prefix('0').filter(|_| s.len() == 4).unwrap_or(s);
+    digits.len() == 3 && digits.bytes().all(|c| (b'0'..=b'7').contains(&c))
+}
+
+fn check_file(key: &str, f: &FileSpec) -> Result<(), String> {
+    let where_ = format!("need {key:?}: file {:?}", f.label());
+    let clean = f.path.is_absolute()
+        && f.path.components().count() > 1
+        && f.path
+            .components()
+            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
+        && !f.path.to_string_lossy().ends_with('/');
+    if !clean {
+        return Err(format!(
+            "{where_}: path must be absolute, without . or .. components"
+        ));
+    }
+    if !(f.pointer.is_empty() || f.pointer.starts_with('/')) {
+        return Err(format!(
+            "{where_}: pointer {:?} must be empty or start with /",
+            f.pointer
+        ));
+    }
+    if !is_account_name(&f.owner) || !is_account_name(&f.group) {
+        return Err(format!(
+            "{where_}: owner {:?} and group {:?} must be account names or numeric ids",
+            f.owner, f.group
+        ));
+    }
+    if !is_mode(&f.mode) {
+        return Err(format!(
+            "{where_}: mode {:?} must be three octal digits, optionally after a 0 (\"0400\")",
+            f.mode
+        ));
+    }
+    if let Some(name) = &f.name {
+        let ok = !name.is_empty()
+            && !name.starts_with('.')
+            && name
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c));
+        if !ok {
+            return Err(format!("{where_}: name must be letters, digits, . _ -"));
+        }
+    }
+    Ok(())
+}
+
+pub fn validate_needs(
+    file: &Path,
+    raw: BTreeMap<String, NeedSpec>,
+    registry: &Registry,
+) -> Result<Needs, SchemaError> {
+    let mut needs = Needs::new();
+    let mut paths: BTreeMap<PathBuf, String> = BTreeMap::new();
+    for (key, spec) in raw {
+        let bad = |message: String| invalid(file, format!("need {key:?}: {message}"));
+        let need = NeedKey::parse(&key)
+            .ok_or_else(|| invalid(file, format!("need key {key:?} is not <type>/<id>")))?;
+        if !registry.is_host(&spec.from) {
+            return Err(bad(format!(
+                "from {:?} is not a host in hosts.json",
+                spec.from
+            )));
+        }
+        if !spec.request.is_object() {
+            return Err(bad("request must be a JSON object".into()));
+        }
+        if json_depth(&spec.request) > MAX_REQUEST_DEPTH {
+            return Err(bad(format!(
+                "request nests deeper than {MAX_REQUEST_DEPTH} levels"
+            )));
+        }
+        if spec.nag_seconds == 0 {
+            return Err(bad("nag_seconds must be at least 1".into()));
+        }
+        for f in &spec.files {
+            check_file(&key, f).map_err(|m| invalid(file, m))?;
+            if let Some(other) = paths.insert(f.path.clone(), key.clone()) {
+                return Err(bad(format!(
+                    "file {} is also written by need {other:?}",
+                    f.path.display()
+                )));
+            }
+        }
+        for unit in spec.restart_units.iter().chain(&spec.reload_units) {
+            if !is_unit_name(unit) {
+                return Err(bad(format!("{unit:?} is not a unit name")));
+            }
+        }
+        if spec.renew_before_seconds == Some(0) {
+            return Err(bad(
+                "renew_before_seconds must be at least 1 (or null)".into()
+            ));
+        }
+        references(&spec.request).map_err(|m| bad(format!("request: {m}")))?;
+        for a in &spec.after {
+            if NeedKey::parse(a).is_none() {
+                return Err(bad(format!("after {a:?} is not <type>/<id>")));
+            }
+        }
+        needs.insert(need, spec);
+    }
+    check_dependencies(file, &needs)?;
+    Ok(needs)
+}
+
+/// Every reference and `after` names a declared need, and none leads back to itself.
+fn check_dependencies(file: &Path, needs: &Needs) -> Result<(), SchemaError> {
+    for (key, spec) in needs {
+        for dep in spec.dependencies() {
+            if dep == *key {
+                return Err(invalid(file, format!("need \"{key}\" refers to itself")));
+            }
+            if !needs.contains_key(&dep) {
+                return Err(invalid(
+                    file,
+                    format!("need \"{key}\" refers to \"{dep}\", which this host does not declare"),
+                ));
+            }
+        }
+    }
+    // Depth-first search with colours; the path on the stack names the cycle.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        New,
+        Open,
+        Done,
+    }
+    let mut marks: BTreeMap<&NeedKey, Mark> = needs.keys().map(|k| (k, Mark::New)).collect();
+    for start in needs.keys() {
+        if marks[start] != Mark::New {
+            continue;
+        }
+        let mut path: Vec<&NeedKey> = vec![start];
+        let mut iters = vec![needs[start].dependencies().into_iter()];
+        marks.insert(start, Mark::Open);
+        while let Some(it) = iters.last_mut() {
+            match it.next() {
+                Some(dep) => {
+                    let (dep_key, _) = needs.get_key_value(&dep).expect("checked above");
+                    match marks[dep_key] {
+                        Mark::Open => {
+                            let from = path.iter().position(|k| *k == dep_key).unwrap_or(0);
+                            let cycle: Vec<String> = path[from..]
+                                .iter()
+                                .chain(std::iter::once(&dep_key))
+                                .map(|k| k.to_string())
+                                .collect();
+                            return Err(invalid(
+                                file,
+                                format!(
+                                    "needs refer to each other in a cycle: {}",
+                                    cycle.join(" → ")
+                                ),
+                            ));
+                        }
+                        Mark::New => {
+                            marks.insert(dep_key, Mark::Open);
+                            path.push(dep_key);
+                            iters.push(needs[dep_key].dependencies().into_iter());
+                        }
+                        Mark::Done => {}
+                    }
+                }
+                None => {
+                    iters.pop();
+                    if let Some(done) = path.pop() {
+                        marks.insert(done, Mark::Done);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::hosts::tests::hosts_json;
+
+    fn registry() -> Registry {
+        Registry::from_bytes(Path::new("h"), hosts_json().as_bytes()).unwrap()
+    }
+
+    fn needs(json: &str) -> Result<Needs, SchemaError> {
+        let raw: BTreeMap<String, NeedSpec> = serde_json::from_str(json).unwrap();
+        validate_needs(Path::new("needs.json"), raw, &registry())
+    }
+
+    #[test]
+    fn unknown_provider() {
+        let err = needs(r#"{"oidc/outline":{"from":"nowhere","request":{},"nag_seconds":5}}"#)
+            .unwrap_err();
+        assert!(err.to_string().contains("nowhere"));
+    }
+
+    #[test]
+    fn delivery_fields() {
+        let ok = needs(
+            r#"{"oidc/o":{"from":"forge","request":{},"nag_seconds":5,
+                "files":[{"name":"secret","path":"/run/fort/needs/oidc/o/secret","pointer":"/client_secret","owner":"outline","group":"outline","mode":"0440"}],
+                "restart_units":["outline.service"],"renew_before_seconds":60}}"#,
+        )
+        .unwrap();
+        let spec = &ok[&NeedKey::parse("oidc/o").unwrap()];
+        assert_eq!(spec.files[0].mode_bits(), 0o440);
+        assert!(!spec.side_effect_only());
+        for (bad, says) in [
+            (r#""path":"relative/x""#, "absolute"),
+            (r#""path":"/a/../b""#, "absolute"),
+            (r#""path":"/a","mode":"4755""#, "mode"),
+            (r#""path":"/a","mode":"rw""#, "mode"),
+            (r#""path":"/a","owner":"Bad Name""#, "owner"),
+            (r#""path":"/a","pointer":"client_secret""#, "pointer"),
+        ] {
+            let err = needs(&format!(
+                r#"{{"oidc/o":{{"from":"forge","request":{{}},"nag_seconds":5,"files":[{{{bad}}}]}}}}"#
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        let err = needs(
+            r#"{"a/x":{"from":"forge","request":{},"nag_seconds":5,"files":[{"path":"/f"}]},
+                "a/y":{"from":"forge","request":{},"nag_seconds":5,"files":[{"path":"/f"}]}}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("also written"), "{err}");
+    }
+
+    #[test]
+    fn references_must_be_declared_and_acyclic() {
+        let ok = needs(
+            r#"{"ssl/a":{"from":"forge","request":{},"nag_seconds":5},
+                "proxy/a":{"from":"forge","request":{"fp":{"$fort_ref":"ssl/a#/fp"}},"nag_seconds":5,"after":["ssl/a"]}}"#,
+        )
+        .unwrap();
+        let proxy = &ok[&NeedKey::parse("proxy/a").unwrap()];
+        assert_eq!(proxy.dependencies().len(), 1);
+        let err = needs(
+            r#"{"proxy/a":{"from":"forge","request":{"fp":{"$fort_ref":"ssl/zz"}},"nag_seconds":5}}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("does not declare"), "{err}");
+        let err = needs(
+            r#"{"a/x":{"from":"forge","request":{"r":{"$fort_ref":"b/y"}},"nag_seconds":5},
+                "b/y":{"from":"forge","request":{},"nag_seconds":5,"after":["c/z"]},
+                "c/z":{"from":"forge","request":{},"nag_seconds":5,"after":["a/x"]}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("cycle: a/x → b/y → c/z → a/x"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn deep_requests_are_refused() {
+        let mut v = String::from("1");
+        for _ in 0..40 {
+            v = format!("[{v}]");
+        }
+        let err = needs(&format!(
+            r#"{{"a/x":{{"from":"forge","request":{{"deep":{v}}},"nag_seconds":5}}}}"#
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("deeper"), "{err}");
+    }
+}
