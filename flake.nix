@@ -123,6 +123,7 @@
             cp -r ${src} src && chmod -R u+w src
             bash src/nixos-module/tests/parse-all.sh
             NIXPKGS_LIB=${nixpkgs} bash src/nixos-module/tests/run.sh
+            NIXPKGS_LIB=${nixpkgs} bash src/nixos-module/tests/options-doc.sh --check
             touch $out
           '';
 

@@ -1,6 +1,7 @@
 //! The NixOS module, evaluated with the real nixpkgs `lib` (set `NIXPKGS_LIB`): its
-//! generated files match the expected JSON and pass `fort-agent check`; and every `.nix`
-//! file in the repo parses. Skips with a message when nixpkgs lib or Nix is absent.
+//! generated files match the expected JSON and pass `fort-agent check`; docs/options.md
+//! matches the option declarations; and every `.nix` file in the repo parses. Skips
+//! with a message when nixpkgs lib or Nix is absent.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -32,6 +33,25 @@ fn every_nix_file_parses() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn options_reference_is_current() {
+    let out = Command::new("bash")
+        .arg(repo().join("nixos-module/tests/options-doc.sh"))
+        .arg("--check")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.code() == Some(77) {
+        eprintln!("{}", text.trim());
+        return;
+    }
+    assert!(out.status.success(), "{text}");
 }
 
 #[test]

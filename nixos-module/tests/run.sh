@@ -17,24 +17,9 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-skip() {
-  echo "SKIP: $*"
-  exit 77
-}
+# shellcheck source=nixpkgs-lib.sh
+. "$here/nixpkgs-lib.sh"
 
-libdir=
-if [ -n "${NIXPKGS_LIB:-}" ]; then
-  if [ -f "$NIXPKGS_LIB/lib/default.nix" ]; then
-    libdir=$NIXPKGS_LIB/lib
-  elif [ -f "$NIXPKGS_LIB/default.nix" ] && [ -f "$NIXPKGS_LIB/modules.nix" ]; then
-    libdir=$NIXPKGS_LIB
-  fi
-fi
-[ -n "$libdir" ] || skip "nixpkgs lib not found; set NIXPKGS_LIB=/path/to/nixpkgs (the directory holding lib/)"
-command -v nix-instantiate >/dev/null || skip "nix-instantiate not found (Debian: apt-get install nix-bin)"
-command -v jq >/dev/null || skip "jq not found"
-
-libdir=$(cd "$libdir" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
