@@ -84,9 +84,22 @@ for host in $hosts; do
     sha256sum | cut -d' ' -f1)
   [ "$want" = "$got" ] || fail "$host: fort.host.manifestSha256 $want, but the installed files hash to $got"
 done
+# nixos-rebuild dry-activate: the plan runs for dry activation only, with the new
+# generation's store files (the same ones `fort-agent check` validated).
+for host in $hosts; do
+  plan=$(jq -r --arg h "$host" '.hosts[$h].system as $s | $s.activation["fort-plan"] |
+    select(.supportsDryActivation) | .text as $t |
+    ["NIXOS_ACTION-}\" = dry-activate", "fort-agent plan --config /etc/fort/agent.toml",
+     "--new-config \($s.services["fort-agent"].restartTriggers[1])",
+     "--hosts \($s.check.config.hosts)", "--needs \($s.check.config.needs)",
+     "--capabilities \($s.check.config.capabilities)", "fortPlan || true"]
+    | map(select(. as $w | $t | contains($w) | not)) | join(", ")' "$work/fleet.json")
+  [ -z "$plan" ] || fail "$host: system.activationScripts.fort-plan lacks: $plan"
+done
+
 if diff -u --label expected/manifest.json --label "generated fleetManifest" \
   <(jq -S . "$here/expected/manifest.json") <(jq -S .manifest "$work/fleet.json"); then
-  echo "ok   manifest hashes match the installed bytes and expected/manifest.json"
+  echo "ok   manifest hashes match the installed bytes and expected/manifest.json; dry-activate plan wired"
 else
   fail "lib.fleetManifest differs from expected/manifest.json"
 fi
