@@ -22,8 +22,8 @@ let
     mapAttrsToList
     nameValuePair
     optional
-    recursiveUpdate
     optionals
+    recursiveUpdate
     unique
     zipAttrsWith
     ;

@@ -3,8 +3,8 @@
 #   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup) and ssl-cert;
 #           handler environment; metrics
 #   beacon: provides proxy (async) and ping (rpc, its own interface); consumes oidc (two
-#           instances, defaults filled in) and ssl-cert; runs as user "fort" under
-#           strictSandbox; its port set through settings.listen
+#           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
+#           runs as user "fort" under strictSandbox; its port set through settings.listen
 #   app:    consumes oidc (instance wiki, by name and by tag) with two payload files, one
 #           a credential of the wiki service (which also reads the other's path);
 #           ssl-cert with a file, renewal and restart; proxy referring to the certificate
@@ -151,6 +151,13 @@ in
           fort.host.needs.ssl-cert.beacon = {
             from = "forge";
             request.domain = "beacon.example.org";
+            # Outside /run/fort under strictSandbox: its directory becomes writable for
+            # the agent. The agent runs as "fort", so the file is fort's.
+            files."beacon.pem" = {
+              path = "/var/lib/nginx/certs/beacon.pem";
+              owner = "fort";
+              group = "fort";
+            };
             nag = "1h30m";
             neverSatisfied = true;
             handler = pkgs.writeShellScript "install-cert" "exit 0";

@@ -16,12 +16,12 @@
       }
     )
   ];
-  extra.beacon = [ { fort.host.needs.ssl-cert.beacon.files."beacon.pem".owner = "nginx"; } ];
+  extra.beacon = [ { fort.host.needs.ssl-cert.beacon.files."key.pem".owner = "nginx"; } ];
   expect = [
     ''fort.host.needs.ssl-cert.app.files.client_secret.credentialFor: no module on app defines "wikki.service" (systemd.services.wikki), so its LoadCredential= would sit in an empty unit that never runs. Name a service this host defines.''
     "fort.host.needs.oidc.wiki.files.client_secret and fort.host.needs.ssl-cert.app.files.client_secret are both credentials named client_secret of wiki.service; rename one (the file name is the credential name)."
     "fort.host.needs.oidc.wiki.files.client_id and fort.host.needs.ssl-cert.app.files.client_secret write the same file /var/lib/wiki/oidc-client-id; give each its own path."
     ''fort.host.needs.ssl-cert.app.files.client_secret.pointer = "client_secret" must be "" (the whole payload) or a JSON pointer starting with /.''
-    ''fort.host.needs.ssl-cert.beacon.files."beacon.pem".owner = "nginx": the agent runs as fort and cannot give files to another user; set owner = "fort" or run the agent as root.''
+    ''fort.host.needs.ssl-cert.beacon.files."key.pem".owner = "nginx": the agent runs as fort and cannot give files to another user; set owner = "fort" or run the agent as root.''
   ];
 }
