@@ -103,7 +103,13 @@ let
   broken =
     let
       c = import case;
-      fleet = import ./fleet.nix { extra = c.extra or { }; };
+      # withoutExternalPath = true: a nixpkgs lib older than types.externalPath, as the
+      # modules see it, for the hostKeyFile type's fallback.
+      fleet = import ./fleet.nix { extra = c.extra or { }; } // lib.optionalAttrs (c.withoutExternalPath or false) {
+        specialArgs.lib = lib // {
+          types = removeAttrs lib.types [ "externalPath" ];
+        };
+      };
       # standalone = true: each host evaluated on its own, as without mkFleet.
       nodes =
         if c.standalone or false then
