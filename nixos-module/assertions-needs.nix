@@ -16,7 +16,6 @@ let
   inherit (lib)
     attrNames
     attrValues
-    concatLists
     concatMap
     concatStringsSep
     filter

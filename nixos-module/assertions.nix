@@ -20,7 +20,6 @@ let
     attrNames
     attrValues
     concatLists
-    concatMap
     concatStringsSep
     filter
     length

@@ -24,7 +24,6 @@ let
     concatLists
     concatMap
     concatMapStrings
-    concatStringsSep
     elemAt
     filter
     hasPrefix
@@ -442,7 +441,6 @@ in
   inherit
     isRef
     refKey
-    checkValue
     ;
 
   # The option tree an interface module declares, evaluated without any host. The
