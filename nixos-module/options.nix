@@ -136,7 +136,10 @@ in
       type = types.str;
       default = "0.0.0.0:7770";
       example = "[::]:7770";
-      description = "Address and port the agent listens on.";
+      description = ''
+        Address and port the agent listens on (`HOST:PORT`). `settings.listen`, if set,
+        wins, and `openFirewall` opens its port.
+      '';
     };
 
     openFirewall = mkOption {
