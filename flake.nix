@@ -14,11 +14,17 @@
       ];
       forAllSystems = f: lib.genAttrs systems (system: f system nixpkgs.legacyPackages.${system});
       fleetLib = import ./nixos-module/fleet.nix { inherit lib; };
+      fortLib = import ./nixos-module/lib.nix { inherit lib; };
     in
     {
-      packages = forAllSystems (_: pkgs: {
-        default = pkgs.callPackage ./nixos-module/package.nix { };
-      });
+      packages = forAllSystems (
+        _: pkgs: {
+          default = pkgs.callPackage ./nixos-module/package.nix { };
+          # The example interfaces (lib.interfaces) as Markdown; a deployment renders its
+          # own the same way: pkgs.writeText "interfaces.md" (fort.lib.renderInterfaces ifs).
+          interface-docs = pkgs.writeText "interfaces.md" (self.lib.renderInterfaces self.lib.interfaces);
+        }
+      );
 
       nixosModules.default = {
         imports = [ ./nixos-module ];
@@ -28,17 +34,20 @@
         # nixosConfigurations = fort.lib.mkFleet {
         #   nixpkgs = nixpkgs;                       # optional: your nixpkgs input
         #   shared = [ ./fleet.nix ];                # fort.cluster.*, in every host
+        #   interfaces.oidc = ./interfaces/oidc.nix; # request interfaces, fleet-wide
         #   hosts.forge.modules = [ ./forge.nix ];   # system: set nixpkgs.hostPlatform
         #   hosts.app = { modules = [ ./app.nix ]; specialArgs = { }; };
         # };
-        # Every host gets fort's module, `shared`, its own modules, and the needs and
-        # capabilities of every other host (nixos-module/fleet.nix says how and why).
+        # Every host gets fort's module, `shared`, its own modules, the interfaces, and
+        # the needs and capabilities of every other host (nixos-module/fleet.nix says
+        # how and why).
         mkFleet =
           {
             nixpkgs ? inputs.nixpkgs,
             hosts,
             shared ? [ ],
             specialArgs ? { },
+            interfaces ? { },
           }:
           fleetLib.mkFleetWith
             {
@@ -57,7 +66,37 @@
                   // lib.optionalAttrs (host ? system) { inherit (host) system; }
                 );
             }
-            { inherit hosts shared specialArgs; };
+            {
+              inherit
+                hosts
+                shared
+                specialArgs
+                interfaces
+                ;
+            };
+
+        # A request value the consumer's agent replaces with another need's payload:
+        # ref "ssl-cert/outline" "/fingerprint", or "" for the whole payload. In host
+        # modules the same function is config.fort.lib.ref.
+        inherit (fortLib) ref;
+
+        # Markdown for { <capability> = <interface module>; }, evaluating no host:
+        #   packages.<system>.interface-docs = pkgs.writeText "interfaces.md"
+        #     (fort.lib.renderInterfaces { oidc = ./interfaces/oidc.nix; });
+        renderInterfaces = fortLib.interface.renderInterfaces;
+
+        # The JSON Schema (draft 2020-12) an interface module becomes, as shipped in
+        # capabilities.json `request_schema`.
+        requestSchema = m: fortLib.interface.requestSchema (fortLib.interface.optionsOf m);
+
+        # { <host> = <manifest sha256>; } for the hosts that run an agent:
+        #   builtins.toJSON (fort.lib.fleetManifest self.nixosConfigurations)
+        # is the file for `fort fleet --expect FILE` (hosts running something else).
+        inherit (fleetLib) fleetManifest;
+
+        # Interfaces of the capabilities the example handlers (handlers/examples) serve:
+        # oidc, ssl-cert, proxy.
+        interfaces = import ./nixos-module/interfaces;
       };
 
       checks = forAllSystems (
@@ -84,6 +123,7 @@
             cp -r ${src} src && chmod -R u+w src
             bash src/nixos-module/tests/parse-all.sh
             NIXPKGS_LIB=${nixpkgs} bash src/nixos-module/tests/run.sh
+            NIXPKGS_LIB=${nixpkgs} bash src/nixos-module/tests/options-doc.sh --check
             touch $out
           '';
 

@@ -1,8 +1,11 @@
 # Mistakes a user can make in Nix, reported at evaluation time with the option to fix.
 # `fort-agent check` in the build repeats the file-level checks; these come first and
 # name options, not JSON paths, and they see the whole fleet, which the agent cannot.
+# This file: the fleet, the agent service and the capabilities; needs (requests,
+# interfaces, references, delivery) are in assertions-needs.nix.
 {
   config,
+  options,
   lib,
   ...
 }:
@@ -12,11 +15,11 @@ let
   inherit (config.fort.host) needs capabilities;
   fortLib = import ./lib.nix { inherit lib; };
   inherit (fortLib) grammar matches needList;
+  definedServices = fortLib.servicesDefinedElsewhere options;
   inherit (lib)
     attrNames
     attrValues
     concatLists
-    concatMap
     concatStringsSep
     filter
     length
@@ -29,11 +32,8 @@ let
   isHost = n: cluster.hosts ? ${n};
   isPrincipal = n: cluster.principals ? ${n};
   quote = s: ''"${s}"'';
-  fleet = fortLib.fleetByHost cluster.fleet;
+  inherit (fortLib) credentialKeyPath;
   haveFleet = cluster.fleet != { };
-
-  # Where the inventory's need definitions come from (default.nix defines them).
-  inventoryFile = toString ./default.nix;
 
   check = assertion: message: { inherit assertion message; };
   # One assertion per offending item, so every mistake is reported at once.
@@ -50,41 +50,6 @@ let
   sharedKeys = lib.unique (
     map (o: keyBody o.k) (filter (o: length (ownersOf o.k) > 1) keyOwners)
   );
-
-  # What the host a need names serves, as far as this evaluation can see.
-  servedBy =
-    host:
-    if host == self then
-      lib.mapAttrs (_: c: { inherit (c) mode; }) capabilities
-    else if fleet ? ${host} then
-      fleet.${host}.capabilities
-    else
-      null; # unknown without mkFleet: not checked (a warning says so)
-
-  needAssertions = concatMap (
-    n:
-    let
-      where = "fort.host.needs.${n.type}.${n.id}";
-      served = servedBy n.from;
-    in
-    [
-      (check (matches grammar.capability n.type && matches grammar.capability n.id)
-        "${where}: need type and id must match ^${grammar.capability}$ (PROTOCOL.md §1)."
-      )
-      (check (isHost n.from)
-        "${where}.from = ${quote n.from}, which is not a host in fort.cluster.hosts (hosts: ${concatStringsSep ", " hostNames})."
-      )
-      (check (!(isHost n.from) || served == null || served ? ${n.type})
-        "${where}: nobody serves this need: host ${quote n.from} declares no capability ${quote n.type} (fort.host.capabilities.${n.type} on ${n.from}, with services.fort-agent.enable)."
-      )
-      # A need may be served by an rpc capability too: the provider answers at once and
-      # the consumer feeds the verified reply to its handler (no callback, no GC).
-      (check (fortLib.durationSeconds n.nag > 0) "${where}.nag must be longer than 0s.")
-      (check (n.fromInstance == null || length n.fromDefinedIn <= 1)
-        "${where}: duplicate need key ${n.type}/${n.id}: fort.cluster.instances.${toString n.fromInstance} declares it, and `from` is also set in ${concatStringsSep ", " (lib.remove inventoryFile n.fromDefinedIn)}. Rename the instance or the need; to add a handler to the instance's need, set only handler/check/nag here."
-      )
-    ]
-  ) (needList needs);
 
   capabilityAssertions = concatLists (
     mapAttrsToList (
@@ -110,6 +75,14 @@ let
         unit:
         check (lib.hasSuffix ".service" unit && matches "[A-Za-z0-9:_.@-]+" unit)
           "${where}.triggers.systemd: ${quote unit} must be a service unit name ending in .service."
+      )
+      ++ each (filter (lib.hasSuffix ".service") c.triggers.systemd) (
+        unit:
+        let
+          base = lib.removeSuffix ".service" unit;
+        in
+        check (builtins.elem base definedServices)
+          "${where}.triggers.systemd: no module on ${self} defines the unit ${quote unit} (systemd.services.${base}), so its OnSuccess= would sit in an empty unit that never runs. Name a unit this host defines; an ACME renewal is acme-<certificate name>.service (security.acme.certs.<name>), a timer's job is the .service the timer starts."
       )
     ) capabilities
   );
@@ -147,15 +120,32 @@ let
     ) cluster.instances
   );
 
+  # The listen addresses in effect: settings.* (which default to the options) win.
+  listenOption =
+    if cfg.settings.listen == cfg.listen then "services.fort-agent.listen" else "services.fort-agent.settings.listen";
+  listening = fortLib.parseListen cfg.settings.listen;
+  metricsListen = cfg.settings.metrics_listen or null;
+
+  serviceAssertions = [
+    (check (isHost self)
+      "services.fort-agent.hostName = ${quote self} is not in fort.cluster.hosts; every agent must be listed there (hosts: ${concatStringsSep ", " hostNames})."
+    )
+    (check (listening != null)
+      "${listenOption} = ${quote cfg.settings.listen} has no port (1-65535): write HOST:PORT, such as 0.0.0.0:7770 or [::]:7770."
+    )
+    (check (
+      metricsListen == null || !fortLib.listenClash listening (fortLib.parseListen metricsListen)
+    ) "services.fort-agent.metrics.listen = ${quote (toString metricsListen)} uses the port the agent already listens on (${listenOption} = ${quote cfg.settings.listen}); give the metrics endpoint a port of its own (default 127.0.0.1:9770).")
+    # systemd loads hostKeyFile as the credential host-key; a different settings.host_key
+    # would make the agent read a file it may not be allowed to, and sign with a key
+    # other than the one the fleet was told about.
+    (check (cfg.settings.host_key == credentialKeyPath)
+      "services.fort-agent.settings.host_key = ${quote (toString cfg.settings.host_key)}: the agent reads its key from the credential systemd loads from services.fort-agent.hostKeyFile (${toString cfg.hostKeyFile}). Set hostKeyFile = ${quote (toString cfg.settings.host_key)} instead and leave settings.host_key unset."
+    )
+  ];
+
   clusterAssertions =
-    [
-      (check (isHost self)
-        "services.fort-agent.hostName = ${quote self} is not in fort.cluster.hosts; every agent must be listed there (hosts: ${concatStringsSep ", " hostNames})."
-      )
-      (check (!lib.hasPrefix "${builtins.storeDir}/" (toString cfg.hostKeyFile))
-        "services.fort-agent.hostKeyFile = ${toString cfg.hostKeyFile} is inside the Nix store, which every local user can read. Point it at a file outside the store (a string, not a path literal)."
-      )
-    ]
+    serviceAssertions
     ++ each hostNames (
       h:
       check (matches grammar.host h) "fort.cluster.hosts.${h}: host names must match ^${grammar.host}$."
@@ -168,7 +158,10 @@ let
     ++ concatLists (
       mapAttrsToList (h: host: [
         (check (matches fortLib.addressPattern host.address)
-          "fort.cluster.hosts.${h}.address = ${quote host.address} must look like http://HOST:PORT."
+          "fort.cluster.hosts.${h}.address = ${quote host.address} must look like https://HOST:PORT."
+        )
+        (check (cfg.plaintext || !fortLib.isPlainAddress host.address)
+          "fort.cluster.hosts.${h}.address = ${quote host.address} is plaintext HTTP, which the agent on ${self} refuses: use https://HOST:PORT (TLS pinned to ${h}'s host key), or, where an overlay network such as WireGuard already encrypts, set services.fort-agent.plaintext = true on every host."
         )
         (check (host.publicKeys != [ ]) "fort.cluster.hosts.${h}.publicKeys is empty.")
       ]) cluster.hosts
@@ -215,7 +208,7 @@ let
 in
 {
   config = lib.mkIf cfg.enable {
-    assertions = clusterAssertions ++ instanceAssertions ++ capabilityAssertions ++ needAssertions;
+    assertions = clusterAssertions ++ instanceAssertions ++ capabilityAssertions;
 
     warnings =
       lib.optional (!haveFleet && (capabilities != { } || lib.any (n: n.from != self) (needList needs)))

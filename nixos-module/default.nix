@@ -1,8 +1,10 @@
 # The fort NixOS module: declare the fleet, the needs and the capabilities in Nix; get
 # /etc/fort/*.json (checked at build time), the agent config, and systemd units.
 #
-# Files: options.nix (declarations), lib.nix (pure generation), assertions.nix (what a
-# user can get wrong), service.nix (files, systemd, firewall, users), fleet.nix (mkFleet).
+# Files: options.nix and options-host.nix (declarations), lib.nix and interface.nix (pure
+# generation), assertions.nix and assertions-needs.nix (what a user can get wrong),
+# service.nix (files, agent unit, firewall, users, dry-activate plan), delivery.nix
+# (payload files as other services' credentials), fleet.nix (mkFleet).
 {
   config,
   lib,
@@ -16,13 +18,17 @@ in
 {
   imports = [
     ./options.nix
+    ./options-host.nix
     ./assertions.nix
+    ./assertions-needs.nix
     ./service.nix
+    ./delivery.nix
   ];
 
   config = {
     # The inventory's needs join the hand-written ones, so a consumer can extend an
-    # instance's need (handler, check, nag) under the same `fort.host.needs.<type>.<id>`.
+    # instance's need (handler, files, nag, ...) under the same
+    # `fort.host.needs.<type>.<id>`.
     fort.host.needs = lib.mkMerge (
       map (n: {
         ${n.type}.${n.id} = {
@@ -39,7 +45,7 @@ in
 
     fort.host.exported = fortLib.exportedOf {
       inherit (cfg) enable hostName;
-      inherit (config.fort.host) needs capabilities;
+      inherit (config.fort.host) needs capabilities manifestSha256;
     };
   };
 }

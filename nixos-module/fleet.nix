@@ -2,12 +2,15 @@
 # need and serve.
 #
 # Design: each host exports a small, plain projection of itself (`fort.host.exported`:
-# its fort name, its needs as {type, id, from}, its capability names and modes), and
+# its fort name, its needs as {type, id, from}, its capabilities' modes and request
+# interfaces, and the hash of its generated files), and
 # mkFleet feeds the projections of all hosts back into every host as the option
 # `fort.cluster.fleet`. The hosts form a lazy fixpoint, as colmena's and NixOps' `nodes`
-# do: a host's `exported` depends only on its own needs and capabilities, never on
-# `fort.cluster.fleet`, so there is no recursion, and each host forces of the others only
-# the few attributes it reads.
+# do: what a host reads of the others' `exported` (needs, capabilities) depends only on
+# their own needs and capabilities, never on `fort.cluster.fleet`, so there is no
+# recursion, and each host forces of the others only the few attributes it reads. The
+# one fleet-dependent attribute, manifestSha256, is read by tools (fleetManifest), never
+# by a host.
 #
 # Why an option and not specialArgs (`nodes`): the module stays usable on its own (the
 # option defaults to {} and the module then computes callers from this host and the
@@ -25,6 +28,8 @@ rec {
   #   evalHost: { name, host, modules, specialArgs } -> an evaluated system with `.config`
   #             (nixpkgs.lib.nixosSystem in the flake; lib.evalModules in the tests);
   #   hosts.<name> = { modules = [ ... ]; system ? ...; specialArgs ? { }; }
+  #   interfaces.<capability> = <module>: fort.cluster.interfaces in every host (the
+  #             same set lib.renderInterfaces renders without any host);
   # Returns the evaluated hosts by name: `nixosConfigurations`.
   mkFleetWith =
     { module, evalHost }:
@@ -32,6 +37,7 @@ rec {
       hosts,
       shared ? [ ],
       specialArgs ? { },
+      interfaces ? { },
     }:
     let
       nodes = lib.mapAttrs (
@@ -48,6 +54,7 @@ rec {
                 _file = "fort lib.mkFleet (host ${name})";
                 networking.hostName = lib.mkDefault name;
                 services.fort-agent.hostName = lib.mkDefault name;
+                fort.cluster.interfaces = interfaces;
                 fort.cluster.fleet = projection (lib.mapAttrs (_: node: node.config) nodes);
               }
             ];
@@ -55,4 +62,16 @@ rec {
       ) hosts;
     in
     nodes;
+
+  # { <fort host name> = <manifest sha256>; } for every host that runs an agent, from
+  # evaluated hosts (`nixosConfigurations`, or a NixOS test's `nodes`): what each
+  # agent should report as manifest_sha256 once it runs this configuration. Written out
+  # with builtins.toJSON, it is the file `fort fleet --expect FILE` compares against.
+  fleetManifest =
+    configs:
+    lib.listToAttrs (
+      map (e: lib.nameValuePair e.host e.manifestSha256) (
+        lib.filter (e: e.enable) (lib.attrValues (projection (lib.mapAttrs (_: c: c.config or c) configs)))
+      )
+    );
 }

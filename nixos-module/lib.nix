@@ -1,8 +1,10 @@
-# Pure functions behind the module: name grammar, durations, the inventory, and the
-# shape of /etc/fort/*.json (PROTOCOL.md §10). Only nixpkgs `lib` is used here, so the
-# evaluation test runs them exactly as a real NixOS build does.
+# Pure functions behind the module: name grammar, durations, the inventory, references
+# between needs, and the shape of /etc/fort/*.json (docs/protocol.md §10 and §11). Only
+# nixpkgs `lib` is used here, so the evaluation test runs them exactly as a real NixOS
+# build does.
 { lib }:
 let
+  interface = import ./interface.nix { inherit lib; };
   inherit (lib)
     any
     attrNames
@@ -20,14 +22,18 @@ let
     mapAttrsToList
     nameValuePair
     optional
+    optionals
     recursiveUpdate
     unique
+    zipAttrsWith
     ;
 
   sortStrings = builtins.sort builtins.lessThan;
 in
 rec {
-  # PROTOCOL.md §5a. A user capability never replaces one of these.
+  inherit interface;
+
+  # docs/protocol.md §5a. A user capability never replaces one of these.
   builtinCapabilities = [
     "status"
     "manifest"
@@ -36,7 +42,7 @@ rec {
     "systemd"
   ];
 
-  # PROTOCOL.md §1, anchored by builtins.match.
+  # docs/protocol.md §1, anchored by builtins.match.
   grammar = {
     host = "[a-z0-9][a-z0-9-]{0,62}";
     principal = "[a-z_][a-z0-9_-]{0,31}";
@@ -44,8 +50,10 @@ rec {
   };
   matches = re: s: builtins.isString s && builtins.match re s != null;
 
-  # The agent reads plain http://HOST:PORT addresses (no path, no TLS: requests are signed).
-  addressPattern = "http://[^/?#[:space:]]+:[0-9]+";
+  # docs/protocol.md §11.1: https://HOST:PORT (TLS pinned to the host key); http:// only
+  # with `plaintext`. No path: the agent adds its own.
+  addressPattern = "(https?)://[^/?#[:space:]]+:[0-9]+";
+  isPlainAddress = lib.hasPrefix "http://";
 
   # Durations: "15m", "1h", "1h30m", "7d". Deliberately a subset of humantime so that a
   # value the module accepts means the same thing to the agent.
@@ -68,8 +76,33 @@ rec {
     in
     foldl' (acc: p: acc + lib.toIntBase10 (elemAt p 0) * unit.${elemAt p 1}) 0 parts;
 
-  # The listen port, for the firewall: "0.0.0.0:7770" and "[::]:7770" both end in it.
-  listenPort = listen: lib.toInt (lib.last (lib.splitString ":" listen));
+  # "0.0.0.0:7770", "[::]:7770" -> { host; port }; null without a port in range, so the
+  # assertions can say so (lib.toInt would fail evaluation with its own message).
+  parseListen =
+    listen:
+    let
+      m = builtins.match "(.*):([0-9]{1,5})" listen;
+      port = lib.toIntBase10 (elemAt m 1);
+    in
+    if m == null || port < 1 || port > 65535 then
+      null
+    else
+      {
+        host = elemAt m 0;
+        inherit port;
+      };
+  # Two listen addresses collide when they share a port and one of them binds every
+  # address (or both bind the same one).
+  listenClash =
+    a: b:
+    let
+      wildcard = h: builtins.elem h [ "" "*" "0.0.0.0" "[::]" "::" ];
+    in
+    a != null && b != null && a.port == b.port && (a.host == b.host || wildcard a.host || wildcard b.host);
+
+  # LoadCredential= puts the key here, readable by the service user only, so the agent
+  # need not run as root to sign and the key never passes through the store.
+  credentialKeyPath = "/run/credentials/fort-agent.service/host-key";
 
   # Interpolation, not toString: a handler given as a path literal (./callback.sh) is
   # copied into the store and so exists on the target; a derivation becomes its out path.
@@ -157,15 +190,114 @@ rec {
       ) instances
     );
 
+  # Names of systemd.services that a module other than fort's own defines. fort adds
+  # OnSuccess= (triggers.systemd) and LoadCredential= (credentialFor) to units named by
+  # the user; if nothing else defines such a unit, NixOS writes a unit holding only
+  # that, which never runs. Any definition counts, not only ExecStart or script: a unit
+  # shipped by a package (systemd.packages) is usually given just wantedBy or
+  # overrides here, and its ExecStart is invisible to evaluation.
+  ownServiceFiles = map toString [
+    ./service.nix
+    ./delivery.nix
+  ];
+  servicesDefinedElsewhere =
+    options:
+    unique (
+      concatMap (d: attrNames d.value) (
+        filter (d: !(builtins.elem d.file ownServiceFiles)) options.systemd.services.definitionsWithLocations
+      )
+    );
+
+  # ---------------------------------------------------------------- references
+  # docs/protocol.md §11.5: a request value `{ "$fort_ref" = "<type>/<id>[#<pointer>]"; }`
+  # is replaced by the consumer's agent with that need's payload (or the value at the
+  # JSON pointer) before the request is sent.
+  inherit (interface) refKey isRef;
+
+  # ref "ssl-cert/outline" "/fingerprint" -> { "$fort_ref" = "ssl-cert/outline#/fingerprint"; }
+  # ref "ssl-cert/outline" ""             -> { "$fort_ref" = "ssl-cert/outline"; } (whole payload)
+  ref = need: pointer: {
+    ${interface.refKey} = if pointer == "" then need else "${need}#${pointer}";
+  };
+
+  # "<type>/<id>#<pointer>" -> { need; pointer (null without '#'); }
+  parseRef =
+    s:
+    let
+      m = builtins.match "([^#]*)(#(.*))?" s;
+    in
+    {
+      need = elemAt m 0;
+      pointer = elemAt m 2;
+    };
+  # RFC 6901: "" or "/"-separated tokens where "~" only escapes 0 or 1.
+  isPointer = p: builtins.match "(/([^~]|~[01])*)*" p != null;
+
+  # Every $fort_ref in a request: [ { path = "request.tls.cert"; ref = <the attrset>; } ].
+  refsIn =
+    path: v:
+    if interface.isRef v then
+      [
+        {
+          inherit path;
+          ref = v;
+        }
+      ]
+    else if lib.isDerivation v then
+      [ ]
+    else if builtins.isAttrs v then
+      concatLists (mapAttrsToList (k: refsIn "${path}.${k}") v)
+    else if builtins.isList v then
+      concatLists (lib.imap0 (i: refsIn "${path}[${toString i}]") v)
+    else
+      [ ];
+
+  # The need keys one need waits for: its references and its `after`.
+  waitsFor =
+    n:
+    unique (
+      map (v: (parseRef v).need) (
+        filter builtins.isString (map (r: r.ref.${interface.refKey}) (refsIn "request" n.request))
+      )
+      ++ n.after
+    );
+
+  # A cycle in `graph` (key -> [ keys ]) as [ a b ... a ], or null. Nodes that cannot
+  # reach a cycle are pruned (repeatedly, those without edges into what is left); from
+  # any node left, following edges that stay in what is left must come back around.
+  findCycle =
+    graph:
+    let
+      edges = n: filter (m: graph ? ${m}) graph.${n};
+      prune =
+        nodes:
+        let
+          keep = filter (n: any (m: builtins.elem m nodes) (edges n)) nodes;
+        in
+        if length keep == length nodes then nodes else prune keep;
+      rest = prune (attrNames graph);
+      from = n: l: if head l == n then l else from n (builtins.tail l);
+      walk =
+        path: n:
+        if builtins.elem n path then
+          from n path ++ [ n ]
+        else
+          walk (path ++ [ n ]) (head (filter (m: builtins.elem m rest) (edges n)));
+    in
+    if rest == [ ] then null else walk [ ] (head rest);
+
   # --------------------------------------------------------------------- fleet
   # What one host tells the others (fort.host.exported). Kept small so each host's
-  # evaluation reads only the parts of the others it needs.
+  # evaluation reads only the parts of the others it needs. Everything but
+  # manifestSha256 depends on this host alone; manifestSha256 (which depends on the
+  # fleet, through callers) is for tools, and no host reads it from the fleet.
   exportedOf =
     {
       enable,
       hostName,
       needs,
       capabilities,
+      manifestSha256,
     }:
     {
       inherit enable;
@@ -177,7 +309,9 @@ rec {
           )
         else
           { };
-      capabilities = if enable then mapAttrs (_: c: { inherit (c) mode; }) capabilities else { };
+      capabilities =
+        if enable then mapAttrs (_: c: { inherit (c) mode interface; }) capabilities else { };
+      manifestSha256 = if enable then manifestSha256 else null;
     };
 
   # Fleet entries by fort host name (the fleet is keyed by flake attribute name, which
@@ -185,10 +319,32 @@ rec {
   # enabled agent stays in, exporting nothing: it serves nothing and calls nobody.
   fleetByHost = fleet: listToAttrs (map (e: nameValuePair e.host e) (attrValues fleet));
 
-  # PROTOCOL.md §5: the hosts that may ask `self` for `capability`, i.e. every host that
-  # declares a need of that type from `self`. Three sources, unioned, so the answer is
-  # right with or without mkFleet: the fleet (every host's evaluated needs), this host's
-  # own needs, and the inventory (shared, so it names consumers on every host).
+  # The interface a need's request is checked against and filled from: the provider's
+  # own (this host, or its fleet export); without the fleet, the one declared
+  # fleet-wide in fort.cluster.interfaces; null when untyped or unknown.
+  providerInterface =
+    {
+      self,
+      fleet,
+      capabilities,
+      interfaces,
+    }:
+    n:
+    let
+      byHost = fleetByHost fleet;
+    in
+    if n.from == self then
+      capabilities.${n.type}.interface or null
+    else if byHost ? ${n.from} then
+      byHost.${n.from}.capabilities.${n.type}.interface or null
+    else
+      interfaces.${n.type} or null;
+
+  # docs/protocol.md §5 and §11.2: who may ask `self` for `capability`, as
+  # { <host> = [ <need id> ... ]; }: every host that declares a need of that type from
+  # `self`, with the ids it declares. Three sources, unioned, so the answer is right
+  # with or without mkFleet: the fleet (every host's evaluated needs), this host's own
+  # needs, and the inventory (shared, so it names consumers on every host).
   callersOf =
     {
       self,
@@ -199,21 +355,23 @@ rec {
     }:
     capability:
     let
-      fromFleet = concatMap (
-        e: optional (any (n: n.type == capability && n.from == self) (attrValues e.needs)) e.host
-      ) (attrValues (fleetByHost fleet));
-      fromSelf = optional (any (n: n.type == capability && n.from == self) (needList needs)) self;
+      idsFrom = ns: map (n: n.id) (filter (n: n.type == capability && n.from == self) ns);
+      entry = host: ids: optionals (ids != [ ]) [ { ${host} = ids; } ];
+      fromFleet = concatMap (e: entry e.host (idsFrom (attrValues e.needs))) (attrValues (fleetByHost fleet));
+      fromSelf = entry self (idsFrom (needList needs));
       fromInventory = concatLists (
-        mapAttrsToList (_: inst: instanceConsumers hosts inst) (
+        mapAttrsToList (name: inst: map (h: { ${h} = [ name ]; }) (instanceConsumers hosts inst)) (
           filterAttrs (
             _: inst: inst.capability == capability && instanceProvider inst == self
           ) instances
         )
       );
     in
-    unique (sortStrings (fromFleet ++ fromSelf ++ fromInventory));
+    zipAttrsWith (_: idLists: unique (sortStrings (concatLists idLists))) (
+      fromFleet ++ fromSelf ++ fromInventory
+    );
 
-  # ---------------------------------------------------------------- §10 files
+  # -------------------------------------------------------- §10 and §11 files
   # Keys are trimmed: `builtins.readFile ./forge.pub` ends in a newline.
 
   hostsJson =
@@ -226,17 +384,37 @@ rec {
       principals = mapAttrs (_: p: { keys = map lib.strings.trim p.publicKeys; }) principals;
     };
 
+  # Units a need's files are credentials of (credentialFor): restarted with the others.
+  credentialUnitsOf = n: unique (concatMap (f: f.credentialFor) (attrValues n.files));
+
+  # requestOf: the request as shipped (the provider interface's defaults filled in).
   needsJson =
-    needs:
+    { needs, requestOf }:
     listToAttrs (
       map (
         n:
         nameValuePair n.key {
-          inherit (n) from request;
+          inherit (n) from;
+          request = requestOf n;
           nag_seconds = durationSeconds n.nag;
           handler = storeString n.handler;
           check = storeString n.check;
           never_satisfied = n.neverSatisfied;
+          # mapAttrsToList: sorted by name.
+          files = mapAttrsToList (name: f: {
+            inherit name;
+            inherit (f)
+              path
+              pointer
+              owner
+              group
+              mode
+              ;
+          }) n.files;
+          restart_units = unique (n.restartUnits ++ credentialUnitsOf n);
+          reload_units = unique n.reloadUnits;
+          renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;
+          after = unique n.after;
         }
       ) (needList needs)
     );
@@ -251,5 +429,17 @@ rec {
       triggers = {
         inherit (c.triggers) initialize systemd;
       };
+      request_schema =
+        if c.interface == null then null else interface.requestSchema (interface.optionsOf c.interface);
     }) capabilities;
+
+  # docs/protocol.md §11.7: what the agent reports as manifest_sha256, from the exact
+  # bytes installed (the files are these strings, written by pkgs.writeText).
+  manifestSha256 =
+    {
+      hostsText,
+      needsText,
+      capabilitiesText,
+    }:
+    builtins.hashString "sha256" (hostsText + "\n" + needsText + "\n" + capabilitiesText);
 }

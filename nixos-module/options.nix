@@ -1,5 +1,5 @@
-# Option declarations: the agent service, the fleet (hosts, principals, inventory), and
-# what this host needs and serves.
+# Option declarations: the agent service and the fleet (hosts, principals, inventory,
+# interfaces). What this host needs and serves: options-host.nix.
 {
   config,
   lib,
@@ -7,135 +7,21 @@
   ...
 }:
 let
-  inherit (lib) mkOption mkEnableOption types;
-  fortLib = import ./lib.nix { inherit lib; };
+  inherit (lib) mkOption mkEnableOption types literalExpression;
   settingsFormat = pkgs.formats.toml { };
 
   jsonObject = types.attrsOf types.anything;
-
-  need = types.submodule (
-    { options, ... }:
-    {
-      options = {
-        from = mkOption {
-          type = types.str;
-          example = "forge";
-          description = "The host (a name in `fort.cluster.hosts`) whose capability of this need's type serves it.";
-        };
-        request = mkOption {
-          type = jsonObject;
-          default = { };
-          example = {
-            client_name = "outline";
-          };
-          description = "JSON object sent to the provider as `request` (PROTOCOL.md §6.1).";
-        };
-        nag = mkOption {
-          type = fortLib.durationType;
-          default = "15m";
-          example = "1h";
-          description = "How often the need is asked for again while it is unsatisfied (shipped as `nag_seconds`).";
-        };
-        handler = mkOption {
-          type = types.nullOr types.path;
-          default = null;
-          example = lib.literalExpression ''pkgs.writeShellScript "oidc-callback" "install -m 0400 /dev/stdin /var/lib/outline/oidc.json"'';
-          description = ''
-            Run with the provider's payload on stdin; exit 0 marks the need satisfied.
-            `null`: a side-effect-only need, satisfied when the provider answers `OK`.
-            Runs as the agent's user (`services.fort-agent.user`).
-          '';
-        };
-        check = mkOption {
-          type = types.nullOr types.path;
-          default = null;
-          description = "Freshness probe run for a satisfied need; non-zero exit marks it unsatisfied again.";
-        };
-        neverSatisfied = mkOption {
-          type = types.bool;
-          default = false;
-          description = "Ask again every `nag` interval even when satisfied (for responses that must be refreshed).";
-        };
-
-        # Set by the inventory, read by the assertions: a need that an instance declares
-        # may be extended here (handler, check, nag) but not declared a second time.
-        fromInstance = mkOption {
-          type = types.nullOr types.str;
-          default = null;
-          internal = true;
-          description = "The fort.cluster.instances entry that declares this need, if any.";
-        };
-        fromDefinedIn = mkOption {
-          type = types.listOf types.str;
-          default = map toString options.from.files;
-          internal = true;
-          readOnly = true;
-          description = "Files that define `from` (more than one for an instance need: a duplicate).";
-        };
-      };
-    }
-  );
-
-  capability = types.submodule {
-    options = {
-      handler = mkOption {
-        type = types.path;
-        description = "Provider handler (PROTOCOL.md §9 for async mode, §6.2 for rpc). Runs as the agent's user.";
-      };
-      mode = mkOption {
-        type = types.enum [
-          "async"
-          "rpc"
-        ];
-        default = "async";
-        description = "`async`: durable entries, callbacks, GC. `rpc`: the handler's stdout is the response.";
-      };
-      cacheResponse = mkOption {
-        type = types.bool;
-        default = false;
-        description = "Keep each entry's last response and hand it back to the handler (async only).";
-      };
-      allowed = mkOption {
-        type = types.listOf types.str;
-        default = [ ];
-        example = [ "ops" ];
-        description = ''
-          Principals and hosts allowed to call this capability besides `callers`, which the
-          module computes from every fleet host that declares a need of this type from here.
-        '';
-      };
-      triggers = {
-        initialize = mkOption {
-          type = types.bool;
-          default = false;
-          description = "Run the handler over all entries when the agent starts (async only).";
-        };
-        systemd = mkOption {
-          type = types.listOf types.str;
-          default = [ ];
-          example = [ "acme-example.org.service" ];
-          description = ''
-            Units whose successful completion runs the handler (async only): each gets
-            `OnSuccess=fort-trigger-<capability>.service`. OnSuccess fires when a unit goes
-            inactive after succeeding, so list oneshot units (a renewal, a setup job), not
-            long-running daemons.
-          '';
-        };
-      };
-      description = mkOption {
-        type = types.nullOr types.str;
-        default = null;
-        description = "Shown by operator tools.";
-      };
-    };
-  };
 
   clusterHost = types.submodule {
     options = {
       address = mkOption {
         type = types.str;
-        example = "http://10.0.0.5:7770";
-        description = "Where the other agents reach this host's agent: `http://HOST:PORT`.";
+        example = "https://10.0.0.5:7770";
+        description = ''
+          Where the other agents reach this host's agent: `https://HOST:PORT` (TLS 1.3,
+          pinned to the host's key in `publicKeys`). `http://HOST:PORT` only when every
+          host sets `services.fort-agent.plaintext`.
+        '';
       };
       publicKeys = mkOption {
         type = types.listOf types.str;
@@ -191,25 +77,39 @@ let
     };
   };
 
+  # fort.cluster.fleet.<name>: one host's `fort.host.exported`, as lib.mkFleet passes it
+  # in. Internal: set by mkFleet (or a NixOS test's `nodes`), never by hand.
+  fleetOption =
+    type: description:
+    mkOption {
+      inherit type description;
+      internal = true;
+    };
   fleetEntry = types.submodule {
     options = {
-      enable = mkOption { type = types.bool; };
-      host = mkOption { type = types.str; };
-      needs = mkOption {
-        type = types.attrsOf (
-          types.submodule {
-            options = {
-              type = mkOption { type = types.str; };
-              id = mkOption { type = types.str; };
-              from = mkOption { type = types.str; };
-            };
-          }
-        );
+      enable = fleetOption types.bool "Whether the host runs an agent (if not, it exports nothing).";
+      host = fleetOption types.str "The host's fort name (services.fort-agent.hostName).";
+      needs = fleetOption (types.attrsOf (
+        types.submodule {
+          options = {
+            type = fleetOption types.str "The need's type (the capability serving it).";
+            id = fleetOption types.str "The need's id.";
+            from = fleetOption types.str "The providing host.";
+          };
+        }
+      )) "The host's needs by key `<type>/<id>`: the source of `callers`." // { default = { }; };
+      capabilities = fleetOption (types.attrsOf (
+        types.submodule {
+          options.mode = fleetOption types.str "`async` or `rpc`.";
+          options.interface = fleetOption (types.nullOr types.raw) "The request interface module, or null." // {
+            default = null;
+          };
+        }
+      )) "The host's capabilities: consumers check that their needs are served, and their requests against the interface." // {
         default = { };
       };
-      capabilities = mkOption {
-        type = types.attrsOf (types.submodule { options.mode = mkOption { type = types.str; }; });
-        default = { };
+      manifestSha256 = fleetOption (types.nullOr types.str) "The host's fort.host.manifestSha256 (for lib.fleetManifest)." // {
+        default = null;
       };
     };
   };
@@ -236,23 +136,62 @@ in
       type = types.str;
       default = "0.0.0.0:7770";
       example = "[::]:7770";
-      description = "Address and port the agent listens on.";
+      description = ''
+        Address and port the agent listens on (`HOST:PORT`). `settings.listen`, if set,
+        wins, and `openFirewall` opens its port.
+      '';
     };
 
     openFirewall = mkOption {
       type = types.bool;
       default = false;
-      description = "Open the `listen` port in the firewall. Every request is signed; the port is safe to expose to the fleet.";
+      description = ''
+        Open the port the agent listens on (`settings.listen`, which defaults to
+        `listen`) in the firewall. Every request is signed; the port is safe to expose
+        to the fleet.
+      '';
+    };
+
+    plaintext = mkOption {
+      type = types.bool;
+      default = false;
+      description = ''
+        Accept `http://` addresses in `fort.cluster.hosts` (no TLS between agents). Only
+        for an overlay network that already encrypts, such as WireGuard; requests stay
+        signed either way. The agent warns at start when this is on.
+      '';
+    };
+
+    handlerEnvironment = mkOption {
+      type = types.attrsOf types.str;
+      default = { };
+      example = {
+        FORT_EXAMPLE_STATE = "/var/lib/fort-examples";
+      };
+      description = "Environment variables every handler gets (`handler_environment` in agent.toml).";
     };
 
     hostKeyFile = mkOption {
-      type = types.path;
+      # A string, never a path literal: `./key` would name the build machine's file, and
+      # anything turned into a store path is world readable. types.externalPath (nixpkgs
+      # 25.05 and later) refuses both; the fallback does the same for an older lib.
+      type =
+        if types ? externalPath then
+          types.externalPath
+        else
+          types.addCheck types.str (
+            x: lib.hasPrefix "/" x && !lib.hasPrefix "${builtins.storeDir}/" x
+          )
+          // {
+            description = "absolute path not in the Nix store";
+          };
       default = "/etc/ssh/ssh_host_ed25519_key";
       description = ''
-        ed25519 private key this host signs with (its public half goes in
-        `fort.cluster.hosts.<name>.publicKeys`). Must not be in the Nix store (world
-        readable); give it as a string, not a path literal, which Nix would copy there.
-        systemd passes it to the agent with `LoadCredential=`.
+        ed25519 private key this host signs with and whose public half is its TLS
+        identity (it goes in `fort.cluster.hosts.<name>.publicKeys`). A string naming a
+        file on the host, outside the Nix store (world readable); a path literal is
+        refused, since Nix would copy it there. systemd passes it to the agent with
+        `LoadCredential=`; set this rather than `settings.host_key`.
       '';
     };
 
@@ -277,7 +216,7 @@ in
       type = types.listOf types.package;
       default = [ ];
       example = lib.literalExpression "[ pkgs.jq pkgs.curl ]";
-      description = "Packages on the PATH of handlers.";
+      description = "Packages on the PATH of handlers (systemd's `systemctl` is always there, for restarting units).";
     };
 
     strictSandbox = mkOption {
@@ -313,7 +252,7 @@ in
       listen = mkOption {
         type = types.str;
         default = "127.0.0.1:9770";
-        description = "Address of the metrics endpoint (not opened in the firewall).";
+        description = "Address of the metrics endpoint (not opened in the firewall); must not share the agent's port.";
       };
     };
 
@@ -334,55 +273,42 @@ in
     };
   };
 
-  options.fort = {
-    cluster = {
-      hosts = mkOption {
-        type = types.attrsOf clusterHost;
-        default = { };
-        description = "Every agent in the fleet. Declare it once, in a module every host imports.";
-      };
-      principals = mkOption {
-        type = types.attrsOf principal;
-        default = { };
-        description = "Operators and CI identities. Names never equal a host name.";
-      };
-      instances = mkOption {
-        type = types.attrsOf instance;
-        default = { };
-        description = "Service instances: one capability, one provider, consumers by name or tag.";
-      };
-      fleet = mkOption {
-        type = types.attrsOf fleetEntry;
-        default = { };
-        internal = true;
-        description = ''
-          What every host in the fleet exports (`fort.host.exported`): its needs and
-          capabilities. Set by `lib.mkFleet`; the source of `callers` and of the check
-          that each need is served.
-        '';
-      };
+  options.fort.cluster = {
+    hosts = mkOption {
+      type = types.attrsOf clusterHost;
+      default = { };
+      description = "Every agent in the fleet. Declare it once, in a module every host imports.";
     };
-
-    host = {
-      needs = mkOption {
-        type = types.attrsOf (types.attrsOf need);
-        default = { };
-        example = lib.literalExpression ''
-          { ssl-cert.app = { from = "forge"; request.domains = [ "app.example.org" ]; handler = installCert; }; }
-        '';
-        description = "Needs of this host: `<type>.<id>`; the type is the name of the provider's capability.";
-      };
-      capabilities = mkOption {
-        type = types.attrsOf capability;
-        default = { };
-        description = "Capabilities this host serves.";
-      };
-      exported = mkOption {
-        type = types.unspecified;
-        internal = true;
-        readOnly = true;
-        description = "This host as the rest of the fleet sees it (read by lib.mkFleet).";
-      };
+    principals = mkOption {
+      type = types.attrsOf principal;
+      default = { };
+      description = "Operators and CI identities. Names never equal a host name.";
+    };
+    instances = mkOption {
+      type = types.attrsOf instance;
+      default = { };
+      description = "Service instances: one capability, one provider, consumers by name or tag.";
+    };
+    interfaces = mkOption {
+      type = types.attrsOf types.deferredModule;
+      default = { };
+      example = literalExpression "{ oidc = ./interfaces/oidc.nix; }";
+      description = ''
+        Request interfaces by capability name, declared once for the fleet (lib.mkFleet's
+        `interfaces` sets this on every host). A provider's
+        `fort.host.capabilities.<name>.interface` defaults to the entry here, and
+        `lib.renderInterfaces` renders the same set as Markdown without any host.
+      '';
+    };
+    fleet = mkOption {
+      type = types.attrsOf fleetEntry;
+      default = { };
+      internal = true;
+      description = ''
+        What every host in the fleet exports (`fort.host.exported`): its needs and
+        capabilities. Set by `lib.mkFleet`; the source of `callers`, of the check that
+        each need is served, and of the interfaces requests are checked against.
+      '';
     };
   };
 }

@@ -1,6 +1,7 @@
 # What an enabled agent puts on the host: /etc/fort/{hosts,needs,capabilities}.json and
 # agent.toml (validated by `fort-agent check` at build time), fort-agent.service, the
-# trigger oneshots, the firewall port, and the optional unprivileged user.
+# trigger oneshots, the dry-activate plan, the firewall port, and the optional
+# unprivileged user.
 {
   config,
   lib,
@@ -16,9 +17,7 @@ let
 
   etcDir = "/etc/fort";
   configPath = "${etcDir}/agent.toml";
-  # LoadCredential= puts the key here, readable by the service user only, so the agent
-  # need not run as root to sign and the key never passes through the store.
-  credentialKeyPath = "/run/credentials/fort-agent.service/host-key";
+  inherit (fortLib) credentialKeyPath;
 
   callers = fortLib.callersOf {
     self = cfg.hostName;
@@ -26,13 +25,31 @@ let
     inherit needs;
   };
 
-  hostsFile = pkgs.writeText "fort-hosts.json" (
-    builtins.toJSON (fortLib.hostsJson { inherit (cluster) hosts principals; })
-  );
-  needsFile = pkgs.writeText "fort-needs.json" (builtins.toJSON (fortLib.needsJson needs));
-  capabilitiesFile = pkgs.writeText "fort-capabilities.json" (
-    builtins.toJSON (fortLib.capabilitiesJson { inherit capabilities callers; })
-  );
+  # The request as shipped: the provider's interface defaults filled in (the
+  # assertions have checked it against the same interface).
+  interfaceOf = fortLib.providerInterface {
+    self = cfg.hostName;
+    inherit (cluster) fleet interfaces;
+    inherit capabilities;
+  };
+  requestOf =
+    n:
+    let
+      iface = interfaceOf n;
+    in
+    if iface == null then
+      n.request
+    else
+      fortLib.interface.fillDefaults (fortLib.interface.optionsOf iface) n.request;
+
+  # The exact bytes installed, so that manifestSha256 is the hash the agent computes
+  # over the files it loads (docs/protocol.md §11.7).
+  hostsText = builtins.toJSON (fortLib.hostsJson { inherit (cluster) hosts principals; });
+  needsText = builtins.toJSON (fortLib.needsJson { inherit needs requestOf; });
+  capabilitiesText = builtins.toJSON (fortLib.capabilitiesJson { inherit capabilities callers; });
+  hostsFile = pkgs.writeText "fort-hosts.json" hostsText;
+  needsFile = pkgs.writeText "fort-needs.json" needsText;
+  capabilitiesFile = pkgs.writeText "fort-capabilities.json" capabilitiesText;
 
   # The installed config names /etc/fort/*.json, so a switch that changes only those
   # files is a SIGHUP (reloadTriggers), not a restart.
@@ -66,6 +83,32 @@ let
 
   triggered = lib.filterAttrs (_: c: c.triggers.systemd != [ ]) capabilities;
   unitBase = unit: lib.removeSuffix ".service" unit;
+
+  # The port actually listened on: settings.listen wins over listen.
+  listening = fortLib.parseListen cfg.settings.listen;
+
+  # `nixos-rebuild dry-activate`: what loading the new generation's files would change
+  # in the running agent (it asks the agent over its admin socket; nothing changes).
+  # Store paths, not /etc/fort: during dry-activate /etc still holds the running
+  # generation. Never fails activation.
+  planScript = ''
+    if [ "''${NIXOS_ACTION-}" = dry-activate ]; then
+      fortPlan() {
+        if ! ${config.systemd.package}/bin/systemctl is-active --quiet fort-agent.service; then
+          echo "fort: the agent is not running; no plan to show"
+          return 0
+        fi
+        echo "fort: what loading the new configuration would change:"
+        ${cfg.package}/bin/fort-agent plan --config ${configPath} \
+          --new-config ${checkedConfigFile} \
+          --hosts ${hostsFile} \
+          --needs ${needsFile} \
+          --capabilities ${capabilitiesFile} ||
+          echo "fort: fort-agent plan failed (exit $?); dry-activate goes on"
+      }
+      fortPlan || true
+    fi
+  '';
 in
 {
   config = lib.mkIf cfg.enable (
@@ -83,7 +126,14 @@ in
             admin_socket = "/run/fort/agent.sock";
           }
           // lib.optionalAttrs cfg.metrics.enable { metrics_listen = cfg.metrics.listen; }
+          # Only when on, so that a host without them ships the agent's defaults.
+          // lib.optionalAttrs cfg.plaintext { plaintext = true; }
+          // lib.optionalAttrs (cfg.handlerEnvironment != { }) {
+            handler_environment = cfg.handlerEnvironment;
+          }
         );
+
+        fort.host.manifestSha256 = fortLib.manifestSha256 { inherit hostsText needsText capabilitiesText; };
 
         environment.etc = {
           "fort/hosts.json".source = hostsFile;
@@ -95,9 +145,16 @@ in
         # `fort` for operators, `fort-agent trigger` for scripts.
         environment.systemPackages = [ cfg.package ];
 
-        networking.firewall.allowedTCPPorts = lib.mkIf cfg.openFirewall [
-          (fortLib.listenPort cfg.listen)
+        # The effective port (settings.listen may override listen); an address without
+        # a port is an assertion, not a firewall rule.
+        networking.firewall.allowedTCPPorts = lib.mkIf (cfg.openFirewall && listening != null) [
+          listening.port
         ];
+
+        system.activationScripts.fort-plan = {
+          supportsDryActivation = true;
+          text = planScript;
+        };
 
         systemd.services.fort-agent = {
           description = "fort agent";
@@ -121,7 +178,8 @@ in
             needsFile
             capabilitiesFile
           ];
-          inherit (cfg) path;
+          # systemctl, for the restart_units and reload_units of delivered files.
+          path = cfg.path ++ [ config.systemd.package ];
 
           serviceConfig = {
             Type = "notify";
@@ -136,9 +194,18 @@ in
             LoadCredential = [ "host-key:${toString cfg.hostKeyFile}" ];
             StateDirectory = "fort";
             StateDirectoryMode = "0700";
+            # /run/fort holds the admin socket (protected by its own mode) and, under
+            # needs/, the delivered files other services read: it must be traversable
+            # by their users (0755), and it must outlive an agent restart, or every
+            # restart would delete credentials that services are using.
             RuntimeDirectory = "fort";
-            RuntimeDirectoryMode = "0750";
+            RuntimeDirectoryMode = "0755";
+            RuntimeDirectoryPreserve = "yes";
             UMask = "0077";
+            # One descriptor per connection (pooled to every peer, and accepted) and
+            # three pipes per running handler; the default soft limit of 1024 is
+            # reached by a provider under a burst.
+            LimitNOFILE = 65536;
 
             # Hardening, always on. Handlers run inside this unit as `user`, usually root,
             # and legitimately write other services' files and restart units over D-Bus;

@@ -1,6 +1,7 @@
 //! The NixOS module, evaluated with the real nixpkgs `lib` (set `NIXPKGS_LIB`): its
-//! generated files match the expected JSON and pass `fort-agent check`; and every `.nix`
-//! file in the repo parses. Skips with a message when nixpkgs lib or Nix is absent.
+//! generated files match the expected JSON and pass `fort-agent check`; docs/options.md
+//! matches the option declarations; and every `.nix` file in the repo parses. Skips
+//! with a message when nixpkgs lib or Nix is absent.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,36 +13,13 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
-#[test]
-fn every_nix_file_parses() {
-    if Command::new("nix-instantiate")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIP: nix-instantiate not found (Debian: apt-get install nix-bin)");
-        return;
-    }
-    let out = Command::new("bash")
-        .arg(repo().join("nixos-module/tests/parse-all.sh"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-#[test]
-fn module_generates_the_expected_files_and_they_pass_check() {
-    let out_dir = tempfile::tempdir().unwrap();
-    let out = Command::new("bash")
-        .arg(repo().join("nixos-module/tests/run.sh"))
-        .env("OUT_DIR", out_dir.path())
-        .output()
-        .unwrap();
+/// Runs one of `nixos-module/tests/*.sh` under bash: `None` when it skipped (exit 77,
+/// its message printed), else whether it passed and what it printed.
+fn run_script(script: &str, command: impl FnOnce(&mut Command)) -> Option<(bool, String)> {
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo().join("nixos-module/tests").join(script));
+    command(&mut cmd);
+    let out = cmd.output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -49,9 +27,36 @@ fn module_generates_the_expected_files_and_they_pass_check() {
     );
     if out.status.code() == Some(77) {
         eprintln!("{}", text.trim());
-        return;
+        return None;
     }
-    assert!(out.status.success(), "module evaluation failed:\n{text}");
+    Some((out.status.success(), text))
+}
+
+#[test]
+fn every_nix_file_parses() {
+    if let Some((passed, text)) = run_script("parse-all.sh", |_| {}) {
+        assert!(passed, "{text}");
+    }
+}
+
+#[test]
+fn options_reference_is_current() {
+    if let Some((passed, text)) = run_script("options-doc.sh", |cmd| {
+        cmd.arg("--check");
+    }) {
+        assert!(passed, "{text}");
+    }
+}
+
+#[test]
+fn module_generates_the_expected_files_and_they_pass_check() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let Some((passed, text)) = run_script("run.sh", |cmd| {
+        cmd.env("OUT_DIR", out_dir.path());
+    }) else {
+        return;
+    };
+    assert!(passed, "module evaluation failed:\n{text}");
     let mut checked = 0;
     for host in std::fs::read_dir(out_dir.path()).unwrap() {
         let config = host.unwrap().path().join("agent.toml");

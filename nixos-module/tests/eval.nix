@@ -4,12 +4,15 @@
 #   nix-instantiate --eval --strict --json nixos-module/tests/eval.nix \
 #     --arg lib 'import /path/to/nixpkgs/lib'
 #
-# mode = "fleet" (default): per host, the generated files and units, read back from the
-#   stubs; fails if any assertion fails or a warning is emitted.
+# mode = "fleet" (default): { hosts.<host> = the generated files and units, read back
+#   from the stubs; manifest = lib.fleetManifest }; fails if any assertion fails or a
+#   warning is emitted.
 # mode = "flake": the same, but through flake.nix's lib.mkFleet, with a nixpkgs whose
 #   nixosSystem is the stubbed evaluation (so the flake's wiring is tested too).
+# mode = "lib": the flake's lib without any host: the example interfaces rendered as
+#   Markdown and as JSON Schema, a schema covering every mapped option type, and refs.
 # mode = "broken", case = ./broken/<name>.nix: { expect; messages.<host> = [ failed
-#   assertions and warnings ] } for a fleet with a mistake in it.
+#   assertions and warnings ]; agent.<host> = settings } for a fleet with a mistake in it.
 {
   lib ? import <nixpkgs-lib/lib>,
   mode ? "fleet",
@@ -56,12 +59,21 @@ let
           firewall = config.networking.firewall.allowedTCPPorts;
           users = lib.attrNames config.users.users;
           services = config.systemd.services;
+          paths = config.systemd.paths;
+          activation = config.system.activationScripts;
+          inherit (config.fort.host) manifestSha256;
           check = {
             command = checked.buildCommand;
             config = checked.env.checkConfig.value;
           };
         };
+        # The installed bytes, for run.sh to hash on its own.
+        texts = lib.genAttrs [ "hosts" "needs" "capabilities" ] (f: etc."fort/${f}.json".source.text);
       };
+  renderFleet = nodes: {
+    hosts = lib.mapAttrs render nodes;
+    manifest = fleetLib.fleetManifest nodes;
+  };
 
   good = import ./fleet.nix { };
 
@@ -74,12 +86,30 @@ let
       };
       outputs = (import ../../flake.nix).outputs { self = outputs; inherit nixpkgs; };
     in
-    outputs.lib.mkFleet good;
+    outputs;
+
+  # No host is evaluated here: interfaces are rendered from their modules alone.
+  libOutputs = {
+      markdown = flake.lib.renderInterfaces flake.lib.interfaces;
+      schemas = lib.mapAttrs (_: flake.lib.requestSchema) (
+        flake.lib.interfaces // { types = ./interfaces/types.nix; }
+      );
+      refs = [
+        (flake.lib.ref "ssl-cert/outline" "/fingerprint")
+        (flake.lib.ref "ssl-cert/outline" "")
+      ];
+    };
 
   broken =
     let
       c = import case;
-      fleet = import ./fleet.nix { extra = c.extra or { }; };
+      # withoutExternalPath = true: a nixpkgs lib older than types.externalPath, as the
+      # modules see it, for the hostKeyFile type's fallback.
+      fleet = import ./fleet.nix { extra = c.extra or { }; } // lib.optionalAttrs (c.withoutExternalPath or false) {
+        specialArgs.lib = lib // {
+          types = removeAttrs lib.types [ "externalPath" ];
+        };
+      };
       # standalone = true: each host evaluated on its own, as without mkFleet.
       nodes =
         if c.standalone or false then
@@ -91,7 +121,12 @@ let
                 [ ../default.nix ]
                 ++ fleet.shared
                 ++ host.modules
-                ++ [ { services.fort-agent.hostName = name; } ];
+                ++ [
+                  {
+                    services.fort-agent.hostName = name;
+                    fort.cluster.interfaces = fleet.interfaces;
+                  }
+                ];
             }
           ) fleet.hosts
         else
@@ -99,13 +134,24 @@ let
     in
     {
       inherit (c) expect;
-      messages = lib.mapAttrs (_: node: problems node.config) nodes;
+      # As system.build.toplevel: failed assertions stop the build; without any, every
+      # file and unit is evaluated, and a type error there fails evaluation.
+      messages = lib.mapAttrs (
+        name: node:
+        let
+          p = problems node.config;
+        in
+        if p == [ ] && node.config.services.fort-agent.enable then builtins.deepSeq (render name node) [ ] else p
+      ) nodes;
+      agent = lib.mapAttrs (_: node: node.config.services.fort-agent.settings) nodes;
     };
 in
 if mode == "fleet" then
-  lib.mapAttrs render (mkFleet good)
+  renderFleet (mkFleet good)
 else if mode == "flake" then
-  lib.mapAttrs render flake
+  renderFleet (flake.lib.mkFleet good)
+else if mode == "lib" then
+  libOutputs
 else if mode == "broken" then
   broken
 else

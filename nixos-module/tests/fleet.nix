@@ -1,8 +1,14 @@
-# The three-host fleet of the evaluation test, as lib.mkFleet arguments.
-#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup) and ssl-cert
-#   beacon: provides proxy (async) and ping (rpc); consumes oidc (two instances) and
-#           ssl-cert; runs as user "fort" under strictSandbox
-#   app:    consumes oidc (instance wiki, by name and by tag), ssl-cert and proxy directly
+# The three-host fleet of the evaluation test, as lib.mkFleet arguments. Interfaces are
+# the example set (nixos-module/interfaces), fleet-wide.
+#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup) and ssl-cert;
+#           handler environment; metrics
+#   beacon: provides proxy (async) and ping (rpc, its own interface); consumes oidc (two
+#           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
+#           runs as user "fort" under strictSandbox; its port set through settings.listen
+#   app:    consumes oidc (instance wiki, by name and by tag) with two payload files, one
+#           a credential of the wiki service (which also reads the other's path);
+#           ssl-cert with a file, renewal and restart; proxy referring to the certificate
+#           and waiting for oidc
 # `extra.<host>` adds modules to a host (the broken fleets use it).
 {
   extra ? { },
@@ -14,17 +20,19 @@ let
   more = name: extra.${name} or [ ];
 in
 {
+  interfaces = import ../interfaces;
+
   shared = [
     {
       fort.cluster = {
         hosts = {
           forge = {
-            address = "http://10.0.0.1:7770";
+            address = "https://10.0.0.1:7770";
             publicKeys = [ (pub "forge") ];
             tags = [ "infra" ];
           };
           beacon = {
-            address = "http://10.0.0.2:7770";
+            address = "https://10.0.0.2:7771";
             publicKeys = [ (pub "beacon") ];
             tags = [
               "edge"
@@ -32,7 +40,7 @@ in
             ];
           };
           app = {
-            address = "http://10.0.0.3:7770";
+            address = "https://10.0.0.3:7770";
             publicKeys = [ (pub "app") ];
             tags = [ "web" ];
           };
@@ -75,6 +83,14 @@ in
           services.fort-agent = {
             openFirewall = true;
             metrics.enable = true;
+            handlerEnvironment.FORT_EXAMPLE_STATE = "/var/lib/fort-examples";
+          };
+          # The unit both capabilities' triggers watch (defined, so OnSuccess= lands in a
+          # real unit).
+          systemd.services.pocket-id-setup = {
+            description = "pocket-id clients";
+            script = "true";
+            serviceConfig.Type = "oneshot";
           };
           fort.host.capabilities = {
             oidc = {
@@ -99,7 +115,8 @@ in
         { pkgs, ... }:
         {
           services.fort-agent = {
-            listen = "[::]:7771";
+            # The firewall opens the port in effect, 7771, not listen's default 7770.
+            settings.listen = "[::]:7771";
             openFirewall = true;
             user = "fort";
             strictSandbox = true;
@@ -119,11 +136,28 @@ in
                 "ops"
                 "forge"
               ];
+              # A host's own interface, for a capability the fleet declares none for.
+              interface =
+                { lib, ... }:
+                {
+                  options.count = lib.mkOption {
+                    type = lib.types.ints.between 1 10;
+                    default = 1;
+                    description = "Pongs to answer with.";
+                  };
+                };
             };
           };
           fort.host.needs.ssl-cert.beacon = {
             from = "forge";
-            request.domains = [ "beacon.example.org" ];
+            request.domain = "beacon.example.org";
+            # Outside /run/fort under strictSandbox: its directory becomes writable for
+            # the agent. The agent runs as "fort", so the file is fort's.
+            files."beacon.pem" = {
+              path = "/var/lib/nginx/certs/beacon.pem";
+              owner = "fort";
+              group = "fort";
+            };
             nag = "1h30m";
             neverSatisfied = true;
             handler = pkgs.writeShellScript "install-cert" "exit 0";
@@ -134,26 +168,59 @@ in
 
     app.modules = [
       (
-        { pkgs, ... }:
+        { config, pkgs, ... }:
+        let
+          oidc = config.fort.host.needs.oidc.wiki;
+        in
         {
           services.fort-agent.hostKeyFile = "/var/lib/secrets/fort-key";
           fort.host.needs = {
-            # Extends the instance's need: the handler is this host's business.
-            oidc.wiki.handler = pkgs.writeShellScript "wiki-oidc" "exit 0";
+            # Extends the instance's need: the handler and the files are this host's
+            # business.
+            oidc.wiki = {
+              handler = pkgs.writeShellScript "wiki-oidc" "exit 0";
+              files.client_secret = {
+                pointer = "/client_secret";
+                credentialFor = [ "wiki.service" ];
+              };
+              files.client_id = {
+                pointer = "/client_id";
+                path = "/var/lib/wiki/oidc-client-id";
+                mode = "0444";
+              };
+            };
             ssl-cert.app = {
               from = "forge";
-              request.domains = [ "app.example.org" ];
+              request.domain = "app.example.org";
               nag = "1h";
+              renewBefore = "7d";
+              files."app.pem" = { };
+              restartUnits = [ "wiki.service" ];
+              reloadUnits = [ "nginx.service" ];
               handler = pkgs.writeShellScript "install-cert" "exit 0";
               check = pkgs.writeShellScript "cert-fresh" "exit 0";
             };
-            # Side-effect only: satisfied when beacon answers OK.
+            # Side-effect only: satisfied when beacon answers OK. Sent once the
+            # certificate it refers to is there, and after the OIDC client exists.
             proxy.app = {
               from = "beacon";
               request = {
-                hostname = "app.example.org";
+                server_name = "app.example.org";
                 upstream = "http://10.0.0.3:3000";
+                certificate = config.fort.lib.ref "ssl-cert/app" "";
               };
+              after = [ "oidc/wiki" ];
+            };
+          };
+          # A DynamicUser service: the secret arrives as a credential, the client id is
+          # read from the delivered file's path (as another module reads a sops secret).
+          systemd.services.wiki = {
+            description = "wiki";
+            wantedBy = [ "multi-user.target" ];
+            environment.OIDC_CLIENT_ID_FILE = oidc.files.client_id.path;
+            serviceConfig = {
+              ExecStart = "${pkgs.writeShellScript "wiki" "exec sleep infinity"}";
+              DynamicUser = true;
             };
           };
         }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Module evaluation test: evaluates nixos-module/ with the real nixpkgs lib and stubbed
 # NixOS options (tests/eval.nix), compares every host's generated files with
-# tests/expected/<host>/, and checks that broken fleets (tests/broken/*.nix) fail with
-# the expected assertion messages.
+# tests/expected/<host>/ and the fleet manifest with tests/expected/manifest.json, checks
+# each manifest hash against the installed bytes, renders the interfaces without any
+# host (tests/expected/interfaces.md, schemas.json), and checks that broken fleets
+# (tests/broken/*.nix) fail with the expected assertion messages.
 #
 #   NIXPKGS_LIB=/path/to/nixpkgs bash nixos-module/tests/run.sh
 #
@@ -15,24 +17,9 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-skip() {
-  echo "SKIP: $*"
-  exit 77
-}
+# shellcheck source=nixpkgs-lib.sh
+. "$here/nixpkgs-lib.sh"
 
-libdir=
-if [ -n "${NIXPKGS_LIB:-}" ]; then
-  if [ -f "$NIXPKGS_LIB/lib/default.nix" ]; then
-    libdir=$NIXPKGS_LIB/lib
-  elif [ -f "$NIXPKGS_LIB/default.nix" ] && [ -f "$NIXPKGS_LIB/modules.nix" ]; then
-    libdir=$NIXPKGS_LIB
-  fi
-fi
-[ -n "$libdir" ] || skip "nixpkgs lib not found; set NIXPKGS_LIB=/path/to/nixpkgs (the directory holding lib/)"
-command -v nix-instantiate >/dev/null || skip "nix-instantiate not found (Debian: apt-get install nix-bin)"
-command -v jq >/dev/null || skip "jq not found"
-
-libdir=$(cd "$libdir" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -55,19 +42,20 @@ if ! evaluate >"$work/fleet.json" 2>"$work/fleet.err"; then
 fi
 
 files="hosts needs capabilities agent system"
-hosts=$(jq -r 'keys[]' "$work/fleet.json")
+hosts=$(jq -r '.hosts | keys[]' "$work/fleet.json")
 if [ "${UPDATE_EXPECTED:-}" = 1 ]; then
-  rm -rf "$here/expected"
   for host in $hosts; do
+    rm -rf "$here/expected/$host"
     mkdir -p "$here/expected/$host"
     for f in $files; do
-      jq -S --arg h "$host" --arg f "$f" '.[$h][$f]' "$work/fleet.json" >"$here/expected/$host/$f.json"
+      jq -S --arg h "$host" --arg f "$f" '.hosts[$h][$f]' "$work/fleet.json" >"$here/expected/$host/$f.json"
     done
   done
+  jq -S .manifest "$work/fleet.json" >"$here/expected/manifest.json"
   echo "updated $here/expected"
 fi
 
-expected_hosts=$(cd "$here/expected" && ls)
+expected_hosts=$(cd "$here/expected" && find . -mindepth 1 -maxdepth 1 -type d -printf '%f\n' | sort)
 [ "$(echo $hosts)" = "$(echo $expected_hosts)" ] ||
   fail "hosts evaluated ($(echo $hosts)) differ from tests/expected ($(echo $expected_hosts))"
 for host in $hosts; do
@@ -80,13 +68,60 @@ for host in $hosts; do
       continue
     fi
     if ! diff -u --label "expected/$host/$f.json" --label "generated $host $f" \
-      <(jq -S . "$exp") <(jq -S --arg h "$host" --arg f "$f" '.[$h][$f]' "$work/fleet.json"); then
+      <(jq -S . "$exp") <(jq -S --arg h "$host" --arg f "$f" '.hosts[$h][$f]' "$work/fleet.json"); then
       fail "$host: $f.json differs from expected"
       ok=0
     fi
   done
   [ "$ok" = 0 ] || echo "ok   fleet: $host (${files// /, })"
 done
+
+# docs/protocol.md §11.7: the agent hashes hosts.json, "\n", needs.json, "\n",
+# capabilities.json as loaded. Hash the installed bytes here, independently of Nix.
+for host in $hosts; do
+  want=$(jq -r --arg h "$host" '.hosts[$h].system.manifestSha256' "$work/fleet.json")
+  got=$(jq -j --arg h "$host" '.hosts[$h].texts | .hosts, "\n", .needs, "\n", .capabilities' "$work/fleet.json" |
+    sha256sum | cut -d' ' -f1)
+  [ "$want" = "$got" ] || fail "$host: fort.host.manifestSha256 $want, but the installed files hash to $got"
+done
+# nixos-rebuild dry-activate: the plan runs for dry activation only, with the new
+# generation's store files (the same ones `fort-agent check` validated).
+for host in $hosts; do
+  plan=$(jq -r --arg h "$host" '.hosts[$h].system as $s | $s.activation["fort-plan"] |
+    select(.supportsDryActivation) | .text as $t |
+    ["NIXOS_ACTION-}\" = dry-activate", "fort-agent plan --config /etc/fort/agent.toml",
+     "--new-config \($s.services["fort-agent"].restartTriggers[1])",
+     "--hosts \($s.check.config.hosts)", "--needs \($s.check.config.needs)",
+     "--capabilities \($s.check.config.capabilities)", "fortPlan || true"]
+    | map(select(. as $w | $t | contains($w) | not)) | join(", ")' "$work/fleet.json")
+  [ -z "$plan" ] || fail "$host: system.activationScripts.fort-plan lacks: $plan"
+done
+
+if diff -u --label expected/manifest.json --label "generated fleetManifest" \
+  <(jq -S . "$here/expected/manifest.json") <(jq -S .manifest "$work/fleet.json"); then
+  echo "ok   manifest hashes match the installed bytes and expected/manifest.json; dry-activate plan wired"
+else
+  fail "lib.fleetManifest differs from expected/manifest.json"
+fi
+
+# ------------------------------------------------- the flake's lib, no host at all
+if ! evaluate --argstr mode lib >"$work/lib.json" 2>"$work/lib.err"; then
+  cat "$work/lib.err"
+  fail "flake.nix lib (renderInterfaces, requestSchema, ref) does not evaluate"
+else
+  if [ "${UPDATE_EXPECTED:-}" = 1 ]; then
+    jq -r .markdown "$work/lib.json" >"$here/expected/interfaces.md"
+    jq -S '{schemas, refs}' "$work/lib.json" >"$here/expected/schemas.json"
+  fi
+  if diff -u --label expected/interfaces.md --label "lib.renderInterfaces" \
+    "$here/expected/interfaces.md" <(jq -r .markdown "$work/lib.json") &&
+    diff -u --label expected/schemas.json --label "lib.requestSchema, lib.ref" \
+      <(jq -S . "$here/expected/schemas.json") <(jq -S '{schemas, refs}' "$work/lib.json"); then
+    echo "ok   interfaces rendered without a host (Markdown, JSON Schema), lib.ref"
+  else
+    fail "the flake's lib output differs from expected/interfaces.md or expected/schemas.json"
+  fi
+fi
 
 # flake.nix's lib.mkFleet must build the same fleet as the mkFleetWith above.
 if ! evaluate --argstr mode flake >"$work/flake.json" 2>"$work/flake.err"; then
@@ -112,9 +147,9 @@ if [ -n "${OUT_DIR:-}" ]; then
   for host in $hosts; do
     dir=$(mkdir -p "$OUT_DIR/$host" && cd "$OUT_DIR/$host" && pwd)
     for f in hosts needs capabilities; do
-      jq -S --arg h "$host" --arg f "$f" '.[$h][$f]' "$work/fleet.json" >"$dir/$f.json"
+      jq -S --arg h "$host" --arg f "$f" '.hosts[$h][$f]' "$work/fleet.json" >"$dir/$f.json"
     done
-    jq -r --arg h "$host" --arg d "$dir" '.[$h].agent
+    jq -r --arg h "$host" --arg d "$dir" '.hosts[$h].agent
       | .hosts = "\($d)/hosts.json" | .needs = "\($d)/needs.json"
       | .capabilities = "\($d)/capabilities.json" | .host_key = "\($d)/host_key"
       | .state_dir = "\($d)/state" | .admin_socket = "\($d)/agent.sock"
@@ -124,17 +159,46 @@ if [ -n "${OUT_DIR:-}" ]; then
 fi
 
 # ------------------------------------------------------------ broken fleets
+# A case says what must appear: `expect`, strings each found in some host's failed
+# assertions or warnings, or with `evalError = true` in the evaluation's error output
+# (type errors, which the module system reports before any assertion); `absent`,
+# strings no message may contain; `agent.<host>`, settings that host's agent.toml must
+# contain.
 for case in "$here"/broken/*.nix; do
   name=$(basename "$case" .nix)
-  if ! evaluate --argstr mode broken --arg case "$case" >"$work/$name.json" 2>"$work/$name.err"; then
+  evaluate --argstr mode broken --arg case "$case" >"$work/$name.json" 2>"$work/$name.err" && status=0 || status=$?
+  if [ "$(nix-instantiate --eval --strict --json -E "(import $case).evalError or false")" = true ]; then
+    if [ "$status" = 0 ]; then
+      fail "broken/$name: evaluated, but an evaluation error was expected"
+      continue
+    fi
+    missing=$(nix-instantiate --eval --strict --json -E "(import $case).expect" | jq -r '.[]' |
+      while IFS= read -r e; do grep -qF -- "$e" "$work/$name.err" || printf '%s\n' "$e"; done)
+    if [ -n "$missing" ]; then
+      fail "broken/$name: the evaluation error does not say:"
+      printf '       %s\n' "$missing"
+      echo "     got:"
+      sed 's/^/       /' "$work/$name.err"
+    else
+      echo "ok   broken: $name (evaluation error)"
+    fi
+    continue
+  fi
+  if [ "$status" != 0 ]; then
     cat "$work/$name.err"
     fail "broken/$name: evaluation failed instead of reporting assertions"
     continue
   fi
   missing=$(jq -r '[.messages[][]] as $m | .expect[] | select(. as $e | $m | any(contains($e)) | not)' "$work/$name.json")
-  if [ -n "$missing" ]; then
-    fail "broken/$name: no assertion or warning says:"
-    printf '       %s\n' "$missing"
+  present=$(nix-instantiate --eval --strict --json -E "(import $case).absent or [ ]" |
+    jq -r --slurpfile got "$work/$name.json" '[$got[0].messages[][]] as $m | .[] | . as $a | $m[] | select(contains($a))')
+  settings=$(nix-instantiate --eval --strict --json -E "(import $case).agent or { }" |
+    jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value as $v | select(($got[0].agent[$h] | contains($v)) | not) | "agent.toml of \($h) lacks \($v | tojson)"')
+  if [ -n "$missing$settings$present" ]; then
+    fail "broken/$name: no assertion or warning says (or one says what it must not):"
+    [ -z "$missing" ] || printf '       %s\n' "$missing"
+    [ -z "$settings" ] || printf '       %s\n' "$settings"
+    [ -z "$present" ] || printf '       unexpected: %s\n' "$present"
     echo "     got:"
     jq -r '.messages | to_entries[] | .key as $h | .value[] | "       \($h): \(.)"' "$work/$name.json"
   else

@@ -36,6 +36,24 @@ let
     default = [ ];
   };
   freeform = types.submodule { freeformType = types.lazyAttrsOf types.raw; };
+
+  # As NixOS's systemd unit options (nixos/lib/systemd-unit-options.nix): definitions of
+  # one key concatenate when any is a list (LoadCredential=, ReadWritePaths=, Condition*=
+  # from several modules), and must agree otherwise.
+  unitOption = lib.mkOptionType {
+    name = "systemd option";
+    check = _: true;
+    merge =
+      loc: defs:
+      if lib.any (d: builtins.isList d.value) defs then
+        lib.concatMap (d: lib.toList d.value) defs
+      else
+        lib.mergeEqualOption loc defs;
+  };
+  unitSection = mkOption {
+    type = types.attrsOf unitOption;
+    default = { };
+  };
 in
 {
   pkgs = rec {
@@ -47,6 +65,7 @@ in
       generate = name: value: drv name { inherit value; };
     };
     coreutils = drv "coreutils-9.5" { };
+    systemd = drv "systemd-257" { };
     fort = drv "fort-0.1.0" { };
     callPackage = _: _: fort;
   };
@@ -74,6 +93,10 @@ in
         default = { };
       };
       environment.systemPackages = list;
+      systemd.package = mkOption {
+        type = types.raw;
+        default = drv "systemd-257" { };
+      };
       systemd.services = mkOption {
         default = { };
         type = types.attrsOf (
@@ -90,9 +113,48 @@ in
               restartTriggers = list;
               reloadTriggers = list;
               path = list;
-              serviceConfig = mkOption {
-                type = types.lazyAttrsOf types.raw;
+              environment = mkOption {
+                type = types.attrsOf types.str;
                 default = { };
+              };
+              script = mkOption {
+                type = types.lines;
+                default = "";
+              };
+              serviceConfig = unitSection;
+              unitConfig = unitSection;
+            };
+          }
+        );
+      };
+      systemd.paths = mkOption {
+        default = { };
+        type = types.attrsOf (
+          types.submodule {
+            options = {
+              description = mkOption {
+                type = types.str;
+                default = "";
+              };
+              wantedBy = list;
+              pathConfig = unitSection;
+              unitConfig = unitSection;
+            };
+          }
+        );
+      };
+      # As NixOS's (nixos/modules/system/activation/activation-script.nix), without the
+      # plain-string form.
+      system.activationScripts = mkOption {
+        default = { };
+        type = types.attrsOf (
+          types.submodule {
+            options = {
+              deps = list;
+              text = mkOption { type = types.lines; };
+              supportsDryActivation = mkOption {
+                type = types.bool;
+                default = false;
               };
             };
           }

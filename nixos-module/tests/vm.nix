@@ -1,6 +1,8 @@
 # NixOS VM test (flake check `vm`): forge serves `greeting`, app needs it, and the need
-# becomes satisfied: app's handler writes the payload forge's handler made. Also: a SIGHUP
-# reload keeps the agent up, and OnSuccess of a watched unit runs the provider handler.
+# becomes satisfied over TLS: app's agent writes the payload forge's handler made to a
+# file, hands it to a DynamicUser service as a credential, and runs app's handler. Also:
+# a SIGHUP reload keeps the agent up, and OnSuccess of a watched unit runs the provider
+# handler.
 #
 # The nodes are wired as lib.mkFleet wires hosts: `fort.cluster.fleet` is the projection
 # of the test's `nodes`, the same fixpoint (tests/eval.nix tests mkFleet itself).
@@ -19,11 +21,11 @@ in
       fort.cluster = {
         hosts = {
           forge = {
-            address = "http://forge:7770";
+            address = "https://forge:7770";
             publicKeys = [ (pub "forge") ];
           };
           app = {
-            address = "http://app:7770";
+            address = "https://app:7770";
             publicKeys = [ (pub "app") ];
           };
         };
@@ -47,7 +49,7 @@ in
     { pkgs, ... }:
     {
       fort.host.capabilities.greeting = {
-        # PROTOCOL.md §9: every entry in, a response per entry out. The trigger is noted
+        # docs/protocol.md §9: every entry in, a response per entry out. The trigger is noted
         # so the test can see the systemd trigger arrive.
         handler = pkgs.writeShellScript "greeting" ''
           echo "$FORT_TRIGGER" >> /var/lib/fort-test/triggers
@@ -70,8 +72,22 @@ in
         request.name = "app";
         # Short, so a request sent before forge listens is repeated within the test.
         nag = "5s";
+        # Written to /run/fort/needs/greeting/app/message, then a credential of the
+        # reader below, which starts once it is there.
+        files.message.credentialFor = [ "greeting-reader.service" ];
         handler = pkgs.writeShellScript "store-greeting" ''
           cat > /var/lib/fort-test/greeting
+        '';
+      };
+      systemd.services.greeting-reader = {
+        wantedBy = [ "multi-user.target" ];
+        serviceConfig = {
+          DynamicUser = true;
+          RuntimeDirectory = "greeting-reader";
+        };
+        script = ''
+          cat "$CREDENTIALS_DIRECTORY/message" > /run/greeting-reader/message
+          exec sleep infinity
         '';
       };
     };
@@ -83,10 +99,15 @@ in
 
     with subtest("generated files are in place"):
         app.succeed("test -s /etc/fort/agent.toml")
-        forge.succeed("grep -q '\"callers\":\\[\"app\"\\]' /etc/fort/capabilities.json")
+        forge.succeed("grep -qF '\"callers\":{\"app\":[\"app\"]}' /etc/fort/capabilities.json")
+        app.succeed("grep -qF https://forge:7770 /etc/fort/hosts.json")
 
     with subtest("the need becomes satisfied"):
         app.wait_until_succeeds("grep -qx 'hello app' /var/lib/fort-test/greeting", timeout=120)
+
+    with subtest("the payload file becomes a service's credential"):
+        app.succeed("grep -qx 'hello app' /run/fort/needs/greeting/app/message")
+        app.wait_until_succeeds("grep -qx 'hello app' /run/greeting-reader/message", timeout=60)
 
     with subtest("SIGHUP reload keeps the agent up"):
         app.succeed("systemctl reload fort-agent.service")

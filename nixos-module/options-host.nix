@@ -1,0 +1,332 @@
+# Option declarations for this host: what it needs (with how the payload is delivered),
+# what it serves (with the request interface), and what it exports to the fleet.
+{
+  config,
+  lib,
+  ...
+}:
+let
+  inherit (lib) mkOption types literalExpression;
+  fortLib = import ./lib.nix { inherit lib; };
+
+  jsonObject = types.attrsOf types.anything;
+  unitList =
+    example: description:
+    mkOption {
+      type = types.listOf types.str;
+      default = [ ];
+      inherit example description;
+    };
+  # `<type>.<id>` in the options reference instead of `<name>.<name>`.
+  attrsNamed =
+    placeholder: elemType:
+    if types ? attrsWith then
+      types.attrsWith { inherit placeholder elemType; }
+    else
+      types.attrsOf elemType;
+
+  file = types.submodule (
+    { name, options, ... }:
+    let
+      # fort.host.needs.<type>.<id>.files.<name>.path: the need's type and id, for the
+      # default path, from where the option sits.
+      loc = options.path.loc;
+      at = i: lib.elemAt loc (lib.length loc - i);
+    in
+    {
+      options = {
+        path = mkOption {
+          type = types.str;
+          default = "/run/fort/needs/${at 5}/${at 4}/${name}";
+          defaultText = literalExpression ''"/run/fort/needs/<type>/<id>/<name>"'';
+          example = "/var/lib/outline/oidc-secret";
+          description = ''
+            Where the agent writes the file, atomically, each time the need's payload
+            arrives. Other modules read it as
+            `config.fort.host.needs.<type>.<id>.files.<name>.path`. The default lives in
+            the agent's runtime directory, which survives agent restarts but not a reboot;
+            the agent writes the files again from its stored payload.
+          '';
+        };
+        pointer = mkOption {
+          type = types.str;
+          default = "";
+          example = "/client_secret";
+          description = ''
+            JSON pointer (RFC 6901) into the payload; the file holds that value (a string
+            as its text, anything else as compact JSON). `""`: the whole payload.
+          '';
+        };
+        owner = mkOption {
+          type = types.str;
+          default = "root";
+          example = "outline";
+          description = "Owner of the file (a user name).";
+        };
+        group = mkOption {
+          type = types.str;
+          default = "root";
+          description = "Group of the file.";
+        };
+        mode = mkOption {
+          type = types.strMatching "[0-7]{3,4}";
+          default = "0400";
+          example = "0440";
+          description = "Permissions of the file, in octal.";
+        };
+        credentialFor = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          example = [ "outline.service" ];
+          description = ''
+            Services that receive the file as a systemd credential: each gets
+            `LoadCredential=<name>:<path>` (read as `$CREDENTIALS_DIRECTORY/<name>`, also
+            under `DynamicUser=`, so the file itself can stay root-only), is skipped
+            rather than failed while the file is missing (`ConditionPathExists=`), is
+            started by a path unit once the file appears, and is restarted when its
+            content changes (it joins the need's `restart_units`).
+          '';
+        };
+      };
+    }
+  );
+
+  need = types.submodule (
+    { options, ... }:
+    {
+      options = {
+        from = mkOption {
+          type = types.str;
+          example = "forge";
+          description = "The host (a name in `fort.cluster.hosts`) whose capability of this need's type serves it.";
+        };
+        request = mkOption {
+          type = jsonObject;
+          default = { };
+          example = literalExpression ''
+            {
+              client_name = "outline";
+              redirect_uris = [ "https://outline.example.org/auth/oidc.callback" ];
+              tls_certificate = config.fort.lib.ref "ssl-cert/outline" "";
+            }
+          '';
+          description = ''
+            JSON object sent to the provider as `request` (docs/protocol.md §6.1),
+            checked against the provider's interface for this capability, with the
+            interface's defaults filled in. A value may be a reference to another need
+            of this host, `config.fort.lib.ref "<type>/<id>" "<JSON pointer>"`, which the
+            agent replaces with that need's payload before sending (§11.5).
+          '';
+        };
+        nag = mkOption {
+          type = fortLib.durationType;
+          default = "15m";
+          example = "1h";
+          description = "How often the need is asked for again while it is unsatisfied (shipped as `nag_seconds`).";
+        };
+        handler = mkOption {
+          type = types.nullOr types.path;
+          default = null;
+          example = literalExpression ''pkgs.writeShellScript "oidc-callback" "install -m 0400 /dev/stdin /var/lib/outline/oidc.json"'';
+          description = ''
+            Run with the provider's payload on stdin (after `files` are written); exit 0
+            marks the need satisfied. `null` and no `files`: a side-effect-only need,
+            satisfied when the provider answers `OK`. Runs as the agent's user
+            (`services.fort-agent.user`).
+          '';
+        };
+        check = mkOption {
+          type = types.nullOr types.path;
+          default = null;
+          description = "Freshness probe run for a satisfied need; non-zero exit marks it unsatisfied again.";
+        };
+        neverSatisfied = mkOption {
+          type = types.bool;
+          default = false;
+          description = "Ask again every `nag` interval even when satisfied (for responses that must be refreshed).";
+        };
+        files = mkOption {
+          type = attrsNamed "name" file;
+          default = { };
+          example = literalExpression ''
+            {
+              client_secret = { pointer = "/client_secret"; credentialFor = [ "outline.service" ]; };
+              client_id = { pointer = "/client_id"; owner = "outline"; mode = "0440"; };
+            }
+          '';
+          description = ''
+            Files the agent writes from the payload (docs/protocol.md §11.3), before the
+            handler runs. A need with files is satisfied once every file is written (and
+            the handler, if any, exits 0).
+          '';
+        };
+        restartUnits = unitList [ "outline.service" ] ''
+          Units restarted (at most once a second) when a file's content changes;
+          unchanged content restarts nothing. Services in a file's `credentialFor` are
+          added.
+        '';
+        reloadUnits = unitList [ "nginx.service" ] "Units reloaded when a file's content changes.";
+        renewBefore = mkOption {
+          type = types.nullOr fortLib.durationType;
+          default = null;
+          example = "7d";
+          description = ''
+            Ask for a new payload this long before the received one expires (the
+            earliest certificate `notAfter` in a PEM payload, or `expires_at` of a JSON
+            object); shipped as `renew_before_seconds`. `null`: never.
+          '';
+        };
+        after = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          example = [ "ssl-cert/outline" ];
+          description = ''
+            Need keys (`<type>/<id>`) of this host that must be satisfied before this
+            need is asked for. References in `request` wait for their need anyway.
+          '';
+        };
+
+        # Set by the inventory, read by the assertions: a need that an instance declares
+        # may be extended here (handler, check, nag) but not declared a second time.
+        fromInstance = mkOption {
+          type = types.nullOr types.str;
+          default = null;
+          internal = true;
+          description = "The fort.cluster.instances entry that declares this need, if any.";
+        };
+        fromDefinedIn = mkOption {
+          type = types.listOf types.str;
+          default = map toString options.from.files;
+          internal = true;
+          readOnly = true;
+          description = "Files that define `from` (more than one for an instance need: a duplicate).";
+        };
+      };
+    }
+  );
+
+  capability = types.submodule (
+    { name, ... }:
+    {
+      options = {
+        handler = mkOption {
+          type = types.path;
+          description = "Provider handler (docs/protocol.md §9 for async mode, §6.2 for rpc). Runs as the agent's user.";
+        };
+        mode = mkOption {
+          type = types.enum [
+            "async"
+            "rpc"
+          ];
+          default = "async";
+          description = "`async`: durable entries, callbacks, GC. `rpc`: the handler's stdout is the response.";
+        };
+        cacheResponse = mkOption {
+          type = types.bool;
+          default = false;
+          description = "Keep each entry's last response and hand it back to the handler (async only).";
+        };
+        allowed = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          example = [ "ops" ];
+          description = ''
+            Principals and hosts allowed to call this capability besides `callers`, which the
+            module computes from every fleet host that declares a need of this type from here.
+          '';
+        };
+        triggers = {
+          initialize = mkOption {
+            type = types.bool;
+            default = false;
+            description = "Run the handler over all entries when the agent starts (async only).";
+          };
+          systemd = mkOption {
+            type = types.listOf types.str;
+            default = [ ];
+            example = [ "acme-example.org.service" ];
+            description = ''
+              Units whose successful completion runs the handler (async only): each gets
+              `OnSuccess=fort-trigger-<capability>.service`. OnSuccess fires when a unit goes
+              inactive after succeeding, so list oneshot units (a renewal, a setup job), not
+              long-running daemons. Each must be defined by some other module.
+            '';
+          };
+        };
+        description = mkOption {
+          type = types.nullOr types.str;
+          default = null;
+          description = "Shown by operator tools.";
+        };
+        interface = mkOption {
+          type = types.nullOr types.deferredModule;
+          default = config.fort.cluster.interfaces.${name} or null;
+          defaultText = literalExpression "config.fort.cluster.interfaces.<name> or null";
+          example = literalExpression ''
+            { lib, ... }: {
+              options.client_name = lib.mkOption { type = lib.types.str; description = "Client name."; };
+            }
+          '';
+          description = ''
+            The request this capability accepts, as a module of options. Every
+            consumer's request is checked against it at evaluation (unknown field, wrong
+            type, missing option without default), its defaults are filled into the
+            shipped request, and the agent refuses requests that do not match
+            (`request_schema` in capabilities.json). `null`: any JSON object.
+          '';
+        };
+      };
+    }
+  );
+in
+{
+  options.fort = {
+    host = {
+      needs = mkOption {
+        type = attrsNamed "type" (attrsNamed "id" need);
+        default = { };
+        example = literalExpression ''
+          { ssl-cert.app = { from = "forge"; request.domain = "app.example.org"; files."cert.pem" = { }; }; }
+        '';
+        description = "Needs of this host: `<type>.<id>`; the type is the name of the provider's capability.";
+      };
+      capabilities = mkOption {
+        type = types.attrsOf capability;
+        default = { };
+        description = "Capabilities this host serves.";
+      };
+      exported = mkOption {
+        type = types.unspecified;
+        internal = true;
+        readOnly = true;
+        description = "This host as the rest of the fleet sees it (read by lib.mkFleet).";
+      };
+      manifestSha256 = mkOption {
+        type = types.str;
+        readOnly = true;
+        description = ''
+          Lower-case hex SHA-256 of `hosts.json`, a newline, `needs.json`, a newline and
+          `capabilities.json` as installed: what the running agent reports as
+          `manifest_sha256` (docs/protocol.md §11.7) once it has loaded this
+          configuration. Defined when `services.fort-agent.enable` is set; the flake's
+          `lib.fleetManifest` collects it from every host.
+        '';
+      };
+    };
+
+    lib = mkOption {
+      type = types.attrsOf types.raw;
+      default = {
+        inherit (fortLib) ref;
+      };
+      defaultText = literalExpression "{ ref = need: pointer: ...; }";
+      readOnly = true;
+      description = ''
+        Helpers for host modules, the same as the flake's `lib`:
+        `config.fort.lib.ref "ssl-cert/outline" "/fingerprint"` is
+        `{ "$fort_ref" = "ssl-cert/outline#/fingerprint"; }`, a request value the agent
+        replaces with that need's payload at that JSON pointer (`""`: the whole payload).
+      '';
+    };
+  };
+}
