@@ -6,11 +6,10 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use fort_core::client::{ClientOptions, SignedClient};
-use fort_core::durable::{load_or_quarantine, Durable};
 use fort_core::schema::Mode;
 use fort_core::sign::Signer;
+use fort_core::store::Store;
 use fort_core::wire::unix_now;
-use fort_fulfill::state::FulfillState;
 use fort_fulfill::{FulfillOptions, Fulfiller};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +22,7 @@ use crate::logging::Quiet;
 use crate::metrics::Metrics;
 use crate::nonce::NonceStore;
 use crate::provider::gc::SweepReport;
-use crate::provider::{Provider, ProviderState, Trigger};
+use crate::provider::{Provider, Trigger};
 
 pub struct App {
     pub config: Config,
@@ -67,6 +66,8 @@ pub enum StartError {
     Io(String, std::io::Error),
     #[error("TLS: {0}")]
     Tls(#[from] fort_core::tls::TlsError),
+    #[error(transparent)]
+    State(fort_core::store::LoadError),
 }
 
 /// Checks that `signer`'s public key is one of this host's keys in hosts.json.
@@ -89,26 +90,6 @@ pub fn check_own_key(config: &Config, loaded: &Loaded, signer: &Signer) -> Resul
         )));
     }
     Ok(())
-}
-
-fn load_versioned<T>(
-    path: std::path::PathBuf,
-    version_of: impl Fn(&T) -> u32,
-    current: u32,
-) -> Result<T, StartError>
-where
-    T: serde::de::DeserializeOwned + Default,
-{
-    let value: T = load_or_quarantine(&path)
-        .map_err(|e| StartError::Io(format!("cannot read state file {}", path.display()), e))?;
-    let found = version_of(&value);
-    if found != current {
-        let aside = path.with_extension(format!("v{found}-{}", unix_now()));
-        let _ = std::fs::rename(&path, &aside);
-        tracing::error!(file = %path.display(), found, expected = current, moved_to = %aside.display(), "STATE FILE HAS AN UNKNOWN VERSION: moved aside");
-        return Ok(T::default());
-    }
-    Ok(value)
 }
 
 /// After a burst, glibc keeps the freed heap (connection buffers, handler I/O) mapped;
@@ -178,22 +159,16 @@ impl App {
         })?;
         let tasks = TaskTracker::new();
 
-        let provider_store = Durable::new(
-            config.state_dir.join("provider-state.json"),
-            load_versioned::<ProviderState>(
-                config.state_dir.join("provider-state.json"),
-                |s| s.version,
-                crate::provider::state::STATE_VERSION,
-            )?,
-        );
-        let fulfill_store = Durable::new(
-            config.state_dir.join("fulfillment-state.json"),
-            load_versioned::<FulfillState>(
-                config.state_dir.join("fulfillment-state.json"),
-                |s| s.version,
-                fort_fulfill::state::STATE_VERSION,
-            )?,
-        );
+        // A state file that cannot be read stops the start: an empty provider would
+        // forget every consumer's entries, and its next write would destroy the evidence.
+        let open_store = |file: &str, field: &'static str| {
+            let path = config.state_dir.join(file);
+            (path.clone(), field)
+        };
+        let (path, field) = open_store(crate::provider::state::FILE, crate::provider::state::FIELD);
+        let provider_store = Store::open(&path, field).map_err(StartError::State)?;
+        let (path, field) = open_store(fort_fulfill::state::FILE, fort_fulfill::state::FIELD);
+        let fulfill_store = Store::open(&path, field).map_err(StartError::State)?;
         let flush_stop = CancellationToken::new();
         tasks.spawn(provider_store.clone().run_flusher(flush_stop.clone()));
         tasks.spawn(fulfill_store.clone().run_flusher(flush_stop.clone()));
@@ -264,8 +239,8 @@ impl App {
         // Capabilities with requesters still owed a response (accepted just before a
         // crash) run at once; `initialize` ones run anyway and call everyone back. In the
         // background: the agent serves while the handlers run.
-        let owed: std::collections::BTreeSet<String> = app.provider.store.read(|s| {
-            s.entries
+        let owed: std::collections::BTreeSet<String> = app.provider.store.read(|entries| {
+            entries
                 .iter()
                 .filter(|(_, e)| e.awaiting_response)
                 .filter_map(|(k, _)| crate::provider::state::capability_of(k).map(str::to_owned))

@@ -18,10 +18,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use fort_core::client::{ClientOptions, SignedClient};
-use fort_core::durable::Durable;
 use fort_core::schema::{load_needs, Needs, Registry};
 use fort_core::sign::Signer;
-use fort_fulfill::state::FulfillState;
+use fort_core::store::Store;
 use fort_fulfill::{FulfillOptions, Fulfiller};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -62,7 +61,10 @@ async fn build(
     concurrency: usize,
 ) -> Result<Built> {
     std::fs::create_dir_all(dir)?;
-    let store = Durable::new(dir.join("fulfillment-state.json"), FulfillState::default());
+    let store = Store::open(
+        &dir.join(fort_fulfill::state::FILE),
+        fort_fulfill::state::FIELD,
+    )?;
     tokio::spawn(store.clone().run_flusher(shutdown.clone()));
     let client = SignedClient::new(ME, signer.clone(), &ClientOptions::default());
     let tasks = TaskTracker::new();

@@ -4,11 +4,11 @@
 
 pub mod canonical;
 pub mod client;
-pub mod durable;
 pub mod names;
 pub mod process;
 pub mod schema;
 pub mod sign;
+pub mod store;
 pub mod tls;
 pub mod wire;
 

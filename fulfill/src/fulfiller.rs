@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use fort_core::canonical::sha256_hex;
 use fort_core::client::{SignedClient, Target};
-use fort_core::durable::{Durable, PersistError};
 use fort_core::names::NeedKey;
 use fort_core::process::{run, RunSpec};
 use fort_core::schema::{NeedSpec, Needs, Registry};
+use fort_core::store::{PersistError, Store};
 use fort_core::wire::{unix_now, AsyncBody};
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore};
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::schedule::{backoff, jittered};
-use crate::state::{FulfillState, NeedState};
+use crate::state::NeedState;
 
 #[derive(Debug, Clone)]
 pub struct FulfillOptions {
@@ -62,7 +62,7 @@ struct View {
 
 struct Inner {
     opts: FulfillOptions,
-    store: Durable<FulfillState>,
+    store: Store<NeedState>,
     client: SignedClient,
     view: Mutex<View>,
     wake: Notify,
@@ -98,7 +98,7 @@ fn nag(spec: &NeedSpec) -> Duration {
 impl Fulfiller {
     pub fn new(
         opts: FulfillOptions,
-        store: Durable<FulfillState>,
+        store: Store<NeedState>,
         client: SignedClient,
         tasks: TaskTracker,
         shutdown: CancellationToken,
@@ -119,7 +119,7 @@ impl Fulfiller {
         }
     }
 
-    pub fn store(&self) -> &Durable<FulfillState> {
+    pub fn store(&self) -> &Store<NeedState> {
         &self.inner.store
     }
 
@@ -136,41 +136,43 @@ impl Fulfiller {
     pub async fn reload(&self, needs: Needs, registry: Arc<Registry>) -> Result<(), PersistError> {
         let now = Instant::now();
         let (removed, fresh) = {
-            let ((removed, fresh), ticket) = self.inner.store.mutate(|s| {
+            let ((removed, fresh), ticket) = self.inner.store.change(|c| {
                 let mut removed = Vec::new();
                 let mut fresh = Vec::new();
-                s.needs.retain(|key, st| {
-                    let keep = NeedKey::parse(key).is_some_and(|k| needs.contains_key(&k));
+                for key in c.keys() {
+                    let keep = NeedKey::parse(&key).is_some_and(|k| needs.contains_key(&k));
                     if !keep {
-                        removed.push((key.clone(), st.from.clone()));
+                        let from = c.get(&key).map(|st| st.from.clone()).unwrap_or_default();
+                        c.remove(&key);
+                        removed.push((key, from));
                     }
-                    keep
-                });
-                let mut changed = !removed.is_empty();
+                }
                 for (key, spec) in &needs {
                     let hash = request_hash(spec);
-                    let st = s.needs.entry(key.to_string()).or_default();
+                    let st = c.get(&key.to_string()).cloned().unwrap_or_default();
                     if st.request_hash != hash || st.from != spec.from {
                         // Moving to another provider releases the entry at the old one.
                         if !st.from.is_empty() && st.from != spec.from {
                             removed.push((key.to_string(), st.from.clone()));
                         }
                         fresh.push(key.clone());
-                        *st = NeedState {
-                            from: spec.from.clone(),
-                            request_hash: hash,
-                            ..Default::default()
-                        };
-                        changed = true;
+                        c.put(
+                            key.to_string(),
+                            NeedState {
+                                from: spec.from.clone(),
+                                request_hash: hash,
+                                ..Default::default()
+                            },
+                        );
                     }
                 }
-                ((removed, fresh), changed)
-            });
+                (removed, fresh)
+            })?;
             self.inner.store.wait(ticket).await?;
             (removed, fresh)
         };
-        let satisfied: HashSet<String> = self.inner.store.read(|s| {
-            s.needs
+        let satisfied: HashSet<String> = self.inner.store.read(|states| {
+            states
                 .iter()
                 .filter(|(_, st)| st.satisfied)
                 .map(|(k, _)| k.clone())
@@ -344,7 +346,7 @@ impl Fulfiller {
     fn satisfied(&self, key: &NeedKey) -> bool {
         self.inner
             .store
-            .read(|s| s.needs.get(&key.to_string()).is_some_and(|st| st.satisfied))
+            .read(|states| states.get(&key.to_string()).is_some_and(|st| st.satisfied))
     }
 
     /// A due need: a satisfied one with a check is checked; anything else is requested.
@@ -431,16 +433,11 @@ impl Fulfiller {
         };
         let path = format!("/agent/capabilities/{}", key.kind);
         let sent_at = unix_now();
-        self.inner
-            .store
-            .mutate_lazy(|s| match s.needs.get_mut(&key.to_string()) {
-                Some(st) => {
-                    st.last_sought = Some(sent_at);
-                    st.attempts += 1;
-                    ((), true)
-                }
-                None => ((), false),
-            });
+        self.update_lazy(key, |st| {
+            st.last_sought = Some(sent_at);
+            st.attempts += 1;
+            true
+        });
         let outcome = tokio::time::timeout(
             self.inner.opts.request_timeout,
             self.inner.client.post(&target, &path, body),
@@ -520,15 +517,23 @@ impl Fulfiller {
     }
 
     fn record_error_opt(&self, key: &NeedKey, error: Option<String>) {
-        self.inner
-            .store
-            .mutate_lazy(|s| match s.needs.get_mut(&key.to_string()) {
-                Some(st) if st.last_error != error => {
-                    st.last_error = error;
-                    ((), true)
+        self.update_lazy(key, |st| {
+            let changed = st.last_error != error;
+            st.last_error = error;
+            changed
+        });
+    }
+
+    /// Bookkeeping nobody waits on: `f` edits the need's state and says whether it changed.
+    fn update_lazy(&self, key: &NeedKey, f: impl FnOnce(&mut NeedState) -> bool) {
+        let key = key.to_string();
+        self.inner.store.change_lazy(|c| {
+            if let Some(mut st) = c.get(&key).cloned() {
+                if f(&mut st) {
+                    c.put(key.clone(), st);
                 }
-                _ => ((), false),
-            });
+            }
+        });
     }
 
     async fn set_outcome(
@@ -538,10 +543,11 @@ impl Fulfiller {
         error: Option<String>,
     ) -> Result<(), PersistError> {
         let now = unix_now();
+        let key = key.to_string();
         self.inner
             .store
-            .mutate_durable(|s| match s.needs.get_mut(&key.to_string()) {
-                Some(st) => {
+            .change_durable(|c| {
+                if let Some(mut st) = c.get(&key).cloned() {
                     if satisfied && !st.satisfied {
                         st.satisfied_at = Some(now);
                         st.attempts = 0;
@@ -551,9 +557,8 @@ impl Fulfiller {
                     }
                     st.satisfied = satisfied;
                     st.last_error = error;
-                    ((), true)
+                    c.put(key.clone(), st);
                 }
-                None => ((), false),
             })
             .await
     }
@@ -624,11 +629,11 @@ impl Fulfiller {
         };
         let now = Instant::now();
         let wall = unix_now();
-        self.inner.store.read(|s| {
+        self.inner.store.read(|states| {
             needs
                 .iter()
                 .map(|(key, spec)| {
-                    let st = s.needs.get(&key.to_string()).cloned().unwrap_or_default();
+                    let st = states.get(&key.to_string()).cloned().unwrap_or_default();
                     NeedStatus {
                         need: key.to_string(),
                         from: spec.from.clone(),

@@ -1,27 +1,11 @@
-//! `fulfillment-state.json`: per need, whether it is satisfied and how asking went.
-//! Written only by the agent, through one [`fort_core::durable::Durable`] owner.
-
-use std::collections::BTreeMap;
+//! `fulfillment-state.json` (and its log): per need, whether it is satisfied and how
+//! asking went. Written only by the agent, through one [`fort_core::store::Store`].
 
 use serde::{Deserialize, Serialize};
 
-pub const STATE_VERSION: u32 = 1;
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FulfillState {
-    pub version: u32,
-    pub needs: BTreeMap<String, NeedState>,
-}
-
-impl Default for FulfillState {
-    fn default() -> Self {
-        FulfillState {
-            version: STATE_VERSION,
-            needs: BTreeMap::new(),
-        }
-    }
-}
+/// The file, and the field of the snapshot that holds the needs.
+pub const FILE: &str = "fulfillment-state.json";
+pub const FIELD: &str = "needs";
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

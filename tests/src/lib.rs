@@ -266,6 +266,14 @@ impl Fleet {
         self.agents.insert(name.to_owned(), agent);
     }
 
+    /// Starts `name`'s agent, expecting that it may refuse to: `Err` carries its log.
+    pub fn try_start_host(&mut self, name: &str) -> Result<(), String> {
+        let h = &self.hosts[name];
+        let agent = Agent::try_spawn(&h.name, h.addr, &self.host_dir(name))?;
+        self.agents.insert(name.to_owned(), agent);
+        Ok(())
+    }
+
     /// `kill -9` one agent.
     pub fn kill(&mut self, name: &str) {
         if let Some(mut a) = self.agents.remove(name) {
@@ -394,9 +402,20 @@ impl Fleet {
             .unwrap_or_default()
     }
 
+    /// `host`'s state as on disk (snapshot plus log, whether or not the agent runs), in
+    /// the shape of the snapshot: `{"entries": {...}}` or `{"needs": {...}}`. `Null` when
+    /// it cannot be read.
     pub fn read_state(&self, host: &str, file: &str) -> Value {
-        let bytes = std::fs::read(self.host_dir(host).join("state").join(file)).unwrap_or_default();
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+        let field = if file.starts_with("provider") {
+            "entries"
+        } else {
+            "needs"
+        };
+        let path = self.host_dir(host).join("state").join(file);
+        match fort_core::store::Store::<Value>::view(&path, field) {
+            Ok(map) => json!({ field: map }),
+            Err(_) => Value::Null,
+        }
     }
 }
 
@@ -423,6 +442,14 @@ pub struct Agent {
 
 impl Agent {
     pub fn spawn(name: &str, addr: SocketAddr, dir: &Path) -> Agent {
+        match Agent::try_spawn(name, addr, dir) {
+            Ok(a) => a,
+            Err(log) => panic!("agent {name} exited:\n{log}"),
+        }
+    }
+
+    /// Starts an agent; `Err` carries its log when it exits instead of listening.
+    pub fn try_spawn(name: &str, addr: SocketAddr, dir: &Path) -> Result<Agent, String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -450,7 +477,7 @@ impl Agent {
         while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
             if let Ok(Some(status)) = agent.child.try_wait() {
                 let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-                panic!("agent {name} exited with {status}:\n{log}");
+                return Err(format!("exit status {status}\n{log}"));
             }
             assert!(
                 Instant::now() < deadline,
@@ -458,7 +485,7 @@ impl Agent {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        agent
+        Ok(agent)
     }
 
     pub fn pid(&self) -> u32 {

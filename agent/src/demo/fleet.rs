@@ -315,13 +315,12 @@ impl Drop for Fleet {
     }
 }
 
-/// Entries of `provider-state.json` as written on disk (whether or not the agent runs).
+/// A provider's entries as written on disk (snapshot and log; whether or not it runs).
 pub fn stored_entries(fleet: &Fleet, host: &str) -> BTreeMap<String, Value> {
-    let path = fleet.host(host).dir.join("state/provider-state.json");
-    std::fs::read(path)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-        .and_then(|v| v["entries"].as_object().cloned())
-        .map(|m| m.into_iter().collect())
-        .unwrap_or_default()
+    let path = fleet
+        .host(host)
+        .dir
+        .join("state")
+        .join(crate::provider::state::FILE);
+    fort_core::store::Store::<Value>::view(&path, crate::provider::state::FIELD).unwrap_or_default()
 }

@@ -91,8 +91,8 @@ pub fn spawn_delivery(app: &Arc<App>, key: String, response: Option<Value>) {
 /// satisfied consumer never sends). Returns how many were started.
 pub fn redeliver_undelivered(app: &Arc<App>) -> usize {
     let loaded = app.loaded.load_full();
-    let owed: Vec<(String, Option<Value>)> = app.provider.store.read(|s| {
-        s.entries
+    let owed: Vec<(String, Option<Value>)> = app.provider.store.read(|entries| {
+        entries
             .iter()
             .filter(|(k, e)| {
                 e.undelivered()
@@ -138,8 +138,8 @@ pub async fn run_redelivery(app: Arc<App>) {
 
 /// Whether the entry still wants exactly this payload delivered.
 fn still_current(app: &App, key: &str, hash: &Option<String>) -> bool {
-    app.provider.store.read(|s| {
-        s.entries
+    app.provider.store.read(|entries| {
+        entries
             .get(key)
             .is_some_and(|e| payload_hash(e.response.as_ref()) == *hash)
     })
@@ -197,18 +197,15 @@ async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {
             Ok(Err(e)) => e.to_string(),
             Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
                 let acked = hash.clone();
-                app.provider
-                    .store
-                    .mutate_lazy(|s| match s.entries.get_mut(&key) {
-                        Some(e) => {
-                            e.delivery.delivered_hash = acked;
-                            e.delivery.delivered_at = Some(unix_now());
-                            e.delivery.last_error = None;
-                            e.delivery.attempts = attempt;
-                            ((), true)
-                        }
-                        None => ((), false),
-                    });
+                app.provider.store.change_lazy(|c| {
+                    if let Some(mut e) = c.get(&key).cloned() {
+                        e.delivery.delivered_hash = acked;
+                        e.delivery.delivered_at = Some(unix_now());
+                        e.delivery.last_error = None;
+                        e.delivery.attempts = attempt;
+                        c.put(key.clone(), e);
+                    }
+                });
                 app.metrics.callbacks.inc(&[("outcome", "sent")]);
                 tracing::info!(
                     entry = %key,
@@ -226,16 +223,13 @@ async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {
         };
         app.metrics.callbacks.inc(&[("outcome", "failed")]);
         tracing::warn!(entry = %key, attempt, error = %error, "callback failed");
-        app.provider
-            .store
-            .mutate_lazy(|s| match s.entries.get_mut(&key) {
-                Some(e) => {
-                    e.delivery.last_error = Some(error.clone());
-                    e.delivery.attempts = attempt;
-                    ((), true)
-                }
-                None => ((), false),
-            });
+        app.provider.store.change_lazy(|c| {
+            if let Some(mut e) = c.get(&key).cloned() {
+                e.delivery.last_error = Some(error.clone());
+                e.delivery.attempts = attempt;
+                c.put(key.clone(), e);
+            }
+        });
         drop(_one_at_a_time);
         if attempt < cfg.attempts {
             app.metrics.callbacks.inc(&[("outcome", "retried")]);

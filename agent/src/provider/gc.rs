@@ -100,8 +100,8 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
     };
     // Snapshot: origin → (entry key, need, requested_at, absent_since).
     let mut by_origin: BTreeMap<String, Vec<Seen>> = BTreeMap::new();
-    app.provider.store.read(|s| {
-        for (key, e) in &s.entries {
+    app.provider.store.read(|entries| {
+        for (key, e) in entries {
             if let Some((origin, need)) = parse_entry_key(key) {
                 by_origin.entry(origin.to_owned()).or_default().push((
                     key.clone(),
@@ -213,42 +213,49 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
 
     // Apply through the single owner. An entry re-requested since the snapshot was seen
     // alive after the evidence was gathered: it is neither removed nor marked.
-    let (touched, ticket) = app.provider.store.mutate(|s| {
+    let applied = app.provider.store.change(|c| {
         let mut touched = BTreeSet::new();
-        let mut changed = false;
         for (key, seen_requested) in &remove {
-            if s.entries
-                .get(key)
+            if c.get(key)
                 .is_some_and(|e| e.requested_at == *seen_requested)
             {
-                s.entries.remove(key);
-                if let Some(c) = capability_of(key) {
-                    touched.insert(c.to_owned());
+                c.remove(key);
+                if let Some(cap) = capability_of(key) {
+                    touched.insert(cap.to_owned());
                 }
-                changed = true;
             }
         }
         for (key, seen_requested) in &mark_absent {
-            if let Some(e) = s
-                .entries
-                .get_mut(key)
+            if let Some(mut e) = c
+                .get(key)
                 .filter(|e| e.requested_at == *seen_requested)
+                .cloned()
             {
                 e.absent_since = Some(now);
-                changed = true;
+                c.put(key.clone(), e);
             }
         }
         for key in &clear_absent {
-            if let Some(e) = s.entries.get_mut(key) {
+            if let Some(mut e) = c.get(key).cloned() {
                 e.absent_since = None;
-                changed = true;
+                c.put(key.clone(), e);
             }
         }
-        (touched, changed)
+        touched
     });
-    if let Err(e) = app.provider.store.wait(ticket).await {
-        tracing::error!(error = %e, "GC decisions not persisted; will retry next sweep");
-    }
+    let touched = match applied {
+        Ok((touched, ticket)) => match app.provider.store.wait(ticket).await {
+            Ok(()) => touched,
+            Err(e) => {
+                tracing::error!(error = %e, "GC decisions not persisted; will retry next sweep");
+                BTreeSet::new()
+            }
+        },
+        Err(e) => {
+            tracing::error!(error = %e, "GC decisions not persisted; will retry next sweep");
+            BTreeSet::new()
+        }
+    };
     for d in &report.removed {
         app.metrics
             .gc

@@ -9,15 +9,15 @@ mod worker;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use fort_core::durable::{Durable, PersistError};
 use fort_core::names::{entry_key, NeedKey};
+use fort_core::store::{PersistError, Store};
 use fort_core::wire::unix_now;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{oneshot, Notify};
 
 use crate::app::App;
-pub use state::{Entry, ProviderState};
+pub use state::Entry;
 
 /// Why a handler run happened (`FORT_TRIGGER`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -80,14 +80,14 @@ struct CapabilityStats {
 }
 
 pub struct Provider {
-    pub store: Durable<ProviderState>,
+    pub store: Store<Entry>,
     workers: Mutex<HashMap<String, Arc<WorkerSlot>>>,
     stats: Mutex<HashMap<String, CapabilityStats>>,
     pub(crate) deliveries: callbacks::Deliveries,
 }
 
 impl Provider {
-    pub fn new(store: Durable<ProviderState>, callback_concurrency: usize) -> Provider {
+    pub fn new(store: Store<Entry>, callback_concurrency: usize) -> Provider {
         Provider {
             store,
             workers: Mutex::new(HashMap::new()),
@@ -108,9 +108,9 @@ impl Provider {
         let key = entry_key(origin, need);
         let now = unix_now();
         self.store
-            .mutate_durable(|s| {
-                let entry = s.entries.entry(key.clone()).or_insert_with(|| Entry {
-                    request: request.clone(),
+            .change_durable(|c| {
+                let mut entry = c.get(&key).cloned().unwrap_or_else(|| Entry {
+                    request: Value::Null,
                     response: None,
                     created_at: now,
                     requested_at: now,
@@ -122,7 +122,7 @@ impl Provider {
                 entry.requested_at = now;
                 entry.absent_since = None;
                 entry.awaiting_response = true;
-                ((), true)
+                c.put(key.clone(), entry);
             })
             .await?;
         drop(self.enqueue(app, &need.kind, Trigger::Request, false, false));
@@ -137,13 +137,7 @@ impl Provider {
         need: &NeedKey,
     ) -> Result<bool, PersistError> {
         let key = entry_key(origin, need);
-        let removed = self
-            .store
-            .mutate_durable(|s| {
-                let removed = s.entries.remove(&key).is_some();
-                (removed, removed)
-            })
-            .await?;
+        let removed = self.store.change_durable(|c| c.remove(&key)).await?;
         if removed {
             tracing::info!(entry = %key, "entry released");
             drop(self.enqueue(app, &need.kind, Trigger::Gc, false, false));
@@ -205,8 +199,8 @@ impl Provider {
     /// never counted as undelivered.
     pub fn summary(&self, is_host: impl Fn(&str) -> bool) -> Value {
         let mut per_cap: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
-        self.store.read(|s| {
-            for (key, entry) in &s.entries {
+        self.store.read(|entries| {
+            for (key, entry) in entries {
                 if let Some(cap) = state::capability_of(key) {
                     let c = per_cap.entry(cap.to_owned()).or_default();
                     c.0 += 1;

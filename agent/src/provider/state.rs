@@ -1,30 +1,15 @@
-//! `provider-state.json`: every active entry `<origin>:<type>/<id>` with its request, its
-//! last response and what was last delivered. One owner (the [`Durable`] store) writes it.
-
-use std::collections::BTreeMap;
+//! `provider-state.json` (and its log): every active entry `<origin>:<type>/<id>` with its
+//! request, its last response and what was last delivered. One owner (the
+//! [`fort_core::store::Store`]) writes it.
 
 use fort_core::canonical::sha256_hex;
 use fort_core::wire::payload_bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub const STATE_VERSION: u32 = 1;
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProviderState {
-    pub version: u32,
-    pub entries: BTreeMap<String, Entry>,
-}
-
-impl Default for ProviderState {
-    fn default() -> Self {
-        ProviderState {
-            version: STATE_VERSION,
-            entries: BTreeMap::new(),
-        }
-    }
-}
+/// The file, and the field of the snapshot that holds the entries.
+pub const FILE: &str = "provider-state.json";
+pub const FIELD: &str = "entries";
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

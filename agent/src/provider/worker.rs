@@ -70,8 +70,8 @@ impl Worker {
         let pass_cached = spec.cache_response && !pending.force;
 
         // The input: every active entry of this capability (§9).
-        let input: Map<String, Value> = app.provider.store.read(|s| {
-            s.entries
+        let input: Map<String, Value> = app.provider.store.read(|entries| {
+            entries
                 .iter()
                 .filter(|(k, _)| capability_of(k) == Some(self.capability.as_str()))
                 .map(|(k, e)| {
@@ -134,13 +134,19 @@ impl Worker {
         }
 
         // Apply: store new responses, decide who is called back.
-        let (planned, ticket) = self.apply(&input, &output, pending);
-        if let Err(e) = app.provider.store.wait(ticket).await {
-            tracing::error!(capability = %self.capability, error = %e, "responses not persisted; callbacks held back");
-            record.error = Some("persist_failed".into());
-            app.provider.record_run(&self.capability, record.clone());
-            return record;
-        }
+        let persisted = match self.apply(&input, &output, pending) {
+            Ok((planned, ticket)) => app.provider.store.wait(ticket).await.map(|()| planned),
+            Err(e) => Err(e),
+        };
+        let planned = match persisted {
+            Ok(planned) => planned,
+            Err(e) => {
+                tracing::error!(capability = %self.capability, error = %e, "responses not persisted; callbacks held back");
+                record.error = Some("persist_failed".into());
+                app.provider.record_run(&self.capability, record.clone());
+                return record;
+            }
+        };
         record.ok = true;
         record.callbacks = planned.len();
         app.metrics
@@ -166,18 +172,20 @@ impl Worker {
         input: &Map<String, Value>,
         output: &Map<String, Value>,
         pending: &Pending,
-    ) -> (Vec<Planned>, fort_core::durable::Ticket) {
-        self.app.provider.store.mutate(|s| {
+    ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
+        self.app.provider.store.change(|c| {
             let mut planned = Vec::new();
-            let mut changed_any = false;
-            for key in input.keys() {
+            for (key, seen) in input {
                 // Released or collected while the handler ran: gone stays gone.
-                let Some(entry) = s.entries.get_mut(key) else {
+                let Some(mut entry) = c.get(key).cloned() else {
                     continue;
                 };
                 let new = output.get(key).filter(|v| !v.is_null()).cloned();
                 let changed = new != entry.response;
-                let requester = entry.awaiting_response;
+                // Asked again, with another request, while the handler ran: the run that
+                // is already queued answers that request, not this one.
+                let requester = entry.awaiting_response && seen["request"] == entry.request;
+                let mut changed_any = false;
                 if changed {
                     entry.response = new.clone();
                     changed_any = true;
@@ -191,6 +199,9 @@ impl Worker {
                 // A revocation only makes sense if something was delivered before.
                 let pointless_revoke =
                     new.is_none() && entry.delivery.delivered_hash.is_none() && !changed;
+                if changed_any {
+                    c.put(key.clone(), entry);
+                }
                 if wanted && !pointless_revoke {
                     planned.push(Planned {
                         key: key.clone(),
@@ -198,7 +209,7 @@ impl Worker {
                     });
                 }
             }
-            (planned, changed_any)
+            planned
         })
     }
 }

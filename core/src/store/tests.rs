@@ -1,0 +1,196 @@
+use std::collections::BTreeMap;
+
+use super::*;
+
+fn open(dir: &Path) -> Store<u32> {
+    Store::open(&dir.join("s.json"), "entries").unwrap()
+}
+
+#[tokio::test]
+async fn group_commit_loses_nothing_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let token = CancellationToken::new();
+    let flusher = tokio::spawn(store.clone().run_flusher(token.clone()));
+    let mut tasks = Vec::new();
+    for i in 0..500u32 {
+        let s = store.clone();
+        tasks.push(tokio::spawn(async move {
+            s.change_durable(|c| c.put(format!("k{i}"), i))
+                .await
+                .unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(store.read(|m| m.len()), 500);
+    assert!(store.writes() < 500, "writes {}", store.writes());
+    token.cancel();
+    flusher.await.unwrap();
+    // Everything is in the log; reading it back (as a restart does) finds all of it.
+    let view = Store::<u32>::view(&dir.path().join("s.json"), "entries").unwrap();
+    assert_eq!(view.len(), 500);
+    let again = open(dir.path());
+    assert_eq!(again.read(|m| m.get("k499").copied()), Some(499));
+}
+
+#[tokio::test]
+async fn changes_reach_memory_only_once_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let ((), ticket) = store.change(|c| c.put("a", 1)).unwrap();
+    assert_eq!(store.read(|m| m.get("a").copied()), None, "not written yet");
+    // A second change sees the first even before it is written.
+    let seen = store.change(|c| c.get("a").copied()).unwrap().0;
+    assert_eq!(seen, Some(1));
+    store.flush_once().await.unwrap();
+    store.wait(ticket).await.unwrap();
+    assert_eq!(store.read(|m| m.get("a").copied()), Some(1));
+}
+
+#[tokio::test]
+async fn a_failed_write_leaves_memory_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    store.change_durable_now(|c| c.put("kept", 1)).await;
+    // Make the next write fail: the log it must open is a directory.
+    let log = {
+        let mut w = store.inner.writer.lock().await;
+        w.log = None;
+        w.generation += 1;
+        files::log_path(dir.path(), "s", w.generation)
+    };
+    std::fs::create_dir(&log).unwrap();
+    let ((), t1) = store.change(|c| c.put("lost", 2)).unwrap();
+    let ((), t2) = store
+        .change(|c| {
+            let base = c.get("lost").copied().unwrap_or(0);
+            c.put("derived", base + 1)
+        })
+        .unwrap();
+    assert!(store.flush_once().await.is_err());
+    assert!(store.wait(t1).await.is_err());
+    assert!(
+        store.wait(t2).await.is_err(),
+        "built on a failed change: fails too"
+    );
+    assert_eq!(
+        store.read(|m| m.clone()),
+        BTreeMap::from([("kept".to_owned(), 1)])
+    );
+    // Space back: new changes are written and the old ones stay gone.
+    std::fs::remove_dir(&log).unwrap();
+    store.change_durable_now(|c| c.put("after", 3)).await;
+    let again = open(dir.path());
+    assert_eq!(
+        again.read(|m| m.keys().cloned().collect::<Vec<_>>()),
+        vec!["after".to_owned(), "kept".to_owned()]
+    );
+}
+
+#[tokio::test]
+async fn torn_tails_are_cut_and_damage_in_the_middle_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    for i in 0..3 {
+        store
+            .change_durable_now(|c| c.put(format!("k{i}"), i))
+            .await;
+    }
+    let generation = store.inner.writer.lock().await.generation;
+    drop(store);
+    let log = files::log_path(dir.path(), "s", generation);
+    let good = std::fs::read(&log).unwrap();
+    // A torn last record: dropped, the rest kept.
+    let mut torn = good.clone();
+    torn.extend_from_slice(b"0badc0de {\"k\":\"k9\",\"v\":");
+    std::fs::write(&log, &torn).unwrap();
+    let again = open(dir.path());
+    assert_eq!(again.read(|m| m.len()), 3);
+    drop(again);
+    // Damage followed by valid records: not a torn tail; refuse rather than guess.
+    let generation = files::log_generations(dir.path(), "s").unwrap();
+    assert!(
+        generation.is_empty(),
+        "the logs were folded into the snapshot at start"
+    );
+    let snapshot = std::fs::read(dir.path().join("s.json")).unwrap();
+    std::fs::write(dir.path().join("s.log.9"), {
+        let mut b = b"ffffffff {\"k\":\"x\",\"v\":1}\n".to_vec();
+        b.extend_from_slice(&good);
+        b
+    })
+    .unwrap();
+    let err = Store::<u32>::open(&dir.path().join("s.json"), "entries")
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("damaged"), "{err}");
+    assert_eq!(
+        std::fs::read(dir.path().join("s.json")).unwrap(),
+        snapshot,
+        "untouched"
+    );
+    // An unreadable snapshot is refused too, never replaced by an empty state.
+    std::fs::remove_file(dir.path().join("s.log.9")).unwrap();
+    std::fs::write(dir.path().join("s.json"), b"{\"version\": 2, \"entr").unwrap();
+    let err = Store::<u32>::open(&dir.path().join("s.json"), "entries")
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("will not start"), "{err}");
+}
+
+#[tokio::test]
+async fn a_version_1_file_loads_and_compaction_keeps_the_log_small() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("s.json"),
+        br#"{"version":1,"entries":{"old":7}}"#,
+    )
+    .unwrap();
+    let store = open(dir.path());
+    assert_eq!(store.read(|m| m.get("old").copied()), Some(7));
+    let value = "x".repeat(2048);
+    let big: Store<String> = Store::open(&dir.path().join("b.json"), "entries").unwrap();
+    for i in 0..2000 {
+        let v = value.clone();
+        big.change_durable_now(|c| c.put(format!("k{}", i % 100), v))
+            .await;
+    }
+    assert!(big.snapshots() >= 1, "the log was folded into snapshots");
+    let on_disk: u64 = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("b."))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(
+        on_disk < 4 * 1024 * 1024,
+        "{on_disk} bytes for 100 records of 2 KiB"
+    );
+    let view = Store::<String>::view(&dir.path().join("b.json"), "entries").unwrap();
+    assert_eq!(view.len(), 100);
+}
+
+#[tokio::test]
+async fn a_change_that_would_not_read_back_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Store<serde_json::Value> =
+        Store::open(&dir.path().join("s.json"), "entries").unwrap();
+    let mut deep = serde_json::json!(1);
+    for _ in 0..200 {
+        deep = serde_json::json!([deep]);
+    }
+    let refused = store.change(|c| c.put("deep", deep));
+    assert!(refused.is_err());
+    assert!(store.read(|m| m.is_empty()));
+}
+
+impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
+    /// For tests without a flusher: stage, write, wait.
+    async fn change_durable_now(&self, f: impl FnOnce(&mut Changes<'_, V>)) {
+        let ((), t) = self.change(f).unwrap();
+        self.flush_once().await.unwrap();
+        self.wait(t).await.unwrap();
+    }
+}
