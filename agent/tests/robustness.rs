@@ -121,8 +121,7 @@ async fn an_unreadable_state_file_stops_the_start_and_stays_untouched() {
         std::fs::write(state.join(file), bytes).unwrap();
         let log = f
             .try_start_host("p")
-            .err()
-            .expect("the agent refused to start");
+            .expect_err("the agent refused to start");
         assert!(
             log.contains(file) && log.contains("will not start"),
             "{log}"

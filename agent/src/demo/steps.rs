@@ -2,7 +2,6 @@
 //! they share: each step prints what it does, checks its claim against the agents' status
 //! and the files the example handlers write, and returns a one-line result or an error.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -52,9 +51,11 @@ pub(super) fn payload(fleet: &Fleet, need: &str) -> Option<(String, Vec<u8>)> {
     Some((sha256_hex(&bytes), bytes))
 }
 
-fn payload_inode(fleet: &Fleet, need: &str) -> Option<u64> {
+/// When a stored payload was last written. (Not its inode: a file replaced twice may get
+/// its first inode number back.)
+fn payload_written(fleet: &Fleet, need: &str) -> Option<std::time::SystemTime> {
     let path = fleet.examples_dir("app").join(need.replace('/', "_"));
-    std::fs::metadata(path).ok().map(|m| m.ino())
+    std::fs::metadata(path).ok().and_then(|m| m.modified().ok())
 }
 
 /// `serial=…` of the certificate in a stored payload, for the reader; the check compares digests.
@@ -209,18 +210,16 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
     println!("  forge is killed with SIGKILL (no shutdown, no flush), then started again. Its entries were");
     println!("  durable before it answered 202, and its initialize run calls every consumer back.");
     let needs = ["oidc/wiki", "ssl-cert/wiki", "ssl-cert/api"];
-    let before: Vec<(String, Option<u64>)> = needs
+    let before: Vec<String> = needs
         .iter()
         .map(|n| {
-            Ok((
-                payload(fleet, n)
-                    .with_context(|| format!("no {n} payload"))?
-                    .0,
-                payload_inode(fleet, n),
-            ))
+            Ok(payload(fleet, n)
+                .with_context(|| format!("no {n} payload"))?
+                .0)
         })
         .collect::<anyhow::Result<_>>()?;
     fleet.kill("forge");
+    let killed_at = std::time::SystemTime::now();
     let on_disk = stored_entries(fleet, "forge");
     let with_response = on_disk
         .values()
@@ -246,8 +245,7 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
     loop {
         let redelivered = needs
             .iter()
-            .zip(&before)
-            .all(|(n, (_, ino))| payload_inode(fleet, n) != *ino);
+            .all(|n| payload_written(fleet, n).is_some_and(|t| t > killed_at));
         let s = fleet.status("forge").await?;
         let undelivered: u64 = ["oidc", "ssl-cert"]
             .iter()
@@ -262,7 +260,7 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
         }
         wait.tick().await?;
     }
-    for (n, (digest, _)) in needs.iter().zip(&before) {
+    for (n, digest) in needs.iter().zip(&before) {
         if payload(fleet, n).map(|p| p.0).as_ref() != Some(digest) {
             bail!("{n} changed across the restart: a cached response was lost");
         }
