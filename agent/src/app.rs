@@ -154,9 +154,20 @@ impl App {
             config.unverified_body_bytes,
             config.unverified_body_bytes_per_address,
         );
-        std::fs::create_dir_all(&config.state_dir).map_err(|e| {
-            StartError::Io(format!("cannot create {}", config.state_dir.display()), e)
-        })?;
+        // The state directory holds every entry and the nonce journal: the agent's alone,
+        // whatever the umask it was started with.
+        {
+            use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+            let dir = &config.state_dir;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .and_then(|()| {
+                    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                })
+                .map_err(|e| StartError::Io(format!("cannot create {}", dir.display()), e))?;
+        }
         let tasks = TaskTracker::new();
 
         // A state file that cannot be read stops the start: an empty provider would
@@ -176,6 +187,7 @@ impl App {
         let nonces = NonceStore::open(
             Some(&config.state_dir),
             config.nonce_capacity,
+            config.nonce_quota_per_origin,
             config.clock_skew.as_secs(),
             unix_now(),
         )

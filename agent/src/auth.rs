@@ -6,7 +6,9 @@
 //! This is one function rather than a tower middleware stack because the order is the
 //! contract: a reader can check it top to bottom against the spec.
 
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -23,6 +25,7 @@ use http_body_util::BodyExt;
 use crate::app::App;
 use crate::error::{ApiError, Reply};
 use crate::nonce::NonceCheck;
+use crate::server::PeerAddr;
 
 /// A caller whose signature verified.
 #[derive(Debug, Clone)]
@@ -90,25 +93,33 @@ fn plain(reply: Reply) -> Response {
             HeaderValue::from_static("application/json"),
         );
     }
+    if let Some(after) = reply.retry_after {
+        resp.headers_mut().insert(
+            http::header::RETRY_AFTER,
+            HeaderValue::from_str(&after.to_string()).expect("digits"),
+        );
+    }
     resp
 }
 
-/// Refuses a request before its signature verified: unsigned reply, reason logged.
-fn refuse(app: &App, err: ApiError, reason: &'static str) -> Response {
+/// Refuses a request before its signature verified: unsigned reply; the reason is counted
+/// exactly and logged in aggregate (strangers can send these at will).
+fn refuse(app: &App, peer: Option<IpAddr>, err: ApiError, reason: &'static str) -> Response {
     app.metrics.auth_failures.inc(&[("reason", reason)]);
-    tracing::info!(reason, detail = %err, "request refused");
+    let from = peer.map_or_else(|| "?".to_owned(), |ip| ip.to_string());
+    app.quiet.info(
+        reason,
+        &format!("request from {from} refused ({reason}): {err}"),
+    );
     plain(err.reply())
 }
 
+/// How long an authenticated request waits for a slot before it is told to come back.
+const SLOT_WAIT: Duration = Duration::from_secs(5);
+
 pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
-    // 1. Transport limits. Shedding first: an overloaded agent should do no work at all.
-    let Ok(_permit) = app.limiter.clone().try_acquire_owned() else {
-        return refuse(
-            &app,
-            ApiError::Overloaded("too many requests in flight".into()),
-            "overload",
-        );
-    };
+    let peer = req.extensions().get::<PeerAddr>().map(|p| p.0.ip());
+    // 1. Transport limits, from the head alone: the body is not read for a refusal.
     let limit = app.config.body_limit;
     let declared = req
         .headers()
@@ -116,7 +127,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        return refuse(&app, ApiError::TooLarge(limit), "too_large");
+        return refuse(&app, peer, ApiError::TooLarge(limit), "too_large");
     }
 
     // 2. Method and path, on the raw path as sent.
@@ -124,16 +135,17 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     if req.uri().query().is_some() || req.uri().to_string().contains('?') {
         return refuse(
             &app,
+            peer,
             ApiError::BadRequest("no query string".into()),
             "bad_path",
         );
     }
     let route = match parse_route(&path) {
         Ok(r) => r,
-        Err(e) => return refuse(&app, e, "bad_path"),
+        Err(e) => return refuse(&app, peer, e, "bad_path"),
     };
     if req.method() != Method::POST {
-        return refuse(&app, ApiError::MethodNotAllowed, "method");
+        return refuse(&app, peer, ApiError::MethodNotAllowed, "method");
     }
 
     // 3. Headers: present, single, well-formed, untrimmed.
@@ -146,6 +158,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     ) else {
         return refuse(
             &app,
+            peer,
             ApiError::Unauthorized("missing or repeated header".into()),
             "headers",
         );
@@ -157,6 +170,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     {
         return refuse(
             &app,
+            peer,
             ApiError::Unauthorized("malformed header".into()),
             "headers",
         );
@@ -174,6 +188,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     if now.abs_diff(timestamp) > app.config.clock_skew.as_secs() {
         let mut resp = refuse(
             &app,
+            peer,
             ApiError::Unauthorized(format!("timestamp {timestamp} vs now {now}")),
             "clock",
         );
@@ -186,22 +201,37 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
 
     // 5. Origin. The body has not been read yet, and is not read for strangers.
     let loaded = app.loaded.load_full();
-    let Some(peer) = loaded.registry.get(&origin) else {
+    let Some(peer_entry) = loaded.registry.get(&origin) else {
         return refuse(
             &app,
+            peer,
             ApiError::Unauthorized(format!("unknown origin {origin:?}")),
             "unknown_origin",
         );
     };
+    let keys = peer_entry.keys.clone();
+    let kind = peer_entry.kind;
+    drop(loaded);
 
-    // The body, within the limit (a chunked body has no Content-Length to check above).
-    // A deadline on the body too: a caller that trickles it would otherwise hold a
-    // concurrency slot for ever, and anyone who knows a host name could fill them all.
+    // The body, within the limit and a deadline, and within the peer address's share of
+    // the memory set aside for bodies whose signature is not yet checked: anyone who knows
+    // a host name can start such a request, so it holds no slot of the authenticated
+    // callers, only bytes its own address pays for.
+    let reserve = declared.map_or(limit, |n| n as usize).max(1);
+    let Some(_reservation) = peer.and_then(|ip| app.budgets.reserve_body(ip, reserve)) else {
+        return refuse(
+            &app,
+            peer,
+            ApiError::Overloaded("too many unverified request bodies in flight".into(), 1),
+            "unverified_bodies",
+        );
+    };
     let reading = http_body_util::Limited::new(req.into_body(), limit).collect();
     let body = match tokio::time::timeout(app.config.body_read_timeout, reading).await {
         Err(_) => {
             return refuse(
                 &app,
+                peer,
                 ApiError::Timeout("body not received in time".into()),
                 "body_timeout",
             )
@@ -211,9 +241,16 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>
         {
-            return refuse(&app, ApiError::TooLarge(limit), "too_large")
+            return refuse(&app, peer, ApiError::TooLarge(limit), "too_large")
         }
-        Ok(Err(e)) => return refuse(&app, ApiError::BadRequest(format!("body: {e}")), "body"),
+        Ok(Err(e)) => {
+            return refuse(
+                &app,
+                peer,
+                ApiError::BadRequest(format!("body: {e}")),
+                "body",
+            )
+        }
     };
     // The clock again, after the body: a request whose window closed while its body was
     // in transit must not reach the nonce store, which forgets nonces past the window.
@@ -221,6 +258,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     if now.abs_diff(timestamp) > app.config.clock_skew.as_secs() {
         return refuse(
             &app,
+            peer,
             ApiError::Unauthorized(format!("timestamp {timestamp} vs now {now} after the body")),
             "clock",
         );
@@ -235,46 +273,80 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         &nonce,
         &body,
     );
-    if let Err(e) = verify(&signature, &peer.keys, &canonical) {
+    if let Err(e) = verify(&signature, &keys, &canonical) {
         return refuse(
             &app,
+            peer,
             ApiError::Unauthorized(format!("{origin}: {e}")),
             "signature",
         );
     }
+    drop(_reservation);
     let caller = Caller {
         origin: origin.clone(),
-        kind: peer.kind,
+        kind,
     };
-    drop(loaded);
-
     app.served
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 
-    // 7. Replay. From here on every reply is signed.
-    let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
-        NonceCheck::Fresh => crate::routes::handle(&app, &caller, route.clone(), body).await,
-        NonceCheck::Replay => {
-            app.metrics.auth_failures.inc(&[("reason", "replay")]);
-            Err(ApiError::Unauthorized(format!(
-                "{origin}: replayed nonce {nonce}"
-            )))
+    // From here on every reply is signed. Authenticated work waits a little for a slot
+    // rather than being shed at once: these are callers the agent must serve anyway.
+    let outcome = match tokio::time::timeout(SLOT_WAIT, app.limiter.clone().acquire_owned()).await {
+        Ok(Ok(permit)) => {
+            // 7. Replay.
+            let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
+                NonceCheck::Fresh => {
+                    crate::routes::handle(&app, &caller, route.clone(), body).await
+                }
+                NonceCheck::Replay => {
+                    app.metrics.auth_failures.inc(&[("reason", "replay")]);
+                    Err(ApiError::Unauthorized(format!(
+                        "{origin}: replayed nonce {nonce}"
+                    )))
+                }
+                NonceCheck::OriginFull(after) => {
+                    app.metrics.auth_failures.inc(&[("reason", "nonce_quota")]);
+                    Err(ApiError::TooMany(
+                        format!("{origin} holds its quota of unexpired nonces"),
+                        after,
+                    ))
+                }
+                NonceCheck::Full(after) => {
+                    app.metrics
+                        .auth_failures
+                        .inc(&[("reason", "nonce_store_full")]);
+                    Err(ApiError::Overloaded("nonce store full".into(), after))
+                }
+            };
+            drop(permit);
+            outcome
         }
-        NonceCheck::Full => {
-            app.metrics
-                .auth_failures
-                .inc(&[("reason", "nonce_store_full")]);
-            Err(ApiError::Overloaded("nonce store full".into()))
+        _ => {
+            app.metrics.auth_failures.inc(&[("reason", "overload")]);
+            Err(ApiError::Overloaded(
+                "too many requests in flight".into(),
+                1 + rand::random::<u64>() % 3,
+            ))
         }
     };
     let reply = match outcome {
         Ok(reply) => reply,
         Err(e) => {
-            match e.status() {
-                StatusCode::INTERNAL_SERVER_ERROR => {
-                    tracing::warn!(origin = %origin, path = %path, error = %e, "request failed")
-                }
-                _ => tracing::info!(origin = %origin, path = %path, error = %e, "request refused"),
+            let status = e.status();
+            let class = match status.as_u16() {
+                500 => "failed_500",
+                401 => "refused_401",
+                403 => "refused_403",
+                404 => "refused_404",
+                429 => "refused_429",
+                503 => "refused_503",
+                _ => "refused_other",
+            };
+            let message = format!("{origin} {path}: {e}");
+            if status == StatusCode::INTERNAL_SERVER_ERROR {
+                app.quiet.warn(class, &message);
+            } else {
+                app.quiet.info(class, &message);
             }
             e.reply()
         }

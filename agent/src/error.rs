@@ -11,6 +11,8 @@ pub struct Reply {
     pub status: StatusCode,
     pub body: Bytes,
     pub json: bool,
+    /// `Retry-After` seconds: when a refused caller should come back.
+    pub retry_after: Option<u64>,
 }
 
 impl Reply {
@@ -19,6 +21,7 @@ impl Reply {
             status,
             body: Bytes::from(serde_json::to_vec(value).expect("reply serialises")),
             json: true,
+            retry_after: None,
         }
     }
 }
@@ -39,8 +42,15 @@ pub enum ApiError {
     TooLarge(usize),
     #[error("timeout: {0}")]
     Timeout(String),
+    /// 503: busy now; come back after the given seconds.
     #[error("overloaded: {0}")]
-    Overloaded(String),
+    Overloaded(String, u64),
+    /// 429: this caller used its share (nonces, entries); come back after the seconds.
+    #[error("too many: {0}")]
+    TooMany(String, u64),
+    /// 400 with code `invalid_request`: the request breaks the capability's schema.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
     #[error("handler failed: {detail}")]
     HandlerFailed { exit_code: i32, detail: String },
     #[error("internal: {0}")]
@@ -57,7 +67,9 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Overloaded(..) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::TooMany(..) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::HandlerFailed { .. } | ApiError::Internal(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -72,6 +84,7 @@ impl ApiError {
                     status: self.status(),
                     body: Bytes::from_static(UNAUTHORIZED_BODY.as_bytes()),
                     json: true,
+                    retry_after: None,
                 }
             }
             ApiError::Forbidden(m) => ("forbidden", m.clone(), None),
@@ -80,7 +93,31 @@ impl ApiError {
             ApiError::MethodNotAllowed => ("method_not_allowed", "only POST".into(), None),
             ApiError::TooLarge(n) => ("too_large", format!("body over {n} bytes"), None),
             ApiError::Timeout(m) => ("timeout", m.clone(), None),
-            ApiError::Overloaded(m) => ("overloaded", m.clone(), None),
+            ApiError::Overloaded(m, after) => {
+                let mut r = Reply::json(
+                    self.status(),
+                    &ErrorBody {
+                        error: "overloaded".into(),
+                        message: Some(m.clone()),
+                        exit_code: None,
+                    },
+                );
+                r.retry_after = Some(*after);
+                return r;
+            }
+            ApiError::TooMany(m, after) => {
+                let mut r = Reply::json(
+                    self.status(),
+                    &ErrorBody {
+                        error: "too_many".into(),
+                        message: Some(m.clone()),
+                        exit_code: None,
+                    },
+                );
+                r.retry_after = Some(*after);
+                return r;
+            }
+            ApiError::InvalidRequest(m) => ("invalid_request", m.clone(), None),
             ApiError::HandlerFailed { exit_code, .. } => {
                 return Reply::json(
                     self.status(),

@@ -11,6 +11,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -18,7 +19,11 @@ use std::sync::Mutex;
 pub enum NonceCheck {
     Fresh,
     Replay,
-    Full,
+    /// This origin holds its quota of unexpired nonces; its oldest expires in this many
+    /// seconds. The other origins are unaffected.
+    OriginFull(u64),
+    /// The store holds its capacity; the oldest nonce expires in this many seconds.
+    Full(u64),
 }
 
 struct Journal {
@@ -28,12 +33,14 @@ struct Journal {
 }
 
 /// Origins are interned to small numbers: only verified callers reach the store, so the
-/// table is bounded by the registry, and an entry costs ~70 bytes instead of ~165.
+/// table is bounded by the registry, and an entry costs ~70 bytes instead of ~165. Each
+/// origin has its own expiry queue, so its quota and its wait are its own.
 struct Inner {
     origins: HashMap<String, u32>,
     seen: HashSet<(u32, u128)>,
-    expiry: BinaryHeap<Reverse<(u64, u32, u128)>>,
+    expiry: Vec<BinaryHeap<Reverse<(u64, u128)>>>,
     journal: Option<Journal>,
+    last_sweep: u64,
 }
 
 impl Inner {
@@ -43,14 +50,50 @@ impl Inner {
         }
         let id = self.origins.len() as u32;
         self.origins.insert(origin.to_owned(), id);
+        self.expiry.push(BinaryHeap::new());
         id
+    }
+
+    /// Forgets `origin`'s nonces that expired before `now`.
+    fn expire(&mut self, id: u32, now: u64) {
+        let heap = &mut self.expiry[id as usize];
+        while let Some(Reverse((exp, _))) = heap.peek() {
+            if *exp >= now {
+                break;
+            }
+            let Reverse((_, n)) = heap.pop().expect("peeked");
+            self.seen.remove(&(id, n));
+        }
+    }
+
+    fn expire_all(&mut self, now: u64) {
+        for id in 0..self.expiry.len() as u32 {
+            self.expire(id, now);
+        }
+        self.last_sweep = now;
+    }
+
+    fn insert(&mut self, id: u32, nonce: u128, expires: u64) {
+        self.seen.insert((id, nonce));
+        self.expiry[id as usize].push(Reverse((expires, nonce)));
     }
 }
 
 pub struct NonceStore {
     inner: Mutex<Inner>,
     capacity: usize,
+    per_origin: usize,
     window: u64,
+}
+
+/// Opens a file for appending: created 0600, never through a symlink.
+fn open_append(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
 }
 
 impl NonceStore {
@@ -58,19 +101,34 @@ impl NonceStore {
     pub fn open(
         dir: Option<&Path>,
         capacity: usize,
+        per_origin: usize,
         window: u64,
         now: u64,
     ) -> std::io::Result<NonceStore> {
         let mut inner = Inner {
             origins: HashMap::new(),
             seen: HashSet::new(),
-            expiry: BinaryHeap::new(),
+            expiry: Vec::new(),
             journal: None,
+            last_sweep: now,
         };
         if let Some(dir) = dir {
             let path = dir.join("nonces.log");
             for file in [path.with_extension("log.old"), path.clone()] {
-                let Ok(f) = File::open(&file) else { continue };
+                let f = match OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&file)
+                {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        return Err(std::io::Error::new(
+                            e.kind(),
+                            format!("{}: {e}", file.display()),
+                        ))
+                    }
+                };
                 for line in std::io::BufReader::new(f).lines().map_while(Result::ok) {
                     let mut parts = line.split(' ');
                     let (Some(exp), Some(origin), Some(nonce)) =
@@ -84,12 +142,13 @@ impl NonceStore {
                         continue;
                     };
                     let id = inner.origin_id(origin);
-                    if exp >= now && inner.seen.insert((id, nonce)) {
-                        inner.expiry.push(Reverse((exp, id, nonce)));
+                    if exp >= now && !inner.seen.contains(&(id, nonce)) {
+                        inner.insert(id, nonce, exp);
                     }
                 }
             }
-            let file = OpenOptions::new().create(true).append(true).open(&path)?;
+            let file = open_append(&path)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
             inner.journal = Some(Journal {
                 path,
                 file,
@@ -99,6 +158,7 @@ impl NonceStore {
         Ok(NonceStore {
             inner: Mutex::new(inner),
             capacity,
+            per_origin: per_origin.max(1),
             window,
         })
     }
@@ -114,29 +174,40 @@ impl NonceStore {
         let Ok(nonce) = u128::from_str_radix(nonce_hex, 16) else {
             return NonceCheck::Replay;
         };
-        let mut inner = self.inner.lock().expect("nonce lock");
-        while let Some(Reverse((exp, _, _))) = inner.expiry.peek() {
-            if *exp >= now {
-                break;
-            }
-            let Reverse((_, o, n)) = inner.expiry.pop().expect("peeked");
-            inner.seen.remove(&(o, n));
-        }
-        let key = (inner.origin_id(origin), nonce);
         // Past its window the nonce may already be forgotten: such a request can never be
         // fresh, whatever the caller checked before.
         if timestamp + self.window < now {
             return NonceCheck::Replay;
         }
-        if inner.seen.contains(&key) {
+        let mut inner = self.inner.lock().expect("nonce lock");
+        let id = inner.origin_id(origin);
+        inner.expire(id, now);
+        if now > inner.last_sweep {
+            // Once a second, origins that went quiet give back what expired.
+            inner.expire_all(now);
+        }
+        if inner.seen.contains(&(id, nonce)) {
             return NonceCheck::Replay;
         }
+        let wait = |heap: &BinaryHeap<Reverse<(u64, u128)>>| {
+            heap.peek()
+                .map_or(1, |Reverse((exp, _))| exp.saturating_sub(now) + 1)
+        };
+        if inner.expiry[id as usize].len() >= self.per_origin {
+            return NonceCheck::OriginFull(wait(&inner.expiry[id as usize]));
+        }
         if inner.seen.len() >= self.capacity {
-            return NonceCheck::Full;
+            let soonest = inner
+                .expiry
+                .iter()
+                .filter(|h| !h.is_empty())
+                .map(wait)
+                .min()
+                .unwrap_or(1);
+            return NonceCheck::Full(soonest);
         }
         let expires = timestamp + self.window;
-        inner.seen.insert(key);
-        inner.expiry.push(Reverse((expires, key.0, nonce)));
+        inner.insert(id, nonce, expires);
         let window = self.window;
         if let Some(journal) = inner.journal.as_mut() {
             if now.saturating_sub(journal.opened_at) > 2 * window + 1 {
@@ -161,12 +232,7 @@ impl NonceStore {
 
 fn rotate(journal: &mut Journal, now: u64) {
     let old = journal.path.with_extension("log.old");
-    let reopened = std::fs::rename(&journal.path, &old).and_then(|_| {
-        OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&journal.path)
-    });
+    let reopened = std::fs::rename(&journal.path, &old).and_then(|_| open_append(&journal.path));
     match reopened {
         Ok(file) => {
             journal.file = file;
@@ -184,23 +250,51 @@ mod tests {
 
     #[test]
     fn replay_full_and_expiry() {
-        let s = NonceStore::open(None, 2, 300, 1000).unwrap();
+        let s = NonceStore::open(None, 2, 10, 300, 1000).unwrap();
         assert_eq!(s.check_and_record("a", N, 1000, 1000), NonceCheck::Fresh);
         assert_eq!(s.check_and_record("a", N, 1000, 1001), NonceCheck::Replay);
         assert_eq!(s.check_and_record("b", N, 1000, 1001), NonceCheck::Fresh);
-        assert_eq!(s.check_and_record("c", N, 1000, 1001), NonceCheck::Full);
+        assert_eq!(
+            s.check_and_record("c", N, 1000, 1001),
+            NonceCheck::Full(300)
+        );
         // After the window, the old ones are gone and there is room again.
         assert_eq!(s.check_and_record("c", N, 1400, 1400), NonceCheck::Fresh);
         assert_eq!(s.len(), 1);
     }
 
     #[test]
+    fn one_origin_cannot_fill_the_store_for_the_others() {
+        let s = NonceStore::open(None, 100, 3, 300, 1000).unwrap();
+        let nonce = |i: u32| format!("{i:032x}");
+        for i in 0..3 {
+            assert_eq!(
+                s.check_and_record("greedy", &nonce(i), 1000, 1000),
+                NonceCheck::Fresh
+            );
+        }
+        assert_eq!(
+            s.check_and_record("greedy", &nonce(9), 1000, 1010),
+            NonceCheck::OriginFull(291)
+        );
+        assert_eq!(
+            s.check_and_record("polite", &nonce(9), 1000, 1010),
+            NonceCheck::Fresh
+        );
+        // Once its nonces expire, the greedy origin may ask again.
+        assert_eq!(
+            s.check_and_record("greedy", &nonce(9), 1400, 1400),
+            NonceCheck::Fresh
+        );
+    }
+
+    #[test]
     fn journal_survives_restart() {
         let dir = tempfile::tempdir().unwrap();
-        let s = NonceStore::open(Some(dir.path()), 10, 300, 1000).unwrap();
+        let s = NonceStore::open(Some(dir.path()), 10, 10, 300, 1000).unwrap();
         assert_eq!(s.check_and_record("a", N, 1000, 1000), NonceCheck::Fresh);
         drop(s);
-        let s = NonceStore::open(Some(dir.path()), 10, 300, 1010).unwrap();
+        let s = NonceStore::open(Some(dir.path()), 10, 10, 300, 1010).unwrap();
         assert_eq!(s.check_and_record("a", N, 1000, 1010), NonceCheck::Replay);
     }
 }

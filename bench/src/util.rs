@@ -188,7 +188,8 @@ impl Drop for AgentProc {
     }
 }
 
-/// Waits until every agent accepts TCP connections (bounded by `timeout`).
+/// Waits until every agent is ready: its port accepts connections and its admin socket
+/// answers (the port is bound before the agent has loaded its state). Bounded by `timeout`.
 pub fn wait_listening(agents: &mut [AgentProc], timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let mut up = vec![false; agents.len()];
@@ -200,7 +201,13 @@ pub fn wait_listening(agents: &mut [AgentProc], timeout: Duration) -> Result<()>
             if let Some(why) = a.exited() {
                 bail!(why);
             }
-            up[i] = TcpStream::connect_timeout(&a.addr, Duration::from_millis(50)).is_ok();
+            up[i] = TcpStream::connect_timeout(&a.addr, Duration::from_millis(50)).is_ok()
+                && admin(
+                    &a.socket(),
+                    &json!({"cmd": "status"}),
+                    Duration::from_secs(10),
+                )
+                .is_ok();
         }
         if Instant::now() > deadline {
             let down: Vec<&str> = agents

@@ -34,6 +34,9 @@ pub struct AsyncBody {
     pub request: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub release: bool,
+    /// The consumer's payload is about to expire: issue a new one (§11.4).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub renew: bool,
 }
 
 /// `/agent/needs` reply (§8).

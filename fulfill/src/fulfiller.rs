@@ -219,6 +219,7 @@ impl Fulfiller {
             need: key.to_owned(),
             request: None,
             release: true,
+            renew: false,
         })
         .expect("body serialises");
         let target = Target {
@@ -424,6 +425,7 @@ impl Fulfiller {
             need: key.to_string(),
             request: Some(spec.request.clone()),
             release: false,
+            renew: false,
         })
         .expect("body serialises");
         let target = Target {

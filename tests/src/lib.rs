@@ -3,7 +3,7 @@
 //! and is killed on drop.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -433,6 +433,20 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     }
 }
 
+/// Whether an agent's admin socket answers a status request.
+fn admin_answers(socket: &Path) -> bool {
+    let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    if s.write_all(b"{\"cmd\":\"status\"}\n").is_err() {
+        return false;
+    }
+    let mut reply = String::new();
+    let _ = std::io::BufReader::new(s).read_line(&mut reply);
+    reply.contains("\"ok\":true")
+}
+
 /// A running agent process; killed (SIGKILL) on drop.
 pub struct Agent {
     pub name: String,
@@ -474,7 +488,11 @@ impl Agent {
             child,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+        // The port is bound before the agent has loaded its state; it is ready when its
+        // admin socket answers (the same moment it tells systemd READY=1).
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err()
+            || !admin_answers(&dir.join("agent.sock"))
+        {
             if let Ok(Some(status)) = agent.child.try_wait() {
                 let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
                 return Err(format!("exit status {status}\n{log}"));

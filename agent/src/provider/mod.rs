@@ -19,6 +19,15 @@ use tokio::sync::{oneshot, Notify};
 use crate::app::App;
 pub use state::Entry;
 
+/// Why an entry was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum UpsertError {
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+    #[error("the caller already holds {0} entries of this capability")]
+    Quota(usize),
+}
+
 /// Why a handler run happened (`FORT_TRIGGER`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -97,34 +106,47 @@ impl Provider {
     }
 
     /// Stores (or refreshes) `origin:need` durably, then queues a run. Returns once the
-    /// entry is on disk: the 202 may be sent.
+    /// entry is on disk: the 202 may be sent. With `quota`, `origin` may hold at most that
+    /// many entries of this capability; a new one past it is refused and nothing stored.
     pub async fn upsert(
         &self,
         app: &Arc<App>,
         origin: &str,
         need: &NeedKey,
         request: Value,
-    ) -> Result<(), PersistError> {
+        renew: bool,
+        quota: Option<usize>,
+    ) -> Result<(), UpsertError> {
         let key = entry_key(origin, need);
+        let prefix = format!("{origin}:{}/", need.kind);
         let now = unix_now();
-        self.store
-            .change_durable(|c| {
-                let mut entry = c.get(&key).cloned().unwrap_or_else(|| Entry {
-                    request: Value::Null,
-                    response: None,
-                    created_at: now,
-                    requested_at: now,
-                    absent_since: None,
-                    awaiting_response: true,
-                    delivery: Default::default(),
-                });
-                entry.request = request;
-                entry.requested_at = now;
-                entry.absent_since = None;
-                entry.awaiting_response = true;
-                c.put(key.clone(), entry);
-            })
-            .await?;
+        let (admitted, ticket) = self.store.change(|c| {
+            let existing = c.get(&key).cloned();
+            if existing.is_none() && quota.is_some_and(|q| c.count_prefix(&prefix) >= q) {
+                return false;
+            }
+            let mut entry = existing.unwrap_or_else(|| Entry {
+                request: Value::Null,
+                response: None,
+                created_at: now,
+                requested_at: now,
+                absent_since: None,
+                awaiting_response: true,
+                delivery: Default::default(),
+                renew: false,
+            });
+            entry.request = request;
+            entry.requested_at = now;
+            entry.absent_since = None;
+            entry.awaiting_response = true;
+            entry.renew |= renew;
+            c.put(key.clone(), entry);
+            true
+        })?;
+        if !admitted {
+            return Err(UpsertError::Quota(quota.unwrap_or(0)));
+        }
+        self.store.wait(ticket).await?;
         drop(self.enqueue(app, &need.kind, Trigger::Request, false, false));
         Ok(())
     }

@@ -30,6 +30,10 @@ pub struct Entry {
     pub awaiting_response: bool,
     #[serde(default)]
     pub delivery: Delivery,
+    /// The consumer asked for a new response before its payload expires (§11.4); handed
+    /// to the handler until it answers with something different.
+    #[serde(default)]
+    pub renew: bool,
 }
 
 /// What the consumer last acknowledged, and how the latest attempt went.

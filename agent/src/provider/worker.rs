@@ -80,10 +80,13 @@ impl Worker {
                     } else {
                         Value::Null
                     };
-                    (
-                        k.clone(),
-                        serde_json::json!({"request": e.request, "response": cached}),
-                    )
+                    // `renew` only when asked (§11.4), so handlers that predate it see
+                    // exactly the input they always did.
+                    let mut item = serde_json::json!({"request": e.request, "response": cached});
+                    if e.renew {
+                        item["renew"] = Value::Bool(true);
+                    }
+                    (k.clone(), item)
                 })
                 .collect()
         });
@@ -188,6 +191,8 @@ impl Worker {
                 let mut changed_any = false;
                 if changed {
                     entry.response = new.clone();
+                    // A new response is what a renewal asked for.
+                    entry.renew = false;
                     changed_any = true;
                 }
                 if requester {

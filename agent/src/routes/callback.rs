@@ -37,7 +37,9 @@ pub async fn handle(
             DeliverError::UnknownNeed => {
                 ApiError::NotFound(format!("this host declares no need {need}"))
             }
-            DeliverError::Persist(p) => ApiError::Overloaded(format!("state not persisted: {p}")),
+            DeliverError::Persist(p) => {
+                ApiError::Overloaded(format!("state not persisted: {p}"), 5)
+            }
         })?;
     Ok(Reply::json(
         StatusCode::OK,

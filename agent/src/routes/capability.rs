@@ -7,13 +7,14 @@ use bytes::Bytes;
 use fort_core::names::NeedKey;
 use fort_core::process::{run, RunSpec};
 use fort_core::schema::{CapabilitySpec, Mode};
-use fort_core::wire::AsyncBody;
+use fort_core::wire::{json_depth, AsyncBody, MAX_REQUEST_DEPTH};
 use http::StatusCode;
 
 use crate::app::App;
 use crate::auth::{json_body, Caller};
 use crate::builtins;
 use crate::error::{ApiError, Reply};
+use crate::provider::UpsertError;
 
 pub async fn handle(
     app: &Arc<App>,
@@ -31,34 +32,60 @@ pub async fn handle(
         .ok_or_else(|| ApiError::NotFound(format!("no capability {name}")))?
         .clone();
     drop(loaded);
-    if !spec.permits(&caller.origin) && !is_release(&spec, &body) {
-        return Err(ApiError::Forbidden(format!(
-            "{} may not call {name}",
-            caller.origin
-        )));
-    }
     match spec.mode {
-        Mode::Async => async_request(app, caller, name, body).await,
-        Mode::Rpc => rpc(app, caller, name, &spec, body).await,
+        Mode::Async => async_request(app, caller, name, &spec, body).await,
+        Mode::Rpc => {
+            if !spec.permits(&caller.origin) {
+                return Err(forbidden(caller, name));
+            }
+            rpc(app, caller, name, &spec, body).await
+        }
     }
 }
 
-/// A release touches only the caller's own entry (the origin is part of the key), so it
-/// is honoured even from a host no longer among the callers: when both sides of a
-/// deploy switch at once, the provider may drop the caller before the caller releases.
-fn is_release(spec: &CapabilitySpec, body: &Bytes) -> bool {
-    spec.mode == Mode::Async
-        && serde_json::from_slice::<AsyncBody>(body).is_ok_and(|b| b.release && b.request.is_none())
+fn forbidden(caller: &Caller, name: &str) -> ApiError {
+    ApiError::Forbidden(format!(
+        "{} may not call {name} (the capability's callers and allowed lists do not name it)",
+        caller.origin
+    ))
+}
+
+/// Checks a request object against the limits every stored request obeys and against the
+/// capability's schema (§11.6). `what` names it in messages.
+fn check_request(
+    spec: &CapabilitySpec,
+    request: &serde_json::Value,
+    what: &str,
+) -> Result<(), ApiError> {
+    if json_depth(request) > MAX_REQUEST_DEPTH {
+        return Err(ApiError::BadRequest(format!(
+            "{what} nests deeper than {MAX_REQUEST_DEPTH} levels"
+        )));
+    }
+    if let Some(schema) = &spec.request_schema {
+        schema
+            .check(request)
+            .map_err(|m| ApiError::InvalidRequest(format!("{what} {m}")))?;
+    }
+    Ok(())
 }
 
 async fn async_request(
     app: &Arc<App>,
     caller: &Caller,
     name: &str,
+    spec: &CapabilitySpec,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
-    let parsed: AsyncBody = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::BadRequest(format!("async body: {e}")))?;
+    let parsed: Result<AsyncBody, _> = serde_json::from_slice(&body);
+    // A release touches only the caller's own entry (the origin is part of the key), so
+    // it is honoured from anyone known, even a host no longer among the callers: when
+    // both sides of a deploy switch at once, the provider may drop the caller first.
+    let release = matches!(&parsed, Ok(b) if b.release);
+    if !release && !spec.permits(&caller.origin) {
+        return Err(forbidden(caller, name));
+    }
+    let parsed = parsed.map_err(|e| ApiError::BadRequest(format!("async body: {e}")))?;
     let need = NeedKey::parse(&parsed.need).ok_or_else(|| {
         ApiError::BadRequest(format!("need {:?} is not <type>/<id>", parsed.need))
     })?;
@@ -68,28 +95,60 @@ async fn async_request(
             need.kind
         )));
     }
-    let persisted = if parsed.release {
-        if parsed.request.is_some() {
-            return Err(ApiError::BadRequest("a release carries no request".into()));
+    if release {
+        if parsed.request.is_some() || parsed.renew {
+            return Err(ApiError::BadRequest(
+                "a release carries no request and no renew".into(),
+            ));
         }
         app.provider
             .release(app, &caller.origin, &need)
             .await
-            .map(|_| ())
+            .map_err(|e| ApiError::Overloaded(format!("not stored: {e}"), 5))?;
+        return Ok(accepted());
+    }
+    // A host among the callers holds exactly the need ids it declares; anyone else the
+    // capability allows holds a bounded number of its own choosing.
+    let quota = if spec.declares(&caller.origin, &need.id) {
+        None
+    } else if spec.allows(&caller.origin) {
+        Some(app.config.max_entries_per_origin)
     } else {
-        let request = parsed
-            .request
-            .filter(|r| r.is_object())
-            .ok_or_else(|| ApiError::BadRequest("request must be a JSON object".into()))?;
-        app.provider
-            .upsert(app, &caller.origin, &need, request)
-            .await
+        return Err(ApiError::Forbidden(format!(
+            "{} does not declare the need {need} (capability {name} lists the need ids each caller declares)",
+            caller.origin
+        )));
     };
-    persisted.map_err(|e| ApiError::Overloaded(format!("not stored: {e}")))?;
-    Ok(Reply::json(
+    let request = parsed
+        .request
+        .filter(|r| r.is_object())
+        .ok_or_else(|| ApiError::BadRequest("request must be a JSON object".into()))?;
+    check_request(spec, &request, "request")?;
+    let size = serde_json::to_vec(&request).map_or(usize::MAX, |b| b.len());
+    if size > app.config.max_request_bytes {
+        return Err(ApiError::TooLarge(app.config.max_request_bytes));
+    }
+    app.provider
+        .upsert(app, &caller.origin, &need, request, parsed.renew, quota)
+        .await
+        .map_err(|e| match e {
+            UpsertError::Quota(n) => ApiError::TooMany(
+                format!(
+                    "{} holds {n} entries of {name}, the most max_entries_per_origin allows; release one first",
+                    caller.origin
+                ),
+                60,
+            ),
+            UpsertError::Persist(e) => ApiError::Overloaded(format!("not stored: {e}"), 5),
+        })?;
+    Ok(accepted())
+}
+
+fn accepted() -> Reply {
+    Reply::json(
         StatusCode::ACCEPTED,
         &serde_json::json!({"status": "accepted"}),
-    ))
+    )
 }
 
 async fn rpc(
@@ -99,7 +158,8 @@ async fn rpc(
     spec: &CapabilitySpec,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
-    json_body(&body)?;
+    let request = json_body(&body)?;
+    check_request(spec, &request, "body")?;
     let run_spec = RunSpec::new(&spec.handler, body.to_vec(), app.config.handler_timeout)
         .env("FORT_HOST", app.config.host.clone())
         .env("FORT_CAPABILITY", name.to_owned())
@@ -128,6 +188,7 @@ pub fn run_output(
                 status: StatusCode::OK,
                 body: Bytes::from(ok.stdout),
                 json,
+                retry_after: None,
             })
         }
         Err(e) => {

@@ -150,6 +150,36 @@ impl<V> Changes<'_, V> {
         existed
     }
 
+    /// How many keys starting with `prefix` are present now (staged and unwritten
+    /// changes counted): a quota check that concurrent changes cannot slip past.
+    pub fn count_prefix(&self, prefix: &str) -> usize {
+        let mut n = self
+            .base
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .count() as isize;
+        let mut seen = BTreeSet::new();
+        let latest = self
+            .staged
+            .iter()
+            .map(|(k, v)| (k, v.is_some()))
+            .chain(self.pending.iter().map(|(k, (_, v))| (k, v.is_some())));
+        for (k, present) in latest {
+            if !k.starts_with(prefix) || !seen.insert(k) {
+                continue; // staged comes first: it is the latest
+            }
+            match (self.base.contains_key(k), present) {
+                (false, true) => n += 1,
+                (true, false) => n -= 1,
+                _ => {}
+            }
+        }
+        n.max(0) as usize
+    }
+
     /// Every key present now, in order.
     pub fn keys(&self) -> BTreeSet<String> {
         let mut keys: BTreeSet<String> = self.base.keys().cloned().collect();
