@@ -225,7 +225,11 @@ impl App {
             budgets,
             tls,
             quiet: Arc::new(Quiet::default()),
-            provider: Provider::new(provider_store, config.callbacks.concurrency),
+            provider: Provider::new(
+                provider_store,
+                config.callbacks.concurrency,
+                config.callbacks.per_consumer,
+            ),
             signer,
             loaded: ArcSwap::from_pointee(loaded.clone()),
             nonces,

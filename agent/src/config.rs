@@ -158,6 +158,10 @@ pub struct CallbackConfig {
     /// Deliveries in flight at once. Unset: 32.
     #[serde(default = "defaults::callback_concurrency")]
     pub concurrency: usize,
+    /// Deliveries in flight to one consumer, within `concurrency`: a consumer that never
+    /// answers holds no more than this many. Unset: 4.
+    #[serde(default = "defaults::callback_per_consumer")]
+    pub per_consumer: usize,
     /// Tries per delivery before leaving it to the consumer's nag. Unset: 5.
     #[serde(default = "defaults::callback_attempts")]
     pub attempts: u32,
@@ -267,6 +271,9 @@ mod defaults {
     }
     pub fn callback_concurrency() -> usize {
         32
+    }
+    pub fn callback_per_consumer() -> usize {
+        4
     }
     pub fn callback_attempts() -> u32 {
         5

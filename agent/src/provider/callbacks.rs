@@ -18,6 +18,11 @@ use crate::app::App;
 
 pub struct Deliveries {
     limit: Arc<Semaphore>,
+    /// Deliveries in flight to one consumer. Taken before a global slot, so a consumer
+    /// that accepts connections and never answers holds at most its own share, and the
+    /// other consumers' callbacks are not queued behind its timeouts.
+    per_consumer: usize,
+    consumers: Mutex<HashMap<String, Arc<Semaphore>>>,
     per_entry: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Delivery tasks alive per entry, so a redelivery sweep does not double up.
     active: Mutex<HashMap<String, usize>>,
@@ -48,12 +53,25 @@ impl Drop for ActiveDelivery {
 }
 
 impl Deliveries {
-    pub fn new(concurrency: usize) -> Deliveries {
+    pub fn new(concurrency: usize, per_consumer: usize) -> Deliveries {
         Deliveries {
             limit: Arc::new(Semaphore::new(concurrency.max(1))),
+            per_consumer: per_consumer.max(1),
+            consumers: Mutex::new(HashMap::new()),
             per_entry: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn consumer_slots(&self, origin: &str) -> Arc<Semaphore> {
+        let mut m = self.consumers.lock().expect("consumers lock");
+        // Bounded by the registry's hosts; forget idle ones now and then all the same.
+        if m.len() > 4096 {
+            m.retain(|_, s| Arc::strong_count(s) > 1);
+        }
+        m.entry(origin.to_owned())
+            .or_insert_with(|| Arc::new(Semaphore::new(self.per_consumer)))
+            .clone()
     }
 
     fn entry_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -174,6 +192,8 @@ async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {
         let keys = peer.keys.clone();
         drop(loaded);
         let outcome = {
+            let consumer = app.provider.deliveries.consumer_slots(&origin);
+            let _own = consumer.acquire().await.expect("semaphore open");
             let _slot = app
                 .provider
                 .deliveries

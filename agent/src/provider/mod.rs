@@ -96,12 +96,12 @@ pub struct Provider {
 }
 
 impl Provider {
-    pub fn new(store: Store<Entry>, callback_concurrency: usize) -> Provider {
+    pub fn new(store: Store<Entry>, callback_concurrency: usize, per_consumer: usize) -> Provider {
         Provider {
             store,
             workers: Mutex::new(HashMap::new()),
             stats: Mutex::new(HashMap::new()),
-            deliveries: callbacks::Deliveries::new(callback_concurrency),
+            deliveries: callbacks::Deliveries::new(callback_concurrency, per_consumer),
         }
     }
 
