@@ -32,28 +32,54 @@ pub enum AdminRequest {
     Reload,
 }
 
+/// Binds the socket so that no one else can ever connect to it, not even for a moment:
+/// it is created inside a fresh directory only this process may enter, given mode 0600
+/// there, and only then renamed into place.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    // A stale socket from a killed agent would make bind fail.
-    let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)?;
+    let private = dir.join(format!(".fort-admin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let staged = private.join("sock");
+    let bound = (|| {
+        let listener = UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+        // A stale socket from a killed agent is replaced atomically.
+        std::fs::rename(&staged, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    bound
 }
 
+/// Admin connections served at once; more wait for the kernel's backlog.
+const ADMIN_CONNECTIONS: usize = 16;
+
 pub async fn serve(app: Arc<App>, listener: UnixListener) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(ADMIN_CONNECTIONS));
     loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("semaphore open"),
+            _ = app.shutdown.cancelled() => return,
+        };
         let stream = tokio::select! {
             s = listener.accept() => match s {
                 Ok((s, _)) => s,
-                Err(_) => continue,
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
             },
             _ = app.shutdown.cancelled() => return,
         };
         let app = app.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let _ = handle(app, stream).await;
         });
     }
@@ -62,16 +88,23 @@ pub async fn serve(app: Arc<App>, listener: UnixListener) {
 async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
-    BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024))
-        .read_line(&mut line)
-        .await?;
+    // A client that connects and says nothing is dropped, as on the network listeners.
+    let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024));
+    let reading = reader.read_line(&mut line);
+    match tokio::time::timeout(app.config.header_read_timeout, reading).await {
+        Ok(read) => {
+            read?;
+        }
+        Err(_) => return Ok(()),
+    }
     let reply = match serde_json::from_str::<AdminRequest>(&line) {
         Ok(req) => execute(&app, req).await,
         Err(e) => json!({"ok": false, "error": format!("bad admin request: {e}")}),
     };
     let mut out = serde_json::to_vec(&reply).expect("reply serialises");
     out.push(b'\n');
-    write.write_all(&out).await
+    let _ = tokio::time::timeout(app.config.header_read_timeout, write.write_all(&out)).await;
+    Ok(())
 }
 
 async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {

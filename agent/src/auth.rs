@@ -24,6 +24,7 @@ use http_body_util::BodyExt;
 
 use crate::app::App;
 use crate::error::{ApiError, Reply};
+use crate::limits::ConnectionTrust;
 use crate::nonce::NonceCheck;
 use crate::server::PeerAddr;
 
@@ -119,6 +120,7 @@ const SLOT_WAIT: Duration = Duration::from_secs(5);
 
 pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     let peer = req.extensions().get::<PeerAddr>().map(|p| p.0.ip());
+    let trust = req.extensions().get::<ConnectionTrust>().cloned();
     // 1. Transport limits, from the head alone: the body is not read for a refusal.
     let limit = app.config.body_limit;
     let declared = req
@@ -282,6 +284,9 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         );
     }
     drop(_reservation);
+    if let Some(trust) = trust {
+        trust.verified();
+    }
     let caller = Caller {
         origin: origin.clone(),
         kind,

@@ -3,10 +3,12 @@
 //! Everything here is about strangers; authenticated work has its own budget in
 //! [`crate::auth`]. A budget that is exhausted refuses the newcomer, never evicts.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+
+use tokio_util::sync::CancellationToken;
 
 #[derive(Default)]
 struct PerAddress {
@@ -23,6 +25,11 @@ pub struct Budgets {
     connections: AtomicUsize,
     body_bytes: AtomicUsize,
     by_address: Mutex<HashMap<IpAddr, PerAddress>>,
+    /// Connections that have not carried a verified request yet, oldest first: when the
+    /// listener is full, a newcomer displaces the oldest of them, so connections opened
+    /// by someone without a key can never keep signed callers out.
+    unproven: Mutex<BTreeMap<u64, CancellationToken>>,
+    next_id: AtomicU64,
 }
 
 /// Why a newcomer was turned away.
@@ -58,6 +65,8 @@ impl Budgets {
             connections: AtomicUsize::new(0),
             body_bytes: AtomicUsize::new(0),
             by_address: Mutex::new(HashMap::new()),
+            unproven: Mutex::new(BTreeMap::new()),
+            next_id: AtomicU64::new(0),
         })
     }
 
@@ -70,20 +79,38 @@ impl Budgets {
     }
 
     /// Admits one connection from `ip`, or says why not. The permit gives it back on drop.
+    /// A full listener makes room by closing its oldest connection that never carried a
+    /// verified request (see [`ConnectionPermit::closed`]).
     pub fn connect(self: &Arc<Self>, ip: IpAddr) -> Result<ConnectionPermit, Refusal> {
         let mut map = self.by_address.lock().expect("budget lock");
-        if self.connections.load(Ordering::Relaxed) >= self.max_connections {
-            return Err(Refusal::Listener);
-        }
         let entry = map.entry(ip).or_default();
         if entry.connections >= self.max_connections_per_address {
             return Err(Refusal::Address);
         }
+        if self.connections.load(Ordering::Relaxed) >= self.max_connections {
+            let mut unproven = self.unproven.lock().expect("unproven lock");
+            let Some((_, oldest)) = unproven.pop_first() else {
+                return Err(Refusal::Listener);
+            };
+            // Its permit goes back once its task has closed it; until then the listener
+            // holds one connection more than its budget.
+            oldest.cancel();
+        }
+        let entry = map.entry(ip).or_default();
         entry.connections += 1;
         self.connections.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let closed = CancellationToken::new();
+        self.unproven
+            .lock()
+            .expect("unproven lock")
+            .insert(id, closed.clone());
         Ok(ConnectionPermit {
             budgets: self.clone(),
             ip,
+            id,
+            closed,
+            proven: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -125,11 +152,56 @@ impl Budgets {
 pub struct ConnectionPermit {
     budgets: Arc<Budgets>,
     ip: IpAddr,
+    id: u64,
+    closed: CancellationToken,
+    proven: Arc<AtomicBool>,
+}
+
+impl ConnectionPermit {
+    /// Cancelled when the listener closes this connection to make room.
+    pub fn closed(&self) -> CancellationToken {
+        self.closed.clone()
+    }
+
+    /// What a request on this connection uses to mark it as carrying verified requests.
+    pub fn trust(&self) -> ConnectionTrust {
+        ConnectionTrust {
+            budgets: self.budgets.clone(),
+            id: self.id,
+            proven: self.proven.clone(),
+        }
+    }
 }
 
 impl Drop for ConnectionPermit {
     fn drop(&mut self) {
+        self.budgets
+            .unproven
+            .lock()
+            .expect("unproven lock")
+            .remove(&self.id);
         self.budgets.release(self.ip, 1, 0);
+    }
+}
+
+/// Put in each request's extensions: the pipeline marks the connection once a request
+/// on it has a verified signature; it is then never closed to make room.
+#[derive(Clone)]
+pub struct ConnectionTrust {
+    budgets: Arc<Budgets>,
+    id: u64,
+    proven: Arc<AtomicBool>,
+}
+
+impl ConnectionTrust {
+    pub fn verified(&self) {
+        if !self.proven.swap(true, Ordering::Relaxed) {
+            self.budgets
+                .unproven
+                .lock()
+                .expect("unproven lock")
+                .remove(&self.id);
+        }
     }
 }
 
@@ -182,12 +254,21 @@ mod tests {
         let a: IpAddr = "127.0.0.2".parse().unwrap();
         let c: IpAddr = "127.0.0.3".parse().unwrap();
         let p1 = b.connect(a).unwrap();
-        let _p2 = b.connect(a).unwrap();
+        let p2 = b.connect(a).unwrap();
         assert_eq!(b.connect(a).err(), Some(Refusal::Address));
-        let _p3 = b.connect(c).unwrap();
+        p1.trust().verified();
+        p2.trust().verified();
+        let p3 = b.connect(c).unwrap();
+        p3.trust().verified();
+        // Full of connections that carried verified requests: nobody is displaced.
         assert_eq!(b.connect(c).err(), Some(Refusal::Listener));
         drop(p1);
-        assert!(b.connect(c).is_ok());
+        let unproven = b.connect(c).unwrap();
+        // Full again, but one of them never proved anything: it makes room.
+        let d: IpAddr = "127.0.0.4".parse().unwrap();
+        let newcomer = b.connect(d).unwrap();
+        assert!(unproven.closed().is_cancelled());
+        assert!(!newcomer.closed().is_cancelled());
         let r = b.reserve_body(a, 60).unwrap();
         assert!(b.reserve_body(a, 1).is_none());
         assert!(b.reserve_body(c, 40).is_some());

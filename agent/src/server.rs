@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::limits::Budgets;
+use crate::limits::{Budgets, ConnectionTrust};
 use crate::logging::Quiet;
 
 /// The peer's address, put in every request's extensions for per-address budgets.
@@ -77,6 +77,8 @@ pub async fn serve(listener: Listener, router: Router, shutdown: CancellationTok
             }
         };
         let _ = stream.set_nodelay(true);
+        let closed = permit.closed();
+        let trust = permit.trust();
         let router = router.clone();
         let http = http.clone();
         let watcher = graceful.watcher();
@@ -86,26 +88,31 @@ pub async fn serve(listener: Listener, router: Router, shutdown: CancellationTok
         let name = listener.name;
         tokio::spawn(async move {
             let _permit = permit;
-            match tls {
-                None => serve_connection(&http, watcher, stream, peer, router).await,
-                Some(acceptor) => {
-                    match tokio::time::timeout(deadline, acceptor.accept(stream)).await {
-                        Ok(Ok(tls_stream)) => {
-                            serve_connection(&http, watcher, tls_stream, peer, router).await
-                        }
-                        Ok(Err(e)) => quiet.info(
-                            "tls_handshake",
-                            &format!("{name}: TLS handshake with {} failed: {e}", peer.ip()),
-                        ),
-                        Err(_) => quiet.info(
-                            "tls_timeout",
-                            &format!(
-                                "{name}: TLS handshake with {} not finished in time",
-                                peer.ip()
-                            ),
-                        ),
+            let serving = async move {
+                let Some(acceptor) = tls else {
+                    return serve_connection(&http, watcher, stream, peer, trust, router).await;
+                };
+                match tokio::time::timeout(deadline, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => {
+                        serve_connection(&http, watcher, tls_stream, peer, trust, router).await
                     }
+                    Ok(Err(e)) => quiet.info(
+                        "tls_handshake",
+                        &format!("{name}: TLS handshake with {} failed: {e}", peer.ip()),
+                    ),
+                    Err(_) => quiet.info(
+                        "tls_timeout",
+                        &format!(
+                            "{name}: TLS handshake with {} not finished in time",
+                            peer.ip()
+                        ),
+                    ),
                 }
+            };
+            tokio::select! {
+                _ = serving => {}
+                // Displaced by a newcomer: it never carried a verified request.
+                _ = closed.cancelled() => {}
             }
         });
     }
@@ -120,6 +127,7 @@ async fn serve_connection<S>(
     watcher: hyper_util::server::graceful::Watcher,
     io: S,
     peer: SocketAddr,
+    trust: ConnectionTrust,
     router: Router,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -127,6 +135,7 @@ async fn serve_connection<S>(
     let service =
         hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             req.extensions_mut().insert(PeerAddr(peer));
+            req.extensions_mut().insert(trust.clone());
             tower::ServiceExt::oneshot(router.clone(), req)
         });
     let conn = http.serve_connection(TokioIo::new(io), service);

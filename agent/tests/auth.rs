@@ -622,3 +622,136 @@ async fn slow_bodies_cannot_hold_every_slot() {
         assert_eq!(finish(s, b' '), 408);
     }
 }
+
+/// Finding: connections that send a plausible head (a known origin, any nonce, a bogus
+/// signature, a body length) and then never the body held every concurrency slot, and
+/// signed callers got 503 for as long as the attack lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_stalls_do_not_deny_authenticated_callers() {
+    use std::io::Write;
+    let mut f = Fleet::new();
+    f.principal("ops");
+    f.host("a");
+    f.start();
+    let fake = vec![
+        ("X-Fort-Origin".to_owned(), "a".to_owned()),
+        ("X-Fort-Timestamp".to_owned(), unix_now().to_string()),
+        ("X-Fort-Nonce".to_owned(), "0".repeat(32)),
+        ("X-Fort-Signature".to_owned(), "AAAA".to_owned()),
+    ];
+    let head = raw_post(PATH, &fake, &[b' '; 100]);
+    let head = &head[..head.len() - 100];
+    // 300 of them, from five addresses (more than the 256 request slots there are).
+    let mut held = Vec::new();
+    for ip in 201..=205 {
+        for _ in 0..60 {
+            let mut s = fort_tests::tls_connect_from(&format!("127.0.0.{ip}"), &f.hosts["a"])
+                .expect("connect");
+            s.write_all(head).unwrap();
+            s.flush().unwrap();
+            held.push(s);
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    for _ in 0..5 {
+        let r = f
+            .post("ops", "a", "/agent/capabilities/status", &json!({}))
+            .await;
+        assert_eq!(
+            r.status, 200,
+            "a signed caller was refused during the stall"
+        );
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(3));
+    drop(held);
+}
+
+/// Finding: a principal with no permission at all filled the nonce store, and every
+/// caller then got 503 until its nonces expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_origin_cannot_lock_out_another_with_nonces() {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    f.principal("noisy");
+    f.host("a").extra_toml = "nonce_capacity = 100\nnonce_quota_per_origin = 40\n".into();
+    f.start();
+    let mut statuses = Vec::new();
+    for _ in 0..100 {
+        let r = f
+            .post("noisy", "a", "/agent/capabilities/status", &json!({}))
+            .await;
+        statuses.push(r.status);
+    }
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    let told_to_wait = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!((ok, told_to_wait), (40, 60), "{statuses:?}");
+    let r = f
+        .post("noisy", "a", "/agent/capabilities/status", &json!({}))
+        .await;
+    assert_eq!(r.status, 429);
+    assert!(r.verified(), "a 429 after the signature is signed");
+    let retry = r.retry_after.expect("Retry-After");
+    assert!((1..=301).contains(&retry), "{retry}");
+    for _ in 0..10 {
+        let r = f
+            .post("ops", "a", "/agent/capabilities/status", &json!({}))
+            .await;
+        assert_eq!(r.status, 200, "another origin was locked out");
+    }
+}
+
+/// Finding: 100,000 pipelined unsigned requests wrote 100,000 log lines in 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_unsigned_requests_costs_a_bounded_number_of_log_lines() {
+    use std::io::{Read, Write};
+    let mut f = Fleet::new();
+    let metrics = fort_tests::free_addr("127.0.0.1");
+    f.host("a").extra_toml = format!("metrics_listen = \"{metrics}\"\n");
+    f.start();
+    let log = f.host_dir("a").join("agent.log");
+    let lines_before = std::fs::read_to_string(&log).unwrap().lines().count();
+    const FLOOD: usize = 20_000;
+    const CHUNK: usize = 250;
+    let one = b"POST /agent/needs HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+    let mut s = fort_tests::tls_connect(&f.hosts["a"]);
+    let (mut answered, mut buf, mut tail) = (0usize, vec![0u8; 65536], Vec::new());
+    for _ in 0..FLOOD / CHUNK {
+        s.write_all(&one.repeat(CHUNK)).unwrap();
+        s.flush().unwrap();
+        let target = answered + CHUNK;
+        while answered < target {
+            let n = s.read(&mut buf).expect("the agent keeps answering");
+            assert!(n > 0, "connection closed after {answered} replies");
+            tail.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&tail).into_owned();
+            answered += text.matches("HTTP/1.1 401").count();
+            // Keep a little in case a status line straddles two reads.
+            let keep = tail.len().min(16);
+            tail = tail[tail.len() - keep..].to_vec();
+            if String::from_utf8_lossy(&tail).contains("HTTP/1.1 401") {
+                tail.clear();
+            }
+        }
+    }
+    assert_eq!(answered, FLOOD);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let lines_after = std::fs::read_to_string(&log).unwrap().lines().count();
+    assert!(
+        lines_after - lines_before < 50,
+        "{} log lines for {FLOOD} refusals",
+        lines_after - lines_before
+    );
+    // The metrics still count every single one.
+    let (_, _, body) = fort_tests::raw_http_plain(
+        metrics,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains(&format!(
+            "fort_auth_failures_total{{reason=\"headers\"}} {FLOOD}"
+        )),
+        "{text}"
+    );
+}

@@ -277,3 +277,208 @@ async fn a_trigger_that_changes_one_response_calls_back_only_that_consumer() {
         "s-u2:oidc/web"
     );
 }
+
+/// Finding: a caller could store anything — 10,000 need ids its host never declared were
+/// accepted and handed to the handler, and twenty 1 MiB requests took the provider from
+/// 7 MB to 645 MB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_hold_their_declared_needs_and_others_a_bounded_number() {
+    let mut f = Fleet::new();
+    let issue = provider_script(&f);
+    f.principal("ops");
+    f.capability(
+        "p",
+        "oidc",
+        json!({"handler": issue, "mode": "async", "allowed": ["ops"]}),
+    );
+    f.need("c", "oidc/wiki", "p", json!({"nag_seconds": 600}));
+    f.host("p").extra_toml = "max_entries_per_origin = 3\n".into();
+    f.start();
+    let ask = |who: &'static str, need: &str, request: Value| {
+        let body = json!({"need": need, "request": request});
+        let f = &f;
+        async move {
+            f.post(who, "p", "/agent/capabilities/oidc", &body)
+                .await
+                .status
+        }
+    };
+    // A host among the callers: its declared id yes, any other no.
+    assert_eq!(ask("c", "oidc/wiki", json!({})).await, 202);
+    for i in 0..20 {
+        assert_eq!(ask("c", &format!("oidc/made-up-{i}"), json!({})).await, 403);
+    }
+    // A principal in `allowed`: a few of its own choosing, then 429.
+    for i in 0..3 {
+        assert_eq!(ask("ops", &format!("oidc/p{i}"), json!({})).await, 202);
+    }
+    assert_eq!(ask("ops", "oidc/p3", json!({})).await, 429);
+    assert_eq!(
+        ask("ops", "oidc/p0", json!({"again": true})).await,
+        202,
+        "refreshing an entry it holds"
+    );
+    // A release frees a place.
+    let r = f
+        .post(
+            "ops",
+            "p",
+            "/agent/capabilities/oidc",
+            &json!({"need": "oidc/p1", "release": true}),
+        )
+        .await;
+    assert_eq!(r.status, 202);
+    assert_eq!(ask("ops", "oidc/p3", json!({})).await, 202);
+    // Stored requests are small: a 1 MiB one is refused before anything is kept.
+    let rss_before = rss_kb(f.agents["p"].pid());
+    for i in 0..20 {
+        let big = json!({"blob": "x".repeat(1024 * 1000)});
+        assert_eq!(ask("ops", &format!("oidc/p{}", i % 3), big).await, 413);
+    }
+    let rss_after = rss_kb(f.agents["p"].pid());
+    assert!(
+        rss_after < rss_before + 30_000,
+        "RSS grew from {rss_before} to {rss_after} kB"
+    );
+    let mut keys = f.entries("p");
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["c:oidc/wiki", "ops:oidc/p0", "ops:oidc/p2", "ops:oidc/p3"]
+    );
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Finding: a caller whose address accepts TCP but never answers delayed another
+/// consumer's callback from 0.6 s to 89 s: one shared pool of delivery slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_never_answers_does_not_delay_the_others() {
+    let mut f = Fleet::new();
+    let issue = provider_script(&f);
+    let receive = consumer_script(&f);
+    f.capability("p", "oidc", json!({"handler": issue, "mode": "async"}));
+    // The tarpit: a host of the fleet whose address accepts and then says nothing.
+    let ids: Vec<String> = (0..60).map(|i| format!("t{i}")).collect();
+    for id in &ids {
+        f.need(
+            "tarpit",
+            &format!("oidc/{id}"),
+            "p",
+            json!({"nag_seconds": 600}),
+        );
+    }
+    f.need(
+        "c",
+        "oidc/wiki",
+        "p",
+        json!({"handler": receive, "nag_seconds": 600}),
+    );
+    f.write_files();
+    let tarpit = std::net::TcpListener::bind(f.hosts["tarpit"].addr).unwrap();
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = held.clone();
+    std::thread::spawn(move || {
+        for s in tarpit.incoming().flatten() {
+            keep.lock().unwrap().push(s);
+        }
+    });
+    f.start_host("p");
+    // The tarpit's entries first, as its own requests would have made them.
+    let calls = ids
+        .iter()
+        .map(|id| {
+            (
+                "tarpit".to_owned(),
+                json!({"need": format!("oidc/{id}"), "request": {}}),
+            )
+        })
+        .collect();
+    let statuses = f
+        .post_concurrently("p", "/agent/capabilities/oidc", calls)
+        .await;
+    assert!(statuses.iter().all(|s| *s == Some(202)), "{statuses:?}");
+    assert!(eventually(Duration::from_secs(10), || held.lock().unwrap().len() >= 4).await);
+    // Now an honest consumer asks: its callback is not queued behind 60 timeouts.
+    let started = std::time::Instant::now();
+    f.start_host("c");
+    assert!(
+        eventually(Duration::from_secs(10), || got(&f, "c", "oidc/wiki")
+            .is_some())
+        .await,
+        "the honest consumer's callback was held back"
+    );
+    assert!(started.elapsed() < Duration::from_secs(8));
+    assert!(
+        held.lock().unwrap().len() <= 8,
+        "{} deliveries to the tarpit at once",
+        held.lock().unwrap().len()
+    );
+}
+
+/// Finding: handlers inherited the agent's whole environment and working directory, a
+/// `setsid` grandchild survived the process-group kill, and a handler that exited 0 but
+/// left a child holding stdout counted as a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_get_a_clean_environment_and_leave_nothing_behind() {
+    let mut f = Fleet::new();
+    let d = f.dir.path().display().to_string();
+    let h = f.script(
+        "clean",
+        &format!(
+            r#"env > {d}/env; pwd > {d}/cwd
+setsid sh -c 'echo $$ > {d}/orphan; exec sleep 300' &
+sleep 300 &
+jq -c 'with_entries(.value = "OK")'"#
+        ),
+    );
+    f.capability("p", "proxy", json!({"handler": h, "mode": "async"}));
+    f.need("c", "proxy/site", "p", json!({"nag_seconds": 600}));
+    let p = f.host("p");
+    p.spawn
+        .env
+        .push(("AGENT_ONLY_SECRET".into(), "hunter2".into()));
+    p.extra_toml =
+        "handler_timeout = \"20s\"\nhandler_environment = { FROM_CONFIG = \"yes\" }\n".into();
+    f.start();
+    let started = std::time::Instant::now();
+    assert!(
+        eventually(Duration::from_secs(10), || f.all_satisfied("c")).await,
+        "the handler exited 0 but its run was not counted as done"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited for the lingering children"
+    );
+    let env = std::fs::read_to_string(f.dir.path().join("env")).unwrap();
+    assert!(!env.contains("AGENT_ONLY_SECRET"), "{env}");
+    assert!(env.contains("FROM_CONFIG=yes") && env.contains("FORT_CAPABILITY=proxy"));
+    assert!(env.lines().any(|l| l.starts_with("PATH=")));
+    assert_eq!(
+        std::fs::read_to_string(f.dir.path().join("cwd"))
+            .unwrap()
+            .trim(),
+        "/"
+    );
+    let orphan: u32 = std::fs::read_to_string(f.dir.path().join("orphan"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{orphan}/stat"))
+            .map(|s| s.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')))
+            .unwrap_or(true)
+    };
+    assert!(
+        eventually(Duration::from_secs(5), gone).await,
+        "the setsid grandchild {orphan} survived its handler"
+    );
+}

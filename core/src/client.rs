@@ -113,6 +113,8 @@ pub struct Reply {
     pub location: Option<String>,
     /// `X-Fort-Server-Time` on a clock-skew `401`.
     pub server_time: Option<u64>,
+    /// `Retry-After` seconds on a `429` or `503`: when to come back.
+    pub retry_after: Option<u64>,
 }
 
 impl Reply {
@@ -303,6 +305,7 @@ impl SignedClient {
         let content_type = header("content-type");
         let location = header("location");
         let server_time = header(H_SERVER_TIME).and_then(|v| v.parse().ok());
+        let retry_after = header("retry-after").and_then(|v| v.parse().ok());
         let body = read_capped(sent, &url, self.inner.options.max_response_bytes).await?;
         let auth = match (responder, response_signature) {
             (Some(who), _) if who != target.name => ResponseAuth::WrongOrigin(who),
@@ -322,6 +325,7 @@ impl SignedClient {
             content_type,
             location,
             server_time,
+            retry_after,
         })
     }
 }

@@ -33,6 +33,9 @@ pub struct FulfillOptions {
     pub handler_environment: Vec<(String, String)>,
 }
 
+/// How much of a failed handler's stderr goes to the log (never to the state).
+const STDERR_IN_LOG: usize = 2048;
+
 /// One row of `fort-agent status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct NeedStatus {
@@ -368,9 +371,9 @@ impl Fulfiller {
                         return;
                     }
                     Err(e) => {
-                        tracing::info!(need = %key, error = %e, "check failed; need is unsatisfied");
+                        tracing::info!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "check failed; need is unsatisfied");
                         let _ = self
-                            .set_outcome(key, false, Some(format!("check failed: {e}")))
+                            .set_outcome(key, false, Some(format!("check failed: {}", e.summary())))
                             .await;
                     }
                 }
@@ -594,17 +597,23 @@ impl Fulfiller {
                 .envs(self.inner.opts.handler_environment.clone());
             match run(&run_spec).await {
                 Ok(_) => (true, None),
-                Err(e) => (false, Some(format!("handler failed: {e}"))),
+                Err(e) => {
+                    tracing::warn!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "need handler failed");
+                    (false, Some(format!("handler failed: {}", e.summary())))
+                }
             }
         } else if payload == b"OK" || payload == b"OK\n" {
             (true, None)
         } else {
-            let message = String::from_utf8_lossy(payload)
-                .chars()
-                .take(500)
-                .collect::<String>();
-            tracing::warn!(need = %key, from = origin, message = %message, "provider sent a message instead of OK");
-            (false, Some(format!("provider says: {message}")))
+            // The payload may be a credential sent to the wrong need: only its size and hash
+            // ever reach the log and the state.
+            let what = format!(
+                "the provider sent {} bytes (sha256 {}) instead of OK",
+                payload.len(),
+                &digest[..16]
+            );
+            tracing::warn!(need = %key, from = origin, "{what}");
+            (false, Some(what))
         };
         self.set_outcome(key, satisfied, error.clone()).await?;
         tracing::info!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, satisfied, error = ?error, "payload applied");

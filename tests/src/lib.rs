@@ -66,6 +66,19 @@ pub struct HostSpec {
     pub capabilities: BTreeMap<String, Value>,
     /// Extra TOML appended to agent.toml.
     pub extra_toml: String,
+    /// How the agent process is started (descriptor limit, umask, environment).
+    pub spawn: SpawnOptions,
+}
+
+/// Process settings for an agent under test.
+#[derive(Debug, Clone, Default)]
+pub struct SpawnOptions {
+    /// `RLIMIT_NOFILE`, soft and hard (the agent raises soft to hard itself).
+    pub nofile: Option<u64>,
+    /// The umask it starts with.
+    pub umask: Option<u32>,
+    /// Extra environment variables of the agent process itself.
+    pub env: Vec<(String, String)>,
 }
 
 impl HostSpec {
@@ -116,6 +129,7 @@ impl Fleet {
                 needs: BTreeMap::new(),
                 capabilities: BTreeMap::new(),
                 extra_toml: String::new(),
+                spawn: SpawnOptions::default(),
             };
             self.hosts.insert(name.to_owned(), spec);
         }
@@ -261,15 +275,15 @@ impl Fleet {
     }
 
     pub fn start_host(&mut self, name: &str) {
-        let h = &self.hosts[name];
-        let agent = Agent::spawn(&h.name, h.addr, &self.host_dir(name));
-        self.agents.insert(name.to_owned(), agent);
+        if let Err(log) = self.try_start_host(name) {
+            panic!("agent {name} exited:\n{log}");
+        }
     }
 
     /// Starts `name`'s agent, expecting that it may refuse to: `Err` carries its log.
     pub fn try_start_host(&mut self, name: &str) -> Result<(), String> {
         let h = &self.hosts[name];
-        let agent = Agent::try_spawn(&h.name, h.addr, &self.host_dir(name))?;
+        let agent = Agent::try_spawn_with(&h.name, h.addr, &self.host_dir(name), &h.spawn)?;
         self.agents.insert(name.to_owned(), agent);
         Ok(())
     }
@@ -464,24 +478,57 @@ impl Agent {
 
     /// Starts an agent; `Err` carries its log when it exits instead of listening.
     pub fn try_spawn(name: &str, addr: SocketAddr, dir: &Path) -> Result<Agent, String> {
+        Agent::try_spawn_with(name, addr, dir, &SpawnOptions::default())
+    }
+
+    #[allow(unsafe_code)]
+    pub fn try_spawn_with(
+        name: &str,
+        addr: SocketAddr,
+        dir: &Path,
+        options: &SpawnOptions,
+    ) -> Result<Agent, String> {
+        use std::os::unix::process::CommandExt;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join("agent.log"))
             .expect("log file");
-        let child = Command::new(bin("fort-agent"))
-            .arg("serve")
+        let mut cmd = Command::new(bin("fort-agent"));
+        cmd.arg("serve")
             .arg("--config")
             .arg(dir.join("agent.toml"))
             .env(
                 "FORT_LOG",
                 std::env::var("FORT_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn fort-agent");
+            .stderr(log);
+        let (nofile, umask) = (options.nofile, options.umask);
+        if nofile.is_some() || umask.is_some() {
+            // SAFETY: between fork and exec only async-signal-safe calls (setrlimit,
+            // umask) on values copied in; nothing is allocated.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if let Some(n) = nofile {
+                        let lim = libc::rlimit {
+                            rlim_cur: n,
+                            rlim_max: n,
+                        };
+                        if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    if let Some(m) = umask {
+                        libc::umask(m as libc::mode_t);
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().expect("spawn fort-agent");
         let mut agent = Agent {
             name: name.to_owned(),
             addr,
@@ -602,6 +649,30 @@ fn parse_response(buf: &[u8]) -> (u16, String, Vec<u8>) {
         None => (text.clone(), Vec::new()),
     };
     (status, head, body)
+}
+
+/// A TCP connection to `addr` from the local address `from` (a 127.0.0.x of the test's
+/// choosing): budgets are per peer address, and an attacker is not the operator.
+pub fn tcp_connect_from(from: &str, addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    let local: SocketAddr = format!("{from}:0").parse().expect("an IPv4 address");
+    socket.bind(&local.into())?;
+    socket.connect_timeout(&addr.into(), Duration::from_secs(5))?;
+    let s: TcpStream = socket.into();
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    Ok(s)
+}
+
+/// A pinned TLS connection to `host` from the local address `from`.
+pub fn tls_connect_from(from: &str, host: &HostSpec) -> std::io::Result<TlsStream> {
+    fort_core::tls::install_default_provider();
+    let config = std::sync::Arc::new(fort_core::tls::client_config(&host.name, &host.keys()));
+    let server_name = rustls::pki_types::ServerName::IpAddress(host.addr.ip().into());
+    let conn = rustls::ClientConnection::new(config, server_name).expect("client connection");
+    Ok(rustls::StreamOwned::new(
+        conn,
+        tcp_connect_from(from, host.addr)?,
+    ))
 }
 
 /// The four signed headers for a request, computed like any client would.

@@ -114,7 +114,7 @@ impl Worker {
                 })
                 .ok_or_else(|| "not_an_object".to_owned()),
             Err(e) => {
-                tracing::warn!(capability = %self.capability, trigger = trigger.as_str(), error = %e, "handler failed; nothing changed");
+                tracing::warn!(capability = %self.capability, trigger = trigger.as_str(), error = %e.summary(), stderr = e.stderr_excerpt(2048).unwrap_or_default(), "handler failed; nothing changed");
                 Err(e.class().to_owned())
             }
         };

@@ -197,7 +197,13 @@ pub fn run_output(
                 .inc(&[("capability", name), ("outcome", e.class())]);
             Err(ApiError::HandlerFailed {
                 exit_code: e.exit_code(),
-                detail: format!("{name}: {e}"),
+                detail: format!(
+                    "{name}: {}{}",
+                    e.summary(),
+                    e.stderr_excerpt(2048)
+                        .map(|s| format!("; stderr: {s}"))
+                        .unwrap_or_default()
+                ),
             })
         }
     }

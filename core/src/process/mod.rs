@@ -217,6 +217,38 @@ impl RunError {
             RunError::Io(_) => "io",
         }
     }
+
+    /// What went wrong, without anything the handler printed: fit for state files and
+    /// status pages, where a handler's stderr (which may echo its input, a credential)
+    /// must never be kept.
+    pub fn summary(&self) -> String {
+        match self {
+            RunError::Spawn { program, source } => format!("cannot start {program}: {source}"),
+            RunError::Exit { code, .. } => format!("exited with code {code}"),
+            RunError::Signal { signal, .. } => format!("killed by signal {signal}"),
+            RunError::Timeout(d) => format!("timed out after {d:?}"),
+            RunError::OutputTooLarge(n) => format!("printed more than {n} bytes"),
+            RunError::Io(e) => format!("i/o with the handler failed: {e}"),
+        }
+    }
+
+    /// The start of what the handler printed on stderr, on one line (control characters
+    /// escaped), at most `max` bytes: for the log only.
+    pub fn stderr_excerpt(&self, max: usize) -> Option<String> {
+        let stderr = match self {
+            RunError::Exit { stderr, .. } | RunError::Signal { stderr, .. } => stderr,
+            _ => return None,
+        };
+        if stderr.is_empty() {
+            return None;
+        }
+        let mut cut = stderr.len().min(max);
+        while !stderr.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let more = if cut < stderr.len() { "…" } else { "" };
+        Some(format!("{}{more}", stderr[..cut].escape_debug()))
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 //! State with one in-process owner, kept as an append-only log of changes plus a JSON
-//! snapshot (see [`files`] for the formats and recovery).
+//! snapshot (the `files` module describes the formats and recovery).
 //!
 //! Why a log: rewriting the whole state file for every durable change made one change cost
 //! as much as the whole state (a provider with 50,000 entries rewrote megabytes per
