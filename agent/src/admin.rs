@@ -109,7 +109,7 @@ async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
 
 async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
     match req {
-        AdminRequest::Status => json!({"ok": true, "status": crate::builtins::status(app, true)}),
+        AdminRequest::Status => json!({"ok": true, "status": crate::builtins::status(app)}),
         AdminRequest::Reload => match app.reload().await {
             Ok(()) => json!({"ok": true}),
             Err(e) => json!({"ok": false, "error": e}),

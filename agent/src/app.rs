@@ -214,6 +214,7 @@ impl App {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
+                systemctl: config.systemctl.clone(),
             },
             fulfill_store,
             client.clone(),

@@ -57,7 +57,7 @@ pub async fn handle(
     // Permission before parsing (§3 step 8: 403 before 400).
     let params = json_body(&body)?;
     match which {
-        Builtin::Status => Ok(Reply::json(StatusCode::OK, &status(app, false))),
+        Builtin::Status => Ok(Reply::json(StatusCode::OK, &status(app))),
         Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
         Builtin::Needs => Ok(Reply::json(
             StatusCode::OK,
@@ -100,22 +100,11 @@ pub async fn handle(
     }
 }
 
-/// The first words of an error (`handler failed`, `provider answered 503`): what the
-/// fleet may see. The detail (handler stderr, a provider's message) stays in the log and
-/// on the local admin socket.
-fn error_class(e: &str) -> String {
-    e.split(':').next().unwrap_or(e).chars().take(80).collect()
-}
-
 /// The `status` document: what this host needs, what it provides, how it is doing.
-/// `full` (the local admin socket) keeps error details; remote callers get classes.
-pub fn status(app: &Arc<App>, full: bool) -> Value {
-    let mut needs = app.fulfiller.status();
-    if !full {
-        for n in &mut needs {
-            n.last_error = n.last_error.as_deref().map(error_class);
-        }
-    }
+/// Reasons are one line and never carry payload bytes or handler output (docs/protocol.md
+/// §11.7), so remote callers get the same document as the local admin socket.
+pub fn status(app: &Arc<App>) -> Value {
+    let needs = app.fulfiller.status();
     let loaded = app.loaded.load_full();
     let satisfied = needs.iter().filter(|n| n.satisfied).count();
     let gc = app.last_gc.lock().expect("gc lock").clone();

@@ -195,7 +195,7 @@ pub fn status_table(status: &Value) -> String {
             fmt_age(n["satisfied_at"].as_u64()),
             n["attempts"].as_u64().unwrap_or(0),
             fmt_age(n["next_request"].as_u64()),
-            n["last_error"].as_str().unwrap_or("")
+            n["reason"].as_str().unwrap_or("")
         );
     }
     if let Some(caps) = status["provider"]["capabilities"].as_object() {
@@ -336,7 +336,7 @@ pub fn fleet_table(rows: &[FleetRow]) -> String {
                             r.host,
                             n["need"].as_str().unwrap_or(""),
                             n["from"].as_str().unwrap_or(""),
-                            n["last_error"].as_str().unwrap_or("waiting for a response")
+                            n["reason"].as_str().unwrap_or("waiting for a response")
                         ));
                     }
                 }

@@ -142,18 +142,53 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
             "/metrics",
             axum::routing::get(
                 |axum::extract::State(app): axum::extract::State<Arc<App>>| async move {
-                    // Two counts, not the whole status document, per scrape.
+                    let counts = app
+                        .fulfiller
+                        .counts()
+                        .iter()
+                        .map(|(phase, n)| (format!("{{state=\"{}\"}}", phase.as_str()), *n as f64))
+                        .collect();
+                    // One series per need, in its current state only: a need that goes away
+                    // (or changes state) leaves no series behind.
                     let needs = app.fulfiller.status();
-                    let total = needs.len() as f64;
-                    let satisfied = needs.iter().filter(|n| n.satisfied).count() as f64;
-                    let gauges = vec![(
-                        "fort_needs",
-                        "Declared needs by state.",
-                        vec![
-                            ("{state=\"satisfied\"}".to_owned(), satisfied),
-                            ("{state=\"unsatisfied\"}".to_owned(), total - satisfied),
-                        ],
-                    )];
+                    let states = needs
+                        .iter()
+                        .map(|n| {
+                            (
+                                format!("{{need=\"{}\",state=\"{}\"}}", n.need, n.state.as_str()),
+                                1.0,
+                            )
+                        })
+                        .collect();
+                    let expiries = needs
+                        .iter()
+                        .filter_map(|n| {
+                            n.expires_at
+                                .map(|at| (format!("{{need=\"{}\"}}", n.need), at as f64))
+                        })
+                        .collect();
+                    let (restarts, reloads, _) = app.fulfiller.unit_counts();
+                    let gauges = vec![
+                        ("fort_needs", "Declared needs by state.", counts),
+                        (
+                            "fort_need_state",
+                            "Each declared need, labelled with its state.",
+                            states,
+                        ),
+                        (
+                            "fort_need_expiry_timestamp_seconds",
+                            "When the payload each need holds expires (unix seconds).",
+                            expiries,
+                        ),
+                        (
+                            "fort_unit_actions",
+                            "Unit restarts and reloads issued for changed delivered files.",
+                            vec![
+                                ("{action=\"restart\"}".to_owned(), restarts as f64),
+                                ("{action=\"reload\"}".to_owned(), reloads as f64),
+                            ],
+                        ),
+                    ];
                     app.metrics.render(&gauges)
                 },
             ),

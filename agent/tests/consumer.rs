@@ -78,10 +78,7 @@ async fn a_dead_provider_means_backoff_then_recovery_without_waiting_for_the_nag
     let attempts = st["attempts"].as_u64().unwrap();
     // 200 ms doubling: about 0, 0.2, 0.6, 1.4 s … so 3 to 6 tries, not one per 120 s nag.
     assert!((3..=6).contains(&attempts), "{attempts} tries: {st}");
-    assert!(
-        st["last_error"].as_str().unwrap().contains("connect"),
-        "{st}"
-    );
+    assert!(st["reason"].as_str().unwrap().contains("connect"), "{st}");
     f.start_host("p");
     assert!(
         eventually(Duration::from_secs(8), || satisfied(&f, "c", "cred/x")).await,
@@ -144,7 +141,7 @@ async fn a_failing_check_makes_the_need_unsatisfied_and_re_requested() {
         .unwrap();
     std::fs::write(&flag, "").unwrap();
     let seen = eventually(Duration::from_secs(6), || {
-        need_status(&f, "c", "cred/x")["last_error"]
+        need_status(&f, "c", "cred/x")["reason"]
             .as_str()
             .is_some_and(|e| e.contains("check failed"))
             || f.read_state("p", "provider-state.json")["entries"]["c:cred/x"]["requested_at"]
@@ -194,7 +191,7 @@ async fn a_revocation_unsatisfies_and_the_nag_asks_again() {
         eventually(Duration::from_secs(5), || !satisfied(&f, "c", "cred/x")).await,
         "revocation not applied"
     );
-    assert!(need_status(&f, "c", "cred/x")["last_error"]
+    assert!(need_status(&f, "c", "cred/x")["reason"]
         .as_str()
         .unwrap()
         .contains("revoked"));
@@ -218,7 +215,7 @@ async fn side_effect_only_needs_want_ok() {
     let (ok, _) = f.admin("p", &["trigger", "proxy"]);
     assert!(ok);
     assert!(eventually(Duration::from_secs(5), || !satisfied(&f, "c", "proxy/site")).await);
-    let err = need_status(&f, "c", "proxy/site")["last_error"]
+    let err = need_status(&f, "c", "proxy/site")["reason"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -592,13 +589,13 @@ async fn a_failing_handler_s_stderr_stays_in_the_log() {
     f.start();
     assert!(
         eventually(Duration::from_secs(10), || {
-            need_status(&f, "c", "cred/x")["last_error"]
+            need_status(&f, "c", "cred/x")["reason"]
                 .as_str()
                 .is_some_and(|e| e.contains("exited with code 3"))
         })
         .await
     );
-    let err = need_status(&f, "c", "cred/x")["last_error"].to_string();
+    let err = need_status(&f, "c", "cred/x")["reason"].to_string();
     assert!(!err.contains("STDERR-MARK"), "{err}");
     let state = serde_json::to_string(&f.read_state("c", "fulfillment-state.json")).unwrap();
     assert!(

@@ -113,7 +113,7 @@ async fn a_client_pinned_to_another_key_refuses_and_the_target_gets_no_request()
     f.start_host("c");
     assert!(
         eventually(Duration::from_secs(10), || {
-            status_of(&f, "c", "oidc/wiki")["last_error"]
+            status_of(&f, "c", "oidc/wiki")["reason"]
                 .as_str()
                 .is_some_and(|e| e.contains("not one that hosts.json lists for p"))
         })

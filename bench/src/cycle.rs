@@ -76,6 +76,7 @@ async fn build(
             backoff: Duration::from_secs(2),
             request_timeout: Duration::from_secs(30),
             handler_environment: Vec::new(),
+            systemctl: "systemctl".into(),
         },
         store,
         client,
@@ -163,9 +164,9 @@ async fn all_due(b: &Built, timeout: Duration) -> Result<Due> {
     let rows = b.fulfiller.status();
     let accepted = rows
         .iter()
-        .filter(|s| s.attempts >= 1 && s.last_error.is_none())
+        .filter(|s| s.attempts >= 1 && s.reason.is_none())
         .count();
-    let first_error = rows.iter().find_map(|s| s.last_error.clone());
+    let first_error = rows.iter().find_map(|s| s.reason.clone());
     Ok(Due {
         pass_cpu,
         started,

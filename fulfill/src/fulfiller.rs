@@ -1,5 +1,7 @@
-//! The fulfiller: asks providers for unsatisfied needs, nags on a timer, backs off on
-//! transport failures, runs checks, and turns callbacks into satisfaction.
+//! The fulfiller: asks providers for this host's needs, nags on a timer, backs off on
+//! transport failures and honours `Retry-After`, holds needs until what they refer to is
+//! satisfied, renews payloads before they expire, and turns callbacks into satisfaction
+//! (the payload side lives in `deliver.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -9,17 +11,18 @@ use fort_core::canonical::sha256_hex;
 use fort_core::client::{SignedClient, Target};
 use fort_core::names::NeedKey;
 use fort_core::process::{run, RunSpec};
+use fort_core::schema::refs::{extract, resolve};
 use fort_core::schema::{NeedSpec, Needs, Registry};
 use fort_core::store::{PersistError, Store};
 use fort_core::wire::{unix_now, AsyncBody};
-use serde::Serialize;
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::schedule::{backoff, jittered};
-use crate::state::NeedState;
+use crate::schedule::{backoff, jittered, Due};
+use crate::state::{NeedState, Phase};
+use crate::units::Units;
 
 #[derive(Debug, Clone)]
 pub struct FulfillOptions {
@@ -31,54 +34,64 @@ pub struct FulfillOptions {
     pub request_timeout: Duration,
     /// Extra variables every handler and check gets (`handler_environment`).
     pub handler_environment: Vec<(String, String)>,
+    /// The program that restarts and reloads units for delivered files.
+    pub systemctl: std::path::PathBuf,
 }
 
 /// How much of a failed handler's stderr goes to the log (never to the state).
-const STDERR_IN_LOG: usize = 2048;
+pub(crate) const STDERR_IN_LOG: usize = 2048;
 
-/// One row of `fort-agent status`.
-#[derive(Debug, Clone, Serialize)]
-pub struct NeedStatus {
-    pub need: String,
-    pub from: String,
-    pub satisfied: bool,
-    pub satisfied_at: Option<u64>,
-    pub last_sought: Option<u64>,
-    pub attempts: u32,
-    /// Unix seconds of the next planned request or check; `None`: nothing planned.
-    pub next_request: Option<u64>,
-    pub last_error: Option<String>,
+impl View {
+    pub(crate) fn failures_mut(&mut self, key: &NeedKey) -> &mut u32 {
+        self.failures.entry(key.clone()).or_insert(0)
+    }
+
+    pub(crate) fn clear_failures(&mut self, key: &NeedKey) {
+        self.failures.remove(key);
+    }
+
+    pub(crate) fn is_unsent(&self, key: &NeedKey) -> bool {
+        self.unsent.contains(key)
+    }
 }
 
 #[derive(Default)]
-struct View {
-    needs: Arc<Needs>,
-    registry: Arc<Registry>,
-    due: HashMap<NeedKey, Instant>,
+pub(crate) struct View {
+    pub needs: Arc<Needs>,
+    pub registry: Arc<Registry>,
+    pub due: Due,
     in_flight: HashSet<NeedKey>,
+    /// Came due while in flight: attended again once the current attendance ends.
+    deferred: HashSet<NeedKey>,
     failures: HashMap<NeedKey, u32>,
     /// Needs whose current request (new, or changed by a reload) has not been sent yet.
     /// A reply or callback arriving meanwhile may answer an older request: it must not
     /// stop the current one from going out at once.
     unsent: HashSet<NeedKey>,
+    /// need → the needs that refer to it or come after it.
+    dependents: HashMap<NeedKey, Vec<NeedKey>>,
+    /// Needs whose payload other needs' requests are built from (it is kept).
+    pub referenced: HashSet<NeedKey>,
 }
 
-struct Inner {
-    opts: FulfillOptions,
-    store: Store<NeedState>,
+pub(crate) struct Inner {
+    pub opts: FulfillOptions,
+    pub store: Store<NeedState>,
     client: SignedClient,
-    view: Mutex<View>,
+    pub view: Mutex<View>,
     wake: Notify,
-    need_locks: Mutex<HashMap<NeedKey, Arc<tokio::sync::Mutex<()>>>>,
+    pub need_locks: Mutex<HashMap<NeedKey, Arc<tokio::sync::Mutex<()>>>>,
     providers: Mutex<HashMap<String, Arc<Semaphore>>>,
-    tasks: TaskTracker,
+    pub tasks: TaskTracker,
     shutdown: CancellationToken,
-    spawned: std::sync::atomic::AtomicU64,
+    pub spawned: std::sync::atomic::AtomicU64,
+    pub units: Units,
+    started: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Clone)]
 pub struct Fulfiller {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 /// A callback or rpc payload could not be recorded.
@@ -90,11 +103,17 @@ pub enum DeliverError {
     Persist(#[from] PersistError),
 }
 
-fn request_hash(spec: &NeedSpec) -> String {
-    sha256_hex(&serde_json::to_vec(&spec.request).expect("request serialises"))
+/// What identifies a need's declaration: a change means asking again from scratch.
+fn declaration_hash(spec: &NeedSpec) -> String {
+    let declared = serde_json::json!({
+        "from": spec.from,
+        "request": spec.request,
+        "files": spec.files,
+    });
+    sha256_hex(&serde_json::to_vec(&declared).expect("declaration serialises"))
 }
 
-fn nag(spec: &NeedSpec) -> Duration {
+pub(crate) fn nag(spec: &NeedSpec) -> Duration {
     Duration::from_secs(spec.nag_seconds)
 }
 
@@ -106,6 +125,11 @@ impl Fulfiller {
         tasks: TaskTracker,
         shutdown: CancellationToken,
     ) -> Fulfiller {
+        let units = Units::new(
+            opts.systemctl.clone(),
+            opts.handler_timeout,
+            opts.handler_environment.clone(),
+        );
         Fulfiller {
             inner: Arc::new(Inner {
                 opts,
@@ -118,12 +142,19 @@ impl Fulfiller {
                 tasks,
                 shutdown,
                 spawned: Default::default(),
+                units,
+                started: Default::default(),
             }),
         }
     }
 
     pub fn store(&self) -> &Store<NeedState> {
         &self.inner.store
+    }
+
+    /// Unit restarts, reloads and `systemctl` runs issued for delivered files.
+    pub fn unit_counts(&self) -> (u64, u64, u64) {
+        self.inner.units.counts()
     }
 
     /// Processes started by the fulfiller (handlers and checks) since start.
@@ -134,74 +165,103 @@ impl Fulfiller {
     }
 
     /// Installs a new set of needs (at start and on every reload). New needs, unsatisfied
-    /// needs and needs whose request changed are asked at once; removed needs are
-    /// released at their provider and forgotten. Returns once the state is durable.
+    /// needs and needs whose declaration changed are asked at once; removed needs are
+    /// released at their provider, then their files removed. At start, a satisfied need
+    /// whose files are gone (a reboot empties `/run`) is asked again. Returns once the
+    /// state is durable.
     pub async fn reload(&self, needs: Needs, registry: Arc<Registry>) -> Result<(), PersistError> {
-        let now = Instant::now();
-        let (removed, fresh) = {
-            let ((removed, fresh), ticket) = self.inner.store.change(|c| {
-                let mut removed = Vec::new();
-                let mut fresh = Vec::new();
-                for key in c.keys() {
-                    let keep = NeedKey::parse(&key).is_some_and(|k| needs.contains_key(&k));
-                    if !keep {
-                        let from = c.get(&key).map(|st| st.from.clone()).unwrap_or_default();
-                        c.remove(&key);
-                        removed.push((key, from));
+        let now = unix_now();
+        let first = !self
+            .inner
+            .started
+            .swap(true, std::sync::atomic::Ordering::Relaxed);
+        let ((removed, fresh), ticket) = self.inner.store.change(|c| {
+            let mut removed = Vec::new();
+            let mut fresh = Vec::new();
+            for key in c.keys() {
+                let keep = NeedKey::parse(&key).is_some_and(|k| needs.contains_key(&k));
+                if !keep {
+                    let st = c.get(&key).cloned().unwrap_or_default();
+                    c.remove(&key);
+                    removed.push((key, st.from, st.files.into_keys().collect::<Vec<_>>()));
+                }
+            }
+            for (key, spec) in &needs {
+                let hash = declaration_hash(spec);
+                let mut st = c.get(&key.to_string()).cloned().unwrap_or_default();
+                if st.request_hash != hash || st.from != spec.from {
+                    // Moving to another provider releases the entry at the old one;
+                    // files the new declaration no longer names go with it.
+                    let stale: Vec<String> = st
+                        .files
+                        .keys()
+                        .filter(|p| !spec.files.iter().any(|f| f.path.to_string_lossy() == **p))
+                        .cloned()
+                        .collect();
+                    if !st.from.is_empty() && st.from != spec.from {
+                        removed.push((key.to_string(), st.from.clone(), stale));
+                    } else {
+                        crate::files::remove_all(&stale);
+                    }
+                    fresh.push(key.clone());
+                    st = NeedState {
+                        from: spec.from.clone(),
+                        request_hash: hash,
+                        since: now,
+                        ..Default::default()
+                    };
+                    c.put(key.to_string(), st);
+                } else if first && st.satisfied {
+                    if let Some(path) = crate::files::missing(&st.files) {
+                        st.satisfied = false;
+                        st.satisfied_at = None;
+                        st.phase = Phase::Pending;
+                        st.since = now;
+                        st.last_error = Some(format!("{path} is gone (a reboot?); asking again"));
+                        c.put(key.to_string(), st);
                     }
                 }
-                for (key, spec) in &needs {
-                    let hash = request_hash(spec);
-                    let st = c.get(&key.to_string()).cloned().unwrap_or_default();
-                    if st.request_hash != hash || st.from != spec.from {
-                        // Moving to another provider releases the entry at the old one.
-                        if !st.from.is_empty() && st.from != spec.from {
-                            removed.push((key.to_string(), st.from.clone()));
-                        }
-                        fresh.push(key.clone());
-                        c.put(
-                            key.to_string(),
-                            NeedState {
-                                from: spec.from.clone(),
-                                request_hash: hash,
-                                ..Default::default()
-                            },
-                        );
-                    }
-                }
-                (removed, fresh)
-            })?;
-            self.inner.store.wait(ticket).await?;
+            }
             (removed, fresh)
-        };
-        let satisfied: HashSet<String> = self.inner.store.read(|states| {
-            states
-                .iter()
-                .filter(|(_, st)| st.satisfied)
-                .map(|(k, _)| k.clone())
-                .collect()
-        });
+        })?;
+        self.inner.store.wait(ticket).await?;
+        let states = self.inner.store.read(|s| s.clone());
         {
             let mut view = self.inner.view.lock().expect("view lock");
+            let at = Instant::now();
             view.due.clear();
             for (key, spec) in &needs {
-                if !satisfied.contains(&key.to_string()) {
-                    view.due.insert(key.clone(), now);
-                } else if spec.check.is_some() || spec.never_satisfied {
-                    view.due.insert(key.clone(), now + jittered(nag(spec)));
+                let st = states.get(&key.to_string()).cloned().unwrap_or_default();
+                if let Some(delay) = next_attendance(spec, &st, now) {
+                    view.due.set(key, at + delay);
                 }
             }
             view.unsent.retain(|k| needs.contains_key(k));
             view.unsent.extend(fresh);
+            view.dependents.clear();
+            view.referenced.clear();
+            for (key, spec) in &needs {
+                for dep in spec.dependencies() {
+                    view.dependents.entry(dep).or_default().push(key.clone());
+                }
+                for r in spec.references() {
+                    view.referenced.insert(r.need);
+                }
+            }
             view.needs = Arc::new(needs);
             view.registry = registry.clone();
         }
-        for (key, from) in removed {
+        for (key, from, files) in removed {
             let me = self.clone();
             let registry = registry.clone();
-            self.inner
-                .tasks
-                .spawn(async move { me.release(&key, &from, &registry).await });
+            self.inner.tasks.spawn(async move {
+                me.release(&key, &from, &registry).await;
+                // Declared again meanwhile: the files are the new declaration's.
+                let again = NeedKey::parse(&key).is_some_and(|k| me.spec(&k).is_some());
+                if !again {
+                    crate::files::remove_all(&files);
+                }
+            });
         }
         self.inner.wake.notify_one();
         Ok(())
@@ -272,9 +332,18 @@ impl Fulfiller {
             .cloned()
     }
 
-    /// The scheduler loop: until shutdown, start whatever is due, then sleep until the
-    /// next due time or a wake-up.
+    pub(crate) fn state(&self, key: &NeedKey) -> NeedState {
+        self.inner
+            .store
+            .read(|s| s.get(&key.to_string()).cloned().unwrap_or_default())
+    }
+
+    /// The scheduler loop, and the unit rounds: until shutdown, start whatever is due,
+    /// then sleep until the next due time or a wake-up.
     pub async fn run(self) {
+        self.inner
+            .tasks
+            .spawn(self.inner.units.clone().run(self.inner.shutdown.clone()));
         loop {
             let next = self.run_due();
             let sleep = async {
@@ -292,38 +361,36 @@ impl Fulfiller {
     }
 
     /// One scheduler pass: starts every due request or check and returns when the next
-    /// one is due. Cheap when nothing is due: no I/O, no process, no allocation per need.
+    /// one is due. Costs the number of due needs, not of all needs.
     pub fn run_due(&self) -> Option<Instant> {
         let now = Instant::now();
         let mut start = Vec::new();
         let next = {
             let mut view = self.inner.view.lock().expect("view lock");
-            let mut next: Option<Instant> = None;
-            let View { due, in_flight, .. } = &mut *view;
-            for (key, at) in due.iter() {
-                if *at <= now && !in_flight.contains(key) {
-                    start.push(key.clone());
-                } else if !in_flight.contains(key) {
-                    next = Some(next.map_or(*at, |n| n.min(*at)));
+            for key in view.due.take_due(now) {
+                if view.in_flight.contains(&key) {
+                    view.deferred.insert(key);
+                } else {
+                    view.in_flight.insert(key.clone());
+                    start.push(key);
                 }
             }
-            for key in &start {
-                view.in_flight.insert(key.clone());
-                view.due.remove(key);
-            }
-            next
+            view.due.next()
         };
         for key in start {
             let me = self.clone();
             self.inner.tasks.spawn(async move {
                 me.attend(&key).await;
-                me.inner
-                    .view
-                    .lock()
-                    .expect("view lock")
-                    .in_flight
-                    .remove(&key);
-                me.inner.wake.notify_one();
+                let again = {
+                    let mut view = me.inner.view.lock().expect("view lock");
+                    view.in_flight.remove(&key);
+                    view.deferred.remove(&key)
+                };
+                if again {
+                    me.schedule(&key, Some(Duration::ZERO));
+                } else {
+                    me.inner.wake.notify_one();
+                }
             });
         }
         next
@@ -331,57 +398,78 @@ impl Fulfiller {
 
     /// Plans the next request or check of `key` in `after` (`None`: nothing planned).
     /// An earlier plan wins: a reload may have made the need due at once meanwhile.
-    fn schedule(&self, key: &NeedKey, after: Option<Duration>) {
+    pub(crate) fn schedule(&self, key: &NeedKey, after: Option<Duration>) {
         let mut view = self.inner.view.lock().expect("view lock");
         match after {
-            Some(d) => {
-                let at = Instant::now() + d;
-                let slot = view.due.entry(key.clone()).or_insert(at);
-                *slot = (*slot).min(at);
-            }
-            None => {
-                view.due.remove(key);
-            }
+            Some(d) => view.due.plan_earliest(key, Instant::now() + d),
+            None => view.due.remove(key),
         }
         drop(view);
         self.inner.wake.notify_one();
     }
 
-    fn satisfied(&self, key: &NeedKey) -> bool {
-        self.inner
-            .store
-            .read(|states| states.get(&key.to_string()).is_some_and(|st| st.satisfied))
+    /// Plans `key` exactly at `after` from now, replacing any plan.
+    pub(crate) fn reschedule(&self, key: &NeedKey, after: Option<Duration>) {
+        let mut view = self.inner.view.lock().expect("view lock");
+        match after {
+            Some(d) => view.due.set(key, Instant::now() + d),
+            None => view.due.remove(key),
+        }
+        drop(view);
+        self.inner.wake.notify_one();
     }
 
-    /// A due need: a satisfied one with a check is checked; anything else is requested.
-    async fn attend(&self, key: &NeedKey) {
-        let Some(spec) = self.spec(key) else { return };
-        if self.satisfied(key) && !spec.never_satisfied && !self.superseded(key) {
-            if let Some(check) = &spec.check {
-                self.inner
-                    .spawned
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let run_spec = RunSpec::new(check, Vec::new(), self.inner.opts.handler_timeout)
-                    .env("FORT_HOST", self.inner.opts.host.clone())
-                    .env("FORT_NEED", key.to_string())
-                    .envs(self.inner.opts.handler_environment.clone());
-                match run(&run_spec).await {
-                    Ok(_) => {
-                        self.schedule(key, Some(jittered(nag(&spec))));
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::info!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "check failed; need is unsatisfied");
-                        let _ = self
-                            .set_outcome(key, false, Some(format!("check failed: {}", e.summary())))
-                            .await;
-                    }
-                }
-            } else {
-                return;
-            }
+    /// Wakes the needs that refer to `key` or come after it.
+    pub(crate) fn wake_dependents(&self, key: &NeedKey) {
+        let dependents = self
+            .inner
+            .view
+            .lock()
+            .expect("view lock")
+            .dependents
+            .get(key)
+            .cloned()
+            .unwrap_or_default();
+        for d in dependents {
+            self.schedule(&d, Some(Duration::ZERO));
         }
-        self.request(key).await;
+    }
+
+    /// The needs `spec` waits for that are not satisfied, named for the reason line.
+    fn unmet(&self, spec: &NeedSpec) -> Vec<String> {
+        let deps = spec.dependencies();
+        if deps.is_empty() {
+            return Vec::new();
+        }
+        self.inner.store.read(|states| {
+            deps.iter()
+                .filter_map(|d| {
+                    let st = states.get(&d.to_string());
+                    let ready = st.is_some_and(|s| s.satisfied && s.phase != Phase::Expired);
+                    (!ready)
+                        .then(|| format!("{d} ({})", st.map_or("pending", |s| s.phase.as_str())))
+                })
+                .collect()
+        })
+    }
+
+    /// The request with every reference replaced by the referenced payload.
+    fn resolved(&self, spec: &NeedSpec) -> Result<serde_json::Value, String> {
+        if spec.references().is_empty() {
+            return Ok(spec.request.clone());
+        }
+        let states = self.inner.store.read(|s| s.clone());
+        resolve(&spec.request, &mut |r| {
+            let payload = states
+                .get(&r.need.to_string())
+                .and_then(|s| s.payload.as_deref())
+                .and_then(|b| {
+                    use base64::Engine;
+                    base64::engine::general_purpose::STANDARD.decode(b).ok()
+                })
+                .ok_or_else(|| format!("{} has no payload yet", r.need))?;
+            extract(&payload, &r.pointer).map_err(|e| format!("{r}: {e}"))
+        })
     }
 
     /// Whether a reload changed the need's request after this one was sent.
@@ -394,7 +482,112 @@ impl Fulfiller {
             .contains(key)
     }
 
-    async fn request(&self, key: &NeedKey) {
+    /// Sets the phase (and `since` when it changes) and the reason, lazily.
+    pub(crate) fn set_phase(&self, key: &NeedKey, phase: Phase, reason: Option<String>) {
+        let now = unix_now();
+        self.update_lazy(key, |st| {
+            let changed = st.phase != phase || st.last_error != reason;
+            if st.phase != phase {
+                st.since = now;
+            }
+            st.phase = phase;
+            st.last_error = reason;
+            changed
+        });
+    }
+
+    /// A due need: held while what it needs is not there; renewed before it expires;
+    /// checked when satisfied; asked again when its resolved request changed; asked for
+    /// when not satisfied.
+    async fn attend(&self, key: &NeedKey) {
+        let Some(spec) = self.spec(key) else { return };
+        let unmet = self.unmet(&spec);
+        if !unmet.is_empty() {
+            // Not sent; the needs it waits for wake it when they are satisfied.
+            self.set_phase(
+                key,
+                Phase::Waiting,
+                Some(format!("waiting for {}", unmet.join(", "))),
+            );
+            return;
+        }
+        let st = self.state(key);
+        let now = unix_now();
+        let renewal = renewal_phase(&spec, &st, now);
+        if let Some(phase) = renewal {
+            let reason = match (phase, st.expires_at) {
+                (Phase::Expired, Some(at)) => format!("expired at {at}; asking for a new one"),
+                (_, Some(at)) => format!("expires at {at}; asking for a new one"),
+                _ => "renewing".into(),
+            };
+            if st.phase != phase {
+                tracing::info!(need = %key, state = phase.as_str(), "{reason}");
+            }
+            self.set_phase(key, phase, Some(reason));
+        }
+        let resolved = match self.resolved(&spec) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::info!(need = %key, error = %e, "request cannot be built yet");
+                self.set_phase(
+                    key,
+                    Phase::Failed,
+                    Some(format!("cannot build the request: {e}")),
+                );
+                self.schedule(key, Some(jittered(nag(&spec))));
+                return;
+            }
+        };
+        let resolved_hash = sha256_hex(&serde_json::to_vec(&resolved).expect("serialises"));
+        let refs_changed = !spec.references().is_empty()
+            && st.sent_sha256.as_deref() != Some(resolved_hash.as_str());
+        if st.satisfied
+            && !spec.never_satisfied
+            && !self.superseded(key)
+            && renewal.is_none()
+            && !refs_changed
+        {
+            if let Some(check) = &spec.check {
+                self.inner
+                    .spawned
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let run_spec = RunSpec::new(check, Vec::new(), self.inner.opts.handler_timeout)
+                    .env("FORT_HOST", self.inner.opts.host.clone())
+                    .env("FORT_NEED", key.to_string())
+                    .envs(self.inner.opts.handler_environment.clone());
+                match run(&run_spec).await {
+                    Ok(_) => {
+                        self.schedule(key, next_attendance(&spec, &st, now));
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::info!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "check failed; need is unsatisfied");
+                        let _ = self
+                            .set_outcome(
+                                key,
+                                false,
+                                Phase::Pending,
+                                Some(format!("check failed: {}", e.summary())),
+                            )
+                            .await;
+                    }
+                }
+            } else {
+                self.schedule(key, next_attendance(&spec, &st, now));
+                return;
+            }
+        }
+        self.request(key, resolved, resolved_hash, renewal.is_some())
+            .await;
+    }
+
+    async fn request(
+        &self,
+        key: &NeedKey,
+        resolved: serde_json::Value,
+        resolved_hash: String,
+        renew: bool,
+    ) {
         let Some(spec) = self.spec(key) else { return };
         let spec = &spec;
         let registry = self.inner.view.lock().expect("view lock").registry.clone();
@@ -415,9 +608,11 @@ impl Fulfiller {
                 .clone()
         };
         let _slot = limit.acquire().await.expect("semaphore open");
-        // The spec as it is now, after waiting for a slot; from here on it is sent.
-        let Some(spec) = self.spec(key) else { return };
-        let spec = &spec;
+        // Changed while waiting for a slot: the next attendance builds the new request.
+        if self.spec(key).as_ref() != Some(spec) {
+            self.schedule(key, Some(Duration::ZERO));
+            return;
+        }
         self.inner
             .view
             .lock()
@@ -426,9 +621,9 @@ impl Fulfiller {
             .remove(key);
         let body = serde_json::to_vec(&AsyncBody {
             need: key.to_string(),
-            request: Some(spec.request.clone()),
+            request: Some(resolved),
             release: false,
-            renew: false,
+            renew,
         })
         .expect("body serialises");
         let target = Target {
@@ -457,7 +652,7 @@ impl Fulfiller {
             };
             let delay = backoff(me.inner.opts.backoff, failures, nag(spec));
             tracing::info!(need = %key, from = %spec.from, error = %error, retry_in = ?delay, "request failed");
-            me.record_error(key, error);
+            me.record_reason(key, error);
             me.schedule(key, Some(delay));
         };
         if self.superseded(key) {
@@ -470,6 +665,22 @@ impl Fulfiller {
             Ok(Err(e)) => return transport_failure(self, e.to_string()),
             Ok(Ok(r)) => r,
         };
+        // Busy or over its share: it said when to come back; that is when it is asked,
+        // with a little spread so a fleet does not come back in step.
+        if matches!(reply.status, 429 | 503) {
+            if let Some(after) = reply.retry_after {
+                let after = after.min(spec.nag_seconds).max(1);
+                let wait = Duration::from_secs(after)
+                    + Duration::from_millis(rand::random::<u64>() % 1000);
+                tracing::debug!(need = %key, from = %spec.from, status = reply.status, retry_in = ?wait, "provider asked to come back later");
+                self.record_reason(
+                    key,
+                    format!("provider busy ({}); asking again in {after}s", reply.status),
+                );
+                self.schedule(key, Some(wait));
+                return;
+            }
+        }
         if reply.status >= 500 {
             return transport_failure(self, format!("provider answered {}", reply.status));
         }
@@ -482,55 +693,72 @@ impl Fulfiller {
         match reply.status {
             202 => {
                 tracing::debug!(need = %key, from = %spec.from, "request accepted");
-                self.record_error_opt(key, None);
+                self.update_lazy(key, |st| {
+                    st.sent_sha256 = Some(resolved_hash);
+                    if matches!(st.phase, Phase::Failed | Phase::Waiting) {
+                        st.phase = Phase::Pending;
+                        st.since = sent_at;
+                    }
+                    if st.phase == Phase::Pending {
+                        st.last_error = None;
+                    }
+                    true
+                });
                 self.schedule(key, Some(jittered(nag(spec))));
             }
             200..=299 if reply.verified() => {
                 // An rpc-mode capability answers at once: treat the body as a callback.
+                self.update_lazy(key, |st| {
+                    st.sent_sha256 = Some(resolved_hash);
+                    true
+                });
                 if let Err(e) = self.deliver(key, &spec.from, &reply.body).await {
                     tracing::warn!(need = %key, error = %e, "rpc reply not recorded; asking again");
                     self.schedule(key, Some(self.inner.opts.backoff));
                 }
             }
             200..=299 => {
-                self.record_error(
+                self.set_phase(
                     key,
-                    format!("response signature not verified ({:?})", reply.auth),
+                    Phase::Failed,
+                    Some(format!(
+                        "response signature not verified ({:?})",
+                        reply.auth
+                    )),
                 );
                 self.schedule(key, Some(jittered(nag(spec))));
             }
             status => {
+                let detail = serde_json::from_slice::<fort_core::wire::ErrorBody>(&reply.body)
+                    .ok()
+                    .and_then(|b| b.message.or(Some(b.error)))
+                    .unwrap_or_default();
                 let mut error = format!(
                     "provider answered {status}: {}",
-                    String::from_utf8_lossy(&reply.body)
-                        .chars()
-                        .take(200)
-                        .collect::<String>()
+                    detail.chars().take(200).collect::<String>()
                 );
                 if let Some(server) = reply.server_time {
                     error = format!("clock skew: provider time {server}, ours {}", unix_now());
                 }
                 tracing::warn!(need = %key, from = %spec.from, %error, "request refused");
-                self.record_error(key, error);
+                self.set_phase(key, Phase::Failed, Some(error));
                 self.schedule(key, Some(jittered(nag(spec))));
             }
         }
     }
 
-    fn record_error(&self, key: &NeedKey, error: String) {
-        self.record_error_opt(key, Some(error));
-    }
-
-    fn record_error_opt(&self, key: &NeedKey, error: Option<String>) {
+    /// Records why asking did not work, keeping the phase (a transport failure leaves a
+    /// satisfied need satisfied and a pending one pending).
+    fn record_reason(&self, key: &NeedKey, reason: String) {
         self.update_lazy(key, |st| {
-            let changed = st.last_error != error;
-            st.last_error = error;
+            let changed = st.last_error.as_deref() != Some(reason.as_str());
+            st.last_error = Some(reason);
             changed
         });
     }
 
     /// Bookkeeping nobody waits on: `f` edits the need's state and says whether it changed.
-    fn update_lazy(&self, key: &NeedKey, f: impl FnOnce(&mut NeedState) -> bool) {
+    pub(crate) fn update_lazy(&self, key: &NeedKey, f: impl FnOnce(&mut NeedState) -> bool) {
         let key = key.to_string();
         self.inner.store.change_lazy(|c| {
             if let Some(mut st) = c.get(&key).cloned() {
@@ -541,14 +769,16 @@ impl Fulfiller {
         });
     }
 
-    async fn set_outcome(
+    /// Records an outcome durably: satisfied or not, the phase and its reason.
+    pub(crate) async fn set_outcome(
         &self,
         key: &NeedKey,
         satisfied: bool,
-        error: Option<String>,
+        phase: Phase,
+        reason: Option<String>,
     ) -> Result<(), PersistError> {
-        let now = unix_now();
         let key = key.to_string();
+        let now = unix_now();
         self.inner
             .store
             .change_durable(|c| {
@@ -560,105 +790,53 @@ impl Fulfiller {
                     if !satisfied && st.satisfied {
                         st.satisfied_at = None;
                     }
+                    if st.phase != phase {
+                        st.since = now;
+                    }
                     st.satisfied = satisfied;
-                    st.last_error = error;
+                    st.phase = phase;
+                    st.last_error = reason;
                     c.put(key.clone(), st);
                 }
             })
             .await
     }
+}
 
-    /// A payload from the need's provider (a callback, or an rpc reply). Runs the need's
-    /// handler (one run per need at a time) and records the outcome durably before
-    /// returning, so an acknowledged callback survives `kill -9`.
-    pub async fn deliver(
-        &self,
-        key: &NeedKey,
-        origin: &str,
-        payload: &[u8],
-    ) -> Result<bool, DeliverError> {
-        let spec = self.spec(key).ok_or(DeliverError::UnknownNeed)?;
-        let lock = {
-            let mut locks = self.inner.need_locks.lock().expect("locks lock");
-            locks.entry(key.clone()).or_default().clone()
-        };
-        let _one_run = lock.lock().await;
-        let digest = sha256_hex(payload);
-        let (satisfied, error) = if payload.is_empty() {
-            (false, Some("revoked by the provider".to_owned()))
-        } else if let Some(handler) = &spec.handler {
-            self.inner
-                .spawned
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let run_spec = RunSpec::new(handler, payload.to_vec(), self.inner.opts.handler_timeout)
-                .env("FORT_HOST", self.inner.opts.host.clone())
-                .env("FORT_NEED", key.to_string())
-                .env("FORT_ORIGIN", origin.to_owned())
-                .envs(self.inner.opts.handler_environment.clone());
-            match run(&run_spec).await {
-                Ok(_) => (true, None),
-                Err(e) => {
-                    tracing::warn!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "need handler failed");
-                    (false, Some(format!("handler failed: {}", e.summary())))
-                }
+/// When a need is next due, given where it stands (`None`: only a callback or a
+/// dependency wakes it).
+pub(crate) fn next_attendance(spec: &NeedSpec, st: &NeedState, now: u64) -> Option<Duration> {
+    if !st.satisfied {
+        return Some(Duration::ZERO);
+    }
+    let mut next = (spec.check.is_some() || spec.never_satisfied).then(|| jittered(nag(spec)));
+    if let Some(at) = st.expires_at {
+        // Renewal from `renew_before` ahead of the expiry; an expired payload shows as
+        // such the moment it expires either way.
+        let renew_at = spec
+            .renew_before_seconds
+            .map_or(at, |before| at.saturating_sub(before));
+        for moment in [renew_at, at] {
+            if moment >= now {
+                let d = Duration::from_secs(moment - now);
+                next = Some(next.map_or(d, |n| n.min(d)));
+            } else if moment == renew_at && spec.renew_before_seconds.is_some() {
+                next = Some(Duration::ZERO);
             }
-        } else if payload == b"OK" || payload == b"OK\n" {
-            (true, None)
-        } else {
-            // The payload may be a credential sent to the wrong need: only its size and hash
-            // ever reach the log and the state.
-            let what = format!(
-                "the provider sent {} bytes (sha256 {}) instead of OK",
-                payload.len(),
-                &digest[..16]
-            );
-            tracing::warn!(need = %key, from = origin, "{what}");
-            (false, Some(what))
-        };
-        self.set_outcome(key, satisfied, error.clone()).await?;
-        tracing::info!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, satisfied, error = ?error, "payload applied");
-        let next = if satisfied {
-            (spec.check.is_some() || spec.never_satisfied).then(|| jittered(nag(&spec)))
-        } else {
-            Some(jittered(nag(&spec)))
-        };
-        // The payload may answer an older request (the protocol cannot say which); the
-        // current one must still go out, so it stays due at once.
-        if self.superseded(key) {
-            self.schedule(key, Some(Duration::ZERO));
-        } else {
-            self.schedule(key, next);
         }
-        Ok(satisfied)
     }
+    next
+}
 
-    /// One row per declared need.
-    pub fn status(&self) -> Vec<NeedStatus> {
-        let (needs, due) = {
-            let view = self.inner.view.lock().expect("view lock");
-            (view.needs.clone(), view.due.clone())
-        };
-        let now = Instant::now();
-        let wall = unix_now();
-        self.inner.store.read(|states| {
-            needs
-                .iter()
-                .map(|(key, spec)| {
-                    let st = states.get(&key.to_string()).cloned().unwrap_or_default();
-                    NeedStatus {
-                        need: key.to_string(),
-                        from: spec.from.clone(),
-                        satisfied: st.satisfied,
-                        satisfied_at: st.satisfied_at,
-                        last_sought: st.last_sought,
-                        attempts: st.attempts,
-                        next_request: due
-                            .get(key)
-                            .map(|at| wall + at.saturating_duration_since(now).as_secs()),
-                        last_error: st.last_error,
-                    }
-                })
-                .collect()
-        })
+/// `Expiring` or `Expired` when a satisfied need's payload must be renewed now.
+pub(crate) fn renewal_phase(spec: &NeedSpec, st: &NeedState, now: u64) -> Option<Phase> {
+    let at = st.expires_at?;
+    if !st.satisfied {
+        return None;
     }
+    if now >= at {
+        return Some(Phase::Expired);
+    }
+    let before = spec.renew_before_seconds?;
+    (now >= at.saturating_sub(before)).then_some(Phase::Expiring)
 }

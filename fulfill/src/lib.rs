@@ -2,8 +2,15 @@
 //! fulfilment state, the nag scheduler that asks providers, and callback handling.
 //! One in-process owner keeps the state; callbacks and the scheduler both go through it.
 
+mod deliver;
+pub mod expiry;
+pub mod files;
 mod fulfiller;
 mod schedule;
 pub mod state;
+mod status;
+mod units;
 
-pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller, NeedStatus};
+pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};
+pub use state::Phase;
+pub use status::NeedStatus;

@@ -1,6 +1,76 @@
-//! Pacing rules of the nag scheduler, as pure functions so they are easy to test.
+//! Pacing rules of the nag scheduler (pure functions, easy to test) and the index of
+//! when each need is next due.
 
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
+
+use fort_core::names::NeedKey;
+use tokio::time::Instant;
+
+/// When each need is next due, ordered by time: finding what is due costs the number of
+/// due needs, not the number of needs (a consumer with 20,000 needs wakes up often).
+#[derive(Default, Clone)]
+pub struct Due {
+    by_time: BTreeSet<(Instant, NeedKey)>,
+    at: HashMap<NeedKey, Instant>,
+}
+
+impl Due {
+    /// Plans `key` at `at`; an earlier plan already there wins.
+    pub fn plan_earliest(&mut self, key: &NeedKey, at: Instant) {
+        match self.at.get(key) {
+            Some(existing) if *existing <= at => {}
+            _ => self.set(key, at),
+        }
+    }
+
+    /// Plans `key` at `at`, replacing any plan.
+    pub fn set(&mut self, key: &NeedKey, at: Instant) {
+        if let Some(old) = self.at.insert(key.clone(), at) {
+            self.by_time.remove(&(old, key.clone()));
+        }
+        self.by_time.insert((at, key.clone()));
+    }
+
+    pub fn remove(&mut self, key: &NeedKey) {
+        if let Some(old) = self.at.remove(key) {
+            self.by_time.remove(&(old, key.clone()));
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.by_time.clear();
+        self.at.clear();
+    }
+
+    pub fn get(&self, key: &NeedKey) -> Option<Instant> {
+        self.at.get(key).copied()
+    }
+
+    /// Takes every need due at or before `now`, earliest first.
+    pub fn take_due(&mut self, now: Instant) -> Vec<NeedKey> {
+        let mut out = Vec::new();
+        while let Some((at, _)) = self.by_time.first() {
+            if *at > now {
+                break;
+            }
+            let (_, key) = self.by_time.pop_first().expect("peeked");
+            self.at.remove(&key);
+            out.push(key);
+        }
+        out
+    }
+
+    /// When the next need is due.
+    pub fn next(&self) -> Option<Instant> {
+        self.by_time.first().map(|(at, _)| *at)
+    }
+
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.at.is_empty()
+    }
+}
 
 /// A little spread so a fleet restarted together does not nag in step: up to a tenth of
 /// the interval, at most a minute.
@@ -32,6 +102,22 @@ mod tests {
         assert_eq!(backoff(b, 5, nag), Duration::from_secs(32));
         assert_eq!(backoff(b, 6, nag), nag);
         assert_eq!(backoff(b, 60, nag), nag);
+    }
+
+    #[test]
+    fn due_index() {
+        let now = Instant::now();
+        let k = |s: &str| NeedKey::parse(s).unwrap();
+        let mut d = Due::default();
+        d.set(&k("a/x"), now + Duration::from_secs(5));
+        d.set(&k("a/y"), now);
+        d.plan_earliest(&k("a/x"), now + Duration::from_secs(9));
+        assert_eq!(d.get(&k("a/x")), Some(now + Duration::from_secs(5)));
+        d.plan_earliest(&k("a/x"), now + Duration::from_secs(1));
+        assert_eq!(d.take_due(now), vec![k("a/y")]);
+        assert_eq!(d.next(), Some(now + Duration::from_secs(1)));
+        assert_eq!(d.take_due(now + Duration::from_secs(2)), vec![k("a/x")]);
+        assert!(d.is_empty());
     }
 
     #[test]

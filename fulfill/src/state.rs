@@ -1,5 +1,7 @@
-//! `fulfillment-state.json` (and its log): per need, whether it is satisfied and how
-//! asking went. Written only by the agent, through one [`fort_core::store::Store`].
+//! `fulfillment-state.json` (and its log): per need, where it stands and how asking went.
+//! Written only by the agent, through one [`fort_core::store::Store`].
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -7,18 +9,87 @@ use serde::{Deserialize, Serialize};
 pub const FILE: &str = "fulfillment-state.json";
 pub const FIELD: &str = "needs";
 
+/// Where a need stands (docs/protocol.md §11.7).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Asked for (or about to be); no answer yet, nothing known to be wrong.
+    #[default]
+    Pending,
+    /// Not sent: a need it refers to, or must come after, is not satisfied yet.
+    Waiting,
+    Satisfied,
+    /// The last answer could not be used (a handler, a file, a refusal); asked again.
+    Failed,
+    /// Satisfied, but the payload expires soon: asked again with `renew`.
+    Expiring,
+    /// The payload is past its expiry; asked again with `renew`.
+    Expired,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Pending => "pending",
+            Phase::Waiting => "waiting",
+            Phase::Satisfied => "satisfied",
+            Phase::Failed => "failed",
+            Phase::Expiring => "expiring",
+            Phase::Expired => "expired",
+        }
+    }
+
+    pub const ALL: [Phase; 6] = [
+        Phase::Pending,
+        Phase::Waiting,
+        Phase::Satisfied,
+        Phase::Failed,
+        Phase::Expiring,
+        Phase::Expired,
+    ];
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct NeedState {
     /// The provider, kept so a need removed from needs.json can still be released.
     pub from: String,
+    /// A payload was applied and nothing has unsatisfied it since (a revocation, a failed
+    /// check, a changed request). An expiring need is still satisfied.
     pub satisfied: bool,
     pub satisfied_at: Option<u64>,
     /// Unix seconds of the last request sent.
     pub last_sought: Option<u64>,
-    /// SHA-256 of the canonical request JSON; a change resets satisfaction.
+    /// SHA-256 of the declared need (provider, request as written, delivery fields);
+    /// a change resets everything else.
     pub request_hash: String,
     /// Requests sent since the need was last satisfied.
     pub attempts: u32,
+    /// Why the need is not (or no longer) satisfied, in one line; never payload bytes.
+    #[serde(alias = "reason")]
     pub last_error: Option<String>,
+    #[serde(default)]
+    pub phase: Phase,
+    /// Unix seconds of the last change of `phase`.
+    #[serde(default)]
+    pub since: u64,
+    /// When the payload stops being valid (a certificate's notAfter, `expires_at`).
+    #[serde(default)]
+    pub expires_at: Option<u64>,
+    /// SHA-256 of the last payload applied.
+    #[serde(default)]
+    pub payload_sha256: Option<String>,
+    /// SHA-256 of the request (references resolved) the provider last accepted.
+    #[serde(default)]
+    pub sent_sha256: Option<String>,
+    /// Files written from the payload: path → SHA-256 of the content. Used to tell an
+    /// unchanged payload from a changed one, to find files lost to a reboot (`/run`),
+    /// and to remove them when the need goes.
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// The payload itself, base64, kept only for needs that other needs refer to: their
+    /// requests are built from it, after a restart too. The state directory is the
+    /// agent's alone (0700), like the files the payload is written to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
 }

@@ -214,7 +214,7 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
             let now = (
                 n["satisfied"] == true,
                 asked,
-                n["last_error"].as_str().unwrap_or("").to_owned(),
+                n["reason"].as_str().unwrap_or("").to_owned(),
             );
             if shown.get(&key) != Some(&now) {
                 let what = match &now {
@@ -322,7 +322,7 @@ async fn why_unsatisfied(fleet: &Fleet, status: &Value) -> String {
     for n in need_items(status).iter().filter(|n| n["satisfied"] != true) {
         let need = n["need"].as_str().unwrap_or("?");
         let from = n["from"].as_str().unwrap_or("?");
-        let why = match n["last_error"].as_str() {
+        let why = match n["reason"].as_str() {
             Some(e) => e.to_owned(),
             None => {
                 let cap = need.split('/').next().unwrap_or("");

@@ -156,11 +156,9 @@ pub async fn run_redelivery(app: Arc<App>) {
 
 /// Whether the entry still wants exactly this payload delivered.
 fn still_current(app: &App, key: &str, hash: &Option<String>) -> bool {
-    app.provider.store.read(|entries| {
-        entries
-            .get(key)
-            .is_some_and(|e| payload_hash(e.response.as_ref()) == *hash)
-    })
+    app.provider
+        .store
+        .read(|entries| entries.get(key).is_some_and(|e| e.current_hash() == *hash))
 }
 
 async fn deliver(app: &Arc<App>, key: String, response: Option<Value>) {

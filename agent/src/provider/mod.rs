@@ -128,6 +128,7 @@ impl Provider {
             let mut entry = existing.unwrap_or_else(|| Entry {
                 request: Value::Null,
                 response: None,
+                response_hash: None,
                 created_at: now,
                 requested_at: now,
                 absent_since: None,

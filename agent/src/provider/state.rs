@@ -17,6 +17,11 @@ pub struct Entry {
     pub request: Value,
     /// The handler's last response; `None` when it gave none.
     pub response: Option<Value>,
+    /// Hash of the response's payload bytes, kept beside it so that telling delivered
+    /// from undelivered entries (status, redelivery) costs a comparison, not a hash of
+    /// every payload. Absent in files from before it existed: computed then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_hash: Option<String>,
     /// Unix seconds of the first and the latest request.
     pub created_at: u64,
     pub requested_at: u64,
@@ -53,8 +58,27 @@ pub fn payload_hash(response: Option<&Value>) -> Option<String> {
 }
 
 impl Entry {
+    /// The hash of the current response's payload (`None`: no response).
+    pub fn current_hash(&self) -> Option<String> {
+        match (&self.response, &self.response_hash) {
+            (None, _) => None,
+            (Some(_), Some(h)) => Some(h.clone()),
+            (Some(r), None) => payload_hash(Some(r)),
+        }
+    }
+
+    /// Sets the response and its hash together.
+    pub fn set_response(&mut self, response: Option<Value>) {
+        self.response_hash = payload_hash(response.as_ref());
+        self.response = response;
+    }
+
     pub fn undelivered(&self) -> bool {
-        payload_hash(self.response.as_ref()) != self.delivery.delivered_hash
+        match (&self.response, &self.response_hash) {
+            (None, _) => self.delivery.delivered_hash.is_some(),
+            (Some(_), Some(h)) => self.delivery.delivered_hash.as_ref() != Some(h),
+            (Some(r), None) => payload_hash(Some(r)) != self.delivery.delivered_hash,
+        }
     }
 }
 

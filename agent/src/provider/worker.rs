@@ -190,7 +190,7 @@ impl Worker {
                 let requester = entry.awaiting_response && seen["request"] == entry.request;
                 let mut changed_any = false;
                 if changed {
-                    entry.response = new.clone();
+                    entry.set_response(new.clone());
                     // A new response is what a renewal asked for.
                     entry.renew = false;
                     changed_any = true;
