@@ -30,6 +30,8 @@ pub struct App {
     pub loaded: ArcSwap<Loaded>,
     pub nonces: NonceStore,
     pub limiter: Arc<Semaphore>,
+    /// Each origin's share of `limiter`, taken before it.
+    origin_slots: Mutex<std::collections::HashMap<String, Arc<Semaphore>>>,
     /// Connections and unverified body bytes of the control plane, per peer address.
     pub budgets: Arc<Budgets>,
     /// `None`: this host serves plain HTTP (`plaintext = true` and an `http://` address).
@@ -125,6 +127,18 @@ fn trim_heap() {
 fn trim_heap() {}
 
 impl App {
+    /// The slots one origin may hold at once: an eighth of all, at least 8. Origins are
+    /// verified callers (bounded by the registry), so the map is too.
+    pub fn origin_slots(&self, origin: &str) -> Arc<Semaphore> {
+        let share = (self.config.max_concurrent_requests / 8).max(8);
+        self.origin_slots
+            .lock()
+            .expect("slots lock")
+            .entry(origin.to_owned())
+            .or_insert_with(|| Arc::new(Semaphore::new(share)))
+            .clone()
+    }
+
     /// Loads everything and starts the background tasks (flushers, fulfiller, GC,
     /// initialize triggers). The HTTP listeners are started by [`crate::run`].
     pub async fn start(
@@ -138,7 +152,7 @@ impl App {
             None
         } else {
             Some(tokio_rustls::TlsAcceptor::from(
-                fort_core::tls::server_config(&signer, &config.host)?,
+                fort_core::tls::server_config(&signer)?,
             ))
         };
         let descriptors = crate::limits::raise_descriptor_limit();
@@ -223,6 +237,7 @@ impl App {
         );
         let app = Arc::new(App {
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
+            origin_slots: Mutex::new(Default::default()),
             budgets,
             tls,
             quiet: Arc::new(Quiet::default()),

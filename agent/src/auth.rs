@@ -118,6 +118,46 @@ fn refuse(app: &App, peer: Option<IpAddr>, err: ApiError, reason: &'static str) 
 /// How long an authenticated request waits for a slot before it is told to come back.
 const SLOT_WAIT: Duration = Duration::from_secs(5);
 
+enum BodyError {
+    Timeout,
+    TooLarge,
+    /// The unverified-body budget has no room for the next bytes.
+    Budget,
+    Broken(String),
+}
+
+/// Reads a body frame by frame: within `limit`, by `timeout`, each chunk paid for from
+/// `reservation` (when the connection has not proven itself) as it arrives.
+async fn read_body(
+    mut body: Body,
+    limit: usize,
+    timeout: Duration,
+    mut reservation: Option<&mut crate::limits::BodyReservation>,
+) -> Result<Bytes, BodyError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return Err(BodyError::Timeout),
+            Ok(None) => return Ok(buf.freeze()),
+            Ok(Some(Err(e))) => return Err(BodyError::Broken(e.to_string())),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        if buf.len() + data.len() > limit {
+            return Err(BodyError::TooLarge);
+        }
+        if let Some(r) = reservation.as_deref_mut() {
+            if !r.grow(data.len()) {
+                return Err(BodyError::Budget);
+            }
+        }
+        buf.extend_from_slice(data);
+    }
+}
+
 pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     let peer = req.extensions().get::<PeerAddr>().map(|p| p.0.ip());
     let trust = req.extensions().get::<ConnectionTrust>().cloned();
@@ -201,36 +241,31 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         return resp;
     }
 
-    // 5. Origin. The body has not been read yet, and is not read for strangers.
+    // 5. Origin. An unknown one is refused only once its body is in, exactly when and how
+    // a known one with a bad signature would be: answering faster would tell strangers
+    // which names exist.
     let loaded = app.loaded.load_full();
-    let Some(peer_entry) = loaded.registry.get(&origin) else {
-        return refuse(
-            &app,
-            peer,
-            ApiError::Unauthorized(format!("unknown origin {origin:?}")),
-            "unknown_origin",
-        );
-    };
-    let keys = peer_entry.keys.clone();
-    let kind = peer_entry.kind;
+    let known = loaded
+        .registry
+        .get(&origin)
+        .map(|p| (p.keys.clone(), p.kind));
     drop(loaded);
 
-    // The body, within the limit and a deadline, and within the peer address's share of
-    // the memory set aside for bodies whose signature is not yet checked: anyone who knows
-    // a host name can start such a request, so it holds no slot of the authenticated
-    // callers, only bytes its own address pays for.
-    let reserve = declared.map_or(limit, |n| n as usize).max(1);
-    let Some(_reservation) = peer.and_then(|ip| app.budgets.reserve_body(ip, reserve)) else {
-        return refuse(
-            &app,
-            peer,
-            ApiError::Overloaded("too many unverified request bodies in flight".into(), 1),
-            "unverified_bodies",
-        );
-    };
-    let reading = http_body_util::Limited::new(req.into_body(), limit).collect();
-    let body = match tokio::time::timeout(app.config.body_read_timeout, reading).await {
-        Err(_) => {
+    // The body, within the limit and a deadline. Until the signature is checked it is
+    // paid for from the peer address's share of the memory for unverified bodies, byte by
+    // byte as it arrives: a stranger holds what it actually sent, and holds no slot of
+    // the authenticated callers.
+    let mut reservation = trust.as_ref().map(ConnectionTrust::body);
+    let body = match read_body(
+        req.into_body(),
+        limit,
+        app.config.body_read_timeout,
+        reservation.as_mut(),
+    )
+    .await
+    {
+        Ok(body) => body,
+        Err(BodyError::Timeout) => {
             return refuse(
                 &app,
                 peer,
@@ -238,14 +273,18 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
                 "body_timeout",
             )
         }
-        Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e))
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
+        Err(BodyError::TooLarge) => {
             return refuse(&app, peer, ApiError::TooLarge(limit), "too_large")
         }
-        Ok(Err(e)) => {
+        Err(BodyError::Budget) => {
+            return refuse(
+                &app,
+                peer,
+                ApiError::Overloaded("too many unverified request bodies in flight".into(), 1),
+                "unverified_bodies",
+            )
+        }
+        Err(BodyError::Broken(e)) => {
             return refuse(
                 &app,
                 peer,
@@ -253,6 +292,14 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
                 "body",
             )
         }
+    };
+    let Some((keys, kind)) = known else {
+        return refuse(
+            &app,
+            peer,
+            ApiError::Unauthorized(format!("unknown origin {origin:?}")),
+            "unknown_origin",
+        );
     };
     // The clock again, after the body: a request whose window closed while its body was
     // in transit must not reach the nonce store, which forgets nonces past the window.
@@ -283,8 +330,8 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             "signature",
         );
     }
-    drop(_reservation);
-    if let Some(trust) = trust {
+    drop(reservation);
+    if let Some(trust) = &trust {
         trust.verified();
     }
     let caller = Caller {

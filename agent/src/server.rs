@@ -43,8 +43,12 @@ pub struct Listener {
 pub async fn serve(listener: Listener, router: Router, shutdown: CancellationToken) {
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
+    // Heads are small (the signature header is at most 2 KiB): bounding the buffer keeps
+    // a connection that trickles an endless head from holding hyper's default 400 KiB.
     http.timer(TokioTimer::new())
         .header_read_timeout(listener.header_read_timeout)
+        .max_buf_size(16 * 1024)
+        .max_headers(32)
         .keep_alive(true);
     let http = Arc::new(http);
     loop {

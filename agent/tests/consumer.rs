@@ -277,6 +277,8 @@ async fn callback(f: &Fleet, from: &str, to: &str, need: &str, payload: &[u8]) -
 
 fn fifty_needs(f: &mut Fleet) {
     provider(f, "cred");
+    // The test plays a provider opening fifty connections at once from one address.
+    f.host("c").extra_toml = "max_connections_per_address = 128\n".into();
     for i in 0..50 {
         f.need(
             "c",

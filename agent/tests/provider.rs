@@ -381,6 +381,8 @@ async fn a_consumer_that_never_answers_does_not_delay_the_others() {
         "p",
         json!({"handler": receive, "nag_seconds": 600}),
     );
+    // The test makes the tarpit's 60 requests at once, from its one address.
+    f.host("p").extra_toml = "max_connections_per_address = 128\n".into();
     f.write_files();
     let tarpit = std::net::TcpListener::bind(f.hosts["tarpit"].addr).unwrap();
     let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));

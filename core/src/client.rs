@@ -200,7 +200,9 @@ impl SignedClient {
             .connect_timeout(o.connect_timeout)
             .read_timeout(o.read_timeout)
             .timeout(o.total_timeout)
-            .pool_idle_timeout(Duration::from_secs(30))
+            // Below the agents' header-read timeout (10 s by default), which also closes
+            // idle connections: a request must not race the server closing its connection.
+            .pool_idle_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(o.max_idle_per_peer)
             .tcp_nodelay(true)
             .local_address(o.local_address)

@@ -77,8 +77,9 @@ pub fn pin(key: &PublicKey) -> Result<String, TlsError> {
 }
 
 /// The server side: a self-signed certificate around `signer`'s ed25519 key, TLS 1.3 only,
-/// ALPN `http/1.1`. `host` only names the certificate for people reading it.
-pub fn server_config(signer: &Signer, host: &str) -> Result<Arc<ServerConfig>, TlsError> {
+/// ALPN `http/1.1`. The certificate names no host: peers know whom they reached by its
+/// key, and a stranger should not learn a name to put in `X-Fort-Origin`.
+pub fn server_config(signer: &Signer) -> Result<Arc<ServerConfig>, TlsError> {
     let seed = signer.ed25519_seed().ok_or(TlsError::NotEd25519)?;
     let pkcs8 = ed25519_dalek::SigningKey::from_bytes(&seed)
         .to_pkcs8_der()
@@ -91,7 +92,7 @@ pub fn server_config(signer: &Signer, host: &str) -> Result<Arc<ServerConfig>, T
     params.distinguished_name = rcgen::DistinguishedName::new();
     params
         .distinguished_name
-        .push(rcgen::DnType::CommonName, format!("fort-agent {host}"));
+        .push(rcgen::DnType::CommonName, "fort-agent");
     let cert = params
         .self_signed(&key_pair)
         .map_err(|e| TlsError::Certificate(e.to_string()))?;
@@ -205,7 +206,7 @@ mod tests {
     #[test]
     fn server_config_builds_from_a_host_key() {
         let s = Signer::generate();
-        let config = server_config(&s, "forge").unwrap();
+        let config = server_config(&s).unwrap();
         assert_eq!(config.alpn_protocols, vec![b"http/1.1".to_vec()]);
     }
 }

@@ -30,7 +30,11 @@ impl Fulfiller {
             let mut locks = self.inner.need_locks.lock().expect("locks lock");
             locks.entry(key.clone()).or_default().clone()
         };
-        let _one_run = lock.lock().await;
+        // One run per need at a time. A provider sending callbacks faster than the
+        // handler runs is told to come back, rather than holding request slots.
+        let Ok(_one_run) = tokio::time::timeout(Duration::from_secs(5), lock.lock()).await else {
+            return Err(DeliverError::Busy);
+        };
         let digest = sha256_hex(payload);
         let before = self.state(key);
         if payload.is_empty() {

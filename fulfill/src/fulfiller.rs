@@ -99,6 +99,8 @@ pub struct Fulfiller {
 pub enum DeliverError {
     #[error("no such need")]
     UnknownNeed,
+    #[error("the need's handler is still busy with an earlier payload")]
+    Busy,
     #[error(transparent)]
     Persist(#[from] PersistError),
 }

@@ -125,6 +125,16 @@ impl Provider {
             if existing.is_none() && quota.is_some_and(|q| c.count_prefix(&prefix) >= q) {
                 return false;
             }
+            // Asked again for what it already awaits: nothing to write, nothing to run
+            // that is not already queued. (A caller repeating itself costs no fsyncs.)
+            if existing.as_ref().is_some_and(|e| {
+                e.awaiting_response
+                    && e.request == request
+                    && (e.renew || !renew)
+                    && e.absent_since.is_none()
+            }) {
+                return true;
+            }
             let mut entry = existing.unwrap_or_else(|| Entry {
                 request: Value::Null,
                 response: None,

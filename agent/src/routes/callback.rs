@@ -40,6 +40,7 @@ pub async fn handle(
             DeliverError::Persist(p) => {
                 ApiError::Overloaded(format!("state not persisted: {p}"), 5)
             }
+            DeliverError::Busy => ApiError::Overloaded(DeliverError::Busy.to_string(), 5),
         })?;
     Ok(Reply::json(
         StatusCode::OK,

@@ -85,7 +85,15 @@ async fn async_request(
     if !release && !spec.permits(&caller.origin) {
         return Err(forbidden(caller, name));
     }
-    let parsed = parsed.map_err(|e| ApiError::BadRequest(format!("async body: {e}")))?;
+    // serde's messages quote the offending values: name only where the body is wrong.
+    let parsed = parsed.map_err(|e| {
+        ApiError::BadRequest(format!(
+            "the body is not {{\"need\", \"request\" | \"release\", \"renew\"}} ({:?} at line {}, column {})",
+            e.classify(),
+            e.line(),
+            e.column()
+        ))
+    })?;
     let need = NeedKey::parse(&parsed.need).ok_or_else(|| {
         ApiError::BadRequest(format!("need {:?} is not <type>/<id>", parsed.need))
     })?;

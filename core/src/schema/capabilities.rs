@@ -96,12 +96,22 @@ impl RequestSchema {
         &self.source
     }
 
-    /// `Err` names the JSON pointer of the first violation and what is wrong there.
+    /// `Err` names the JSON pointer of the first violation and the rule it breaks, but
+    /// never the offending value: requests built from other needs' payloads can carry
+    /// credentials, and this text goes to the caller and the log.
     pub fn check(&self, instance: &Value) -> Result<(), String> {
+        use jsonschema::error::ValidationErrorKind as Kind;
         self.validator.validate(instance).map_err(|e| {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            format!("at {at}: {e}")
+            let what = match e.kind() {
+                Kind::Required { property } => format!("{property} is required"),
+                Kind::AdditionalProperties { unexpected } => {
+                    format!("unexpected field {}", unexpected.join(", "))
+                }
+                other => format!("breaks the schema's `{}`", other.keyword()),
+            };
+            format!("at {at}: {what} (schema {})", e.schema_path())
         })
     }
 }

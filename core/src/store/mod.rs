@@ -409,10 +409,18 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         }
         let path = files::log_path(&self.inner.dir, &self.inner.name, writer.generation);
         let log = writer.log.take();
-        let (log, written) = tokio::task::spawn_blocking(move || append(log, &path, &bytes))
-            .await
-            .unwrap_or_else(|e| (None, Err(std::io::Error::other(e.to_string()))));
+        let (log, written, damaged) =
+            tokio::task::spawn_blocking(move || append(log, &path, &bytes))
+                .await
+                .unwrap_or_else(|e| (None, Err(std::io::Error::other(e.to_string())), false));
         writer.log = log;
+        if damaged {
+            // A partial record could not be cut off: appending after it would put good
+            // records behind damage, which recovery refuses. The damage stays the torn
+            // tail of this log; writing goes on in the next one.
+            writer.generation += 1;
+            writer.log_bytes = 0;
+        }
         let file = self.path().display().to_string();
         match written {
             Ok(n) => {
@@ -534,31 +542,30 @@ struct Staged<R>(R, PersistError);
 
 /// Appends `bytes` to the log (opening it if needed) and syncs it. On failure the file
 /// is cut back to its length before, so a partial write never sits between good records;
-/// if even that fails, the handle is dropped and the next append reopens the file, whose
-/// damaged tail recovery then treats as torn.
+/// the third value says when even that failed (the log then ends in damage).
 fn append(
     log: Option<std::fs::File>,
     path: &Path,
     bytes: &[u8],
-) -> (Option<std::fs::File>, std::io::Result<u64>) {
+) -> (Option<std::fs::File>, std::io::Result<u64>, bool) {
     let mut file = match log {
         Some(f) => f,
         None => match files::open_log(path) {
             Ok(f) => f,
-            Err(e) => return (None, Err(e)),
+            Err(e) => return (None, Err(e), false),
         },
     };
     let before = match file.metadata() {
         Ok(m) => m.len(),
-        Err(e) => return (None, Err(e)),
+        Err(e) => return (None, Err(e), false),
     };
     let written = file.write_all(bytes).and_then(|()| file.sync_data());
     match written {
-        Ok(()) => (Some(file), Ok(bytes.len() as u64)),
-        Err(e) => {
-            let restored = file.set_len(before).and_then(|()| file.sync_data());
-            (restored.ok().map(|()| file), Err(e))
-        }
+        Ok(()) => (Some(file), Ok(bytes.len() as u64), false),
+        Err(e) => match file.set_len(before).and_then(|()| file.sync_data()) {
+            Ok(()) => (Some(file), Err(e), false),
+            Err(_) => (None, Err(e), true),
+        },
     }
 }
 
