@@ -18,6 +18,9 @@ use crate::provider::Trigger;
 #[serde(tag = "cmd", rename_all = "lowercase", deny_unknown_fields)]
 pub enum AdminRequest {
     Status,
+    /// Needs per state and entries per capability, without the rows: cheap enough to
+    /// poll often, however many needs and entries there are.
+    Counts,
     Trigger {
         capability: String,
         #[serde(default)]
@@ -110,6 +113,16 @@ async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
 async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
     match req {
         AdminRequest::Status => json!({"ok": true, "status": crate::builtins::status(app)}),
+        AdminRequest::Counts => {
+            let needs: serde_json::Map<String, Value> = app
+                .fulfiller
+                .counts()
+                .iter()
+                .map(|(phase, n)| (phase.as_str().to_owned(), json!(n)))
+                .collect();
+            let entries = app.provider.entry_counts();
+            json!({"ok": true, "needs": needs, "entries": entries})
+        }
         AdminRequest::Reload => match app.reload().await {
             Ok(()) => json!({"ok": true}),
             Err(e) => json!({"ok": false, "error": e}),

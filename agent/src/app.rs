@@ -266,6 +266,7 @@ impl App {
             .map_err(|e| StartError::Invalid(e.to_string()))?;
         tasks.spawn(fulfiller.run());
         tasks.spawn(crate::provider::gc::run_periodic(app.clone()));
+        crate::provider::callbacks::start(&app);
         tasks.spawn(crate::provider::callbacks::run_redelivery(app.clone()));
         tasks.spawn(release_memory_when_idle(app.clone()));
         // Capabilities with requesters still owed a response (accepted just before a

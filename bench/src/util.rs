@@ -246,13 +246,13 @@ pub fn status(socket: &Path) -> Result<Value> {
     Ok(admin(socket, &json!({"cmd": "status"}), Duration::from_secs(30))?["status"].take())
 }
 
-/// `(total, satisfied)` needs of an agent, or `None` while its socket is not up.
+/// `(total, satisfied)` needs of an agent, or `None` while its socket is not up. Asks
+/// for counts only: polling must not cost the agent a row per need.
 pub fn needs_satisfied(socket: &Path) -> Option<(u64, u64)> {
-    let s = status(socket).ok()?;
-    Some((
-        s["needs"]["total"].as_u64()?,
-        s["needs"]["satisfied"].as_u64()?,
-    ))
+    let c = admin(socket, &json!({"cmd": "counts"}), Duration::from_secs(30)).ok()?;
+    let needs = c["needs"].as_object()?;
+    let total = needs.values().filter_map(Value::as_u64).sum();
+    Some((total, needs.get("satisfied")?.as_u64()?))
 }
 
 /// `(entries, undelivered, handler_runs)` of one provider capability, and state writes.

@@ -58,11 +58,50 @@ pub enum KeyError {
 #[derive(Clone)]
 pub struct Signer {
     key: PrivateKey,
+    /// The key already expanded for signing. ssh-key would rebuild it (a hash and a scalar
+    /// multiplication) for every signature, doubling the cost of each; the signature
+    /// itself is still made by ed25519-dalek and wrapped by ssh-key.
+    expanded: std::sync::Arc<Expanded>,
+}
+
+struct Expanded {
+    signing: ed25519_dalek::SigningKey,
+    public: ssh_key::public::KeyData,
+}
+
+impl ed25519_dalek::ed25519::signature::Signer<ssh_key::Signature> for Expanded {
+    fn try_sign(
+        &self,
+        msg: &[u8],
+    ) -> Result<ssh_key::Signature, ed25519_dalek::ed25519::signature::Error> {
+        let sig = self.signing.sign(msg);
+        ssh_key::Signature::new(Algorithm::Ed25519, sig.to_bytes().to_vec())
+            .map_err(|_| ed25519_dalek::ed25519::signature::Error::new())
+    }
+}
+
+impl ssh_key::SigningKey for Expanded {
+    fn public_key(&self) -> ssh_key::public::KeyData {
+        self.public.clone()
+    }
 }
 
 impl Signer {
+    /// Wraps an ed25519 key (callers check the algorithm; [`Signer::from_file`] does).
     pub fn new(key: PrivateKey) -> Signer {
-        Signer { key }
+        let seed = key
+            .key_data()
+            .ed25519()
+            .map(|k| k.private.to_bytes())
+            .expect("an ed25519 key");
+        let expanded = Expanded {
+            signing: ed25519_dalek::SigningKey::from_bytes(&seed),
+            public: key.public_key().key_data().clone(),
+        };
+        Signer {
+            key,
+            expanded: std::sync::Arc::new(expanded),
+        }
     }
 
     /// Reads an unencrypted OpenSSH ed25519 private key.
@@ -85,14 +124,14 @@ impl Signer {
                 algorithm: key.algorithm().to_string(),
             });
         }
-        Ok(Signer { key })
+        Ok(Signer::new(key))
     }
 
     /// A fresh random ed25519 key (tests and the demo).
     pub fn generate() -> Signer {
         let key = PrivateKey::random(&mut rand::rngs::OsRng, Algorithm::Ed25519)
             .expect("ed25519 key generation cannot fail");
-        Signer { key }
+        Signer::new(key)
     }
 
     pub fn public_key(&self) -> &PublicKey {
@@ -121,9 +160,7 @@ impl Signer {
 
     /// Signs `msg` and returns the one-line base64 of the binary SSHSIG blob.
     pub fn sign(&self, msg: &[u8]) -> String {
-        let sig = self
-            .key
-            .sign(NAMESPACE, HashAlg::Sha512, msg)
+        let sig = SshSig::sign(&*self.expanded, NAMESPACE, HashAlg::Sha512, msg)
             .expect("ed25519 signing cannot fail");
         let mut blob = Vec::with_capacity(sig.encoded_len().unwrap_or(128));
         sig.encode(&mut blob).expect("SSHSIG encodes");
@@ -174,8 +211,37 @@ pub fn verify(signature_b64: &str, keys: &[PublicKey], msg: &[u8]) -> Result<(),
         .iter()
         .find(|k| k.key_data() == sig.public_key())
         .ok_or(VerifyError::UnknownKey)?;
-    key.verify(NAMESPACE, msg, &sig)
+    // What ssh-key's `PublicKey::verify` does, with the decompressed key kept: the signed
+    // data is SSHSIG's, the check ed25519-dalek's.
+    let raw = key.key_data().ed25519().ok_or(VerifyError::Invalid)?.0;
+    let verifying = verifying_key(raw).ok_or(VerifyError::Invalid)?;
+    let signed =
+        SshSig::signed_data(NAMESPACE, HashAlg::Sha512, msg).map_err(|_| VerifyError::Invalid)?;
+    let signature = ed25519_dalek::Signature::try_from(sig.signature().as_bytes())
+        .map_err(|_| VerifyError::Invalid)?;
+    use ed25519_dalek::Verifier as _;
+    verifying
+        .verify(&signed, &signature)
         .map_err(|_| VerifyError::Invalid)
+}
+
+/// Decompressed keys of the known peers (the registry bounds them; the cache is dropped
+/// whole if it ever grows past that bound).
+fn verifying_key(raw: [u8; 32]) -> Option<ed25519_dalek::VerifyingKey> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<[u8; 32], ed25519_dalek::VerifyingKey>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(k) = cache.lock().expect("key cache").get(&raw) {
+        return Some(*k);
+    }
+    let key = ed25519_dalek::VerifyingKey::from_bytes(&raw).ok()?;
+    let mut map = cache.lock().expect("key cache");
+    if map.len() > 8192 {
+        map.clear();
+    }
+    map.insert(raw, key);
+    Some(key)
 }
 
 #[cfg(test)]

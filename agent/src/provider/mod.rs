@@ -227,6 +227,19 @@ impl Provider {
         s.last = Some(record);
     }
 
+    /// Entries per capability (no delivery bookkeeping looked at).
+    pub fn entry_counts(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut out = std::collections::BTreeMap::new();
+        self.store.read(|entries| {
+            for key in entries.keys() {
+                if let Some(cap) = state::capability_of(key) {
+                    *out.entry(cap.to_owned()).or_insert(0) += 1;
+                }
+            }
+        });
+        out
+    }
+
     /// Per capability: entries, undelivered, runs, last run.
     /// `is_host` tells host origins from principals, which get no callbacks and so are
     /// never counted as undelivered.

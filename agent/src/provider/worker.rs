@@ -19,10 +19,10 @@ pub(super) struct Worker {
     pub slot: Arc<WorkerSlot>,
 }
 
-/// A callback decided by a run: the entry and the response it must carry (`None` = revoke).
+/// A callback decided by a run: the entry whose current response (or revocation) its
+/// consumer must be sent.
 pub struct Planned {
     pub key: String,
-    pub response: Option<Value>,
 }
 
 impl Worker {
@@ -164,7 +164,7 @@ impl Worker {
             "handler run"
         );
         for p in planned {
-            super::callbacks::spawn_delivery(app, p.key, p.response);
+            app.provider.deliveries.enqueue(p.key, true);
         }
         app.provider.record_run(&self.capability, record.clone());
         record
@@ -208,10 +208,7 @@ impl Worker {
                     c.put(key.clone(), entry);
                 }
                 if wanted && !pointless_revoke {
-                    planned.push(Planned {
-                        key: key.clone(),
-                        response: new,
-                    });
+                    planned.push(Planned { key: key.clone() });
                 }
             }
             planned

@@ -25,20 +25,20 @@ pub async fn handle(
     if let Some(builtin) = builtins::Builtin::from_name(name) {
         return builtins::handle(app, caller, builtin, body).await;
     }
+    // Borrowed from the loaded view, not cloned: a capability's callers list the need
+    // ids of every consumer in the fleet.
     let loaded = app.loaded.load_full();
     let spec = loaded
         .capabilities
         .get(name)
-        .ok_or_else(|| ApiError::NotFound(format!("no capability {name}")))?
-        .clone();
-    drop(loaded);
+        .ok_or_else(|| ApiError::NotFound(format!("no capability {name}")))?;
     match spec.mode {
-        Mode::Async => async_request(app, caller, name, &spec, body).await,
+        Mode::Async => async_request(app, caller, name, spec, body).await,
         Mode::Rpc => {
             if !spec.permits(&caller.origin) {
                 return Err(forbidden(caller, name));
             }
-            rpc(app, caller, name, &spec, body).await
+            rpc(app, caller, name, spec, body).await
         }
     }
 }

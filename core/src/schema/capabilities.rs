@@ -1,7 +1,7 @@
 //! `capabilities.json`: what this host serves, to whom, and what a request must look like
 //! (docs/protocol.md §5, §10, §11.2, §11.6).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -42,9 +42,10 @@ pub struct CapabilitySpec {
     /// origin (`max_entries_per_origin`).
     #[serde(default)]
     pub allowed: Vec<String>,
-    /// Host → the need ids it declares of this type from this host (§11.2).
+    /// Host → the need ids it declares of this type from this host (§11.2). A set: the
+    /// check runs on every request, and a host may declare thousands.
     #[serde(default)]
-    pub callers: BTreeMap<String, Vec<String>>,
+    pub callers: BTreeMap<String, BTreeSet<String>>,
     #[serde(default)]
     pub triggers: Triggers,
     #[serde(default)]
@@ -67,9 +68,7 @@ impl CapabilitySpec {
 
     /// Whether host `origin` declares the need id `id` of this capability from here.
     pub fn declares(&self, origin: &str, id: &str) -> bool {
-        self.callers
-            .get(origin)
-            .is_some_and(|ids| ids.iter().any(|i| i == id))
+        self.callers.get(origin).is_some_and(|ids| ids.contains(id))
     }
 }
 
