@@ -46,11 +46,13 @@ pub fn is_unit_name(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || b"@._:-".contains(&c))
 }
 
-/// A consumer-side need key, `<type>/<id>`.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A consumer-side need key, `<type>/<id>`. It keeps its text: state, logs and the wire
+/// all use it as such, thousands of times a second on a busy host. Ordered as that text,
+/// so lists of needs are sorted as strings (docs/protocol.md §8).
+#[derive(Clone, Debug)]
 pub struct NeedKey {
-    pub kind: String,
-    pub id: String,
+    full: String,
+    slash: usize,
 }
 
 impl NeedKey {
@@ -58,15 +60,55 @@ impl NeedKey {
     pub fn parse(s: &str) -> Option<NeedKey> {
         let (kind, id) = s.split_once('/')?;
         (is_capability_name(kind) && is_capability_name(id)).then(|| NeedKey {
-            kind: kind.to_owned(),
-            id: id.to_owned(),
+            full: s.to_owned(),
+            slash: kind.len(),
         })
+    }
+
+    /// The type: the name of the capability that serves it.
+    pub fn kind(&self) -> &str {
+        &self.full[..self.slash]
+    }
+
+    pub fn id(&self) -> &str {
+        &self.full[self.slash + 1..]
+    }
+
+    /// `<type>/<id>`.
+    pub fn as_str(&self) -> &str {
+        &self.full
+    }
+}
+
+impl PartialEq for NeedKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.full == other.full
+    }
+}
+
+impl Eq for NeedKey {}
+
+impl std::hash::Hash for NeedKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.full.hash(state);
+    }
+}
+
+impl PartialOrd for NeedKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for NeedKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.full.cmp(&other.full)
     }
 }
 
 impl fmt::Display for NeedKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.kind, self.id)
+        f.write_str(&self.full)
     }
 }
 

@@ -190,7 +190,7 @@ impl Fulfiller {
             }
             for (key, spec) in &needs {
                 let hash = declaration_hash(spec);
-                let mut st = c.get(&key.to_string()).cloned().unwrap_or_default();
+                let mut st = c.get(key.as_str()).cloned().unwrap_or_default();
                 if st.request_hash != hash || st.from != spec.from {
                     // Moving to another provider releases the entry at the old one;
                     // files the new declaration no longer names go with it.
@@ -233,7 +233,7 @@ impl Fulfiller {
             let at = Instant::now();
             view.due.clear();
             for (key, spec) in &needs {
-                let st = states.get(&key.to_string()).cloned().unwrap_or_default();
+                let st = states.get(key.as_str()).cloned().unwrap_or_default();
                 if let Some(delay) = next_attendance(spec, &st, now) {
                     view.due.set(key, at + delay);
                 }
@@ -292,7 +292,7 @@ impl Fulfiller {
             address,
             keys: &peer.keys,
         };
-        let path = format!("/agent/capabilities/{}", need.kind);
+        let path = format!("/agent/capabilities/{}", need.kind());
         for attempt in 1..=3u32 {
             // Declared again at the same provider (a roll-back) since the removal: the
             // entry is wanted, and a late release would delete it under the consumer.
@@ -337,7 +337,7 @@ impl Fulfiller {
     pub(crate) fn state(&self, key: &NeedKey) -> NeedState {
         self.inner
             .store
-            .read(|s| s.get(&key.to_string()).cloned().unwrap_or_default())
+            .read(|s| s.get(key.as_str()).cloned().unwrap_or_default())
     }
 
     /// The scheduler loop, and the unit rounds: until shutdown, start whatever is due,
@@ -446,7 +446,7 @@ impl Fulfiller {
         self.inner.store.read(|states| {
             deps.iter()
                 .filter_map(|d| {
-                    let st = states.get(&d.to_string());
+                    let st = states.get(d.as_str());
                     let ready = st.is_some_and(|s| s.satisfied && s.phase != Phase::Expired);
                     (!ready)
                         .then(|| format!("{d} ({})", st.map_or("pending", |s| s.phase.as_str())))
@@ -463,7 +463,7 @@ impl Fulfiller {
         let states = self.inner.store.read(|s| s.clone());
         resolve(&spec.request, &mut |r| {
             let payload = states
-                .get(&r.need.to_string())
+                .get(r.need.as_str())
                 .and_then(|s| s.payload.as_deref())
                 .and_then(|b| {
                     use base64::Engine;
@@ -633,7 +633,7 @@ impl Fulfiller {
             address,
             keys: &peer.keys,
         };
-        let path = format!("/agent/capabilities/{}", key.kind);
+        let path = format!("/agent/capabilities/{}", key.kind());
         let sent_at = unix_now();
         self.update_lazy(key, |st| {
             st.last_sought = Some(sent_at);

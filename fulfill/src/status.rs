@@ -40,7 +40,7 @@ impl Fulfiller {
             needs
                 .iter()
                 .map(|(key, spec)| {
-                    let st = states.get(&key.to_string()).cloned().unwrap_or_default();
+                    let st = states.get(key.as_str()).cloned().unwrap_or_default();
                     NeedStatus {
                         need: key.to_string(),
                         from: spec.from.clone(),
@@ -61,18 +61,14 @@ impl Fulfiller {
         })
     }
 
-    /// Needs per state, without building the rows (for a metrics scrape).
+    /// Needs per state, without building the rows: cheap enough for every metrics
+    /// scrape and every poll. (The state holds exactly the declared needs: a reload
+    /// removes the others.)
     pub fn counts(&self) -> [(Phase, usize); 6] {
-        let needs = self.inner.view.lock().expect("view lock").needs.clone();
         let mut counts = Phase::ALL.map(|p| (p, 0));
         self.inner.store.read(|states| {
-            for key in needs.keys() {
-                let phase = states
-                    .get(&key.to_string())
-                    .map_or(Phase::Pending, |s| s.phase);
-                if let Some(c) = counts.iter_mut().find(|(p, _)| *p == phase) {
-                    c.1 += 1;
-                }
+            for st in states.values() {
+                counts[st.phase as usize].1 += 1;
             }
         });
         counts

@@ -303,7 +303,7 @@ async fn send(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
     let keys = peer.keys.clone();
     drop(loaded);
     let cfg = &app.config.callbacks;
-    let payload = response.as_ref().map(payload_bytes).unwrap_or_default();
+    let payload = response.as_deref().map(payload_bytes).unwrap_or_default();
     let target = Target {
         name: origin,
         address: &address,

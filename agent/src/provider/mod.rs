@@ -118,7 +118,7 @@ impl Provider {
         quota: Option<usize>,
     ) -> Result<(), UpsertError> {
         let key = entry_key(origin, need);
-        let prefix = format!("{origin}:{}/", need.kind);
+        let prefix = format!("{origin}:{}/", need.kind());
         let now = unix_now();
         let (admitted, ticket) = self.store.change(|c| {
             let existing = c.get(&key).cloned();
@@ -129,14 +129,14 @@ impl Provider {
             // that is not already queued. (A caller repeating itself costs no fsyncs.)
             if existing.as_ref().is_some_and(|e| {
                 e.awaiting_response
-                    && e.request == request
+                    && *e.request == request
                     && (e.renew || !renew)
                     && e.absent_since.is_none()
             }) {
                 return true;
             }
             let mut entry = existing.unwrap_or_else(|| Entry {
-                request: Value::Null,
+                request: Arc::new(Value::Null),
                 response: None,
                 response_hash: None,
                 created_at: now,
@@ -146,7 +146,7 @@ impl Provider {
                 delivery: Default::default(),
                 renew: false,
             });
-            entry.request = request;
+            entry.request = Arc::new(request);
             entry.requested_at = now;
             entry.absent_since = None;
             entry.awaiting_response = true;
@@ -158,7 +158,7 @@ impl Provider {
             return Err(UpsertError::Quota(quota.unwrap_or(0)));
         }
         self.store.wait(ticket).await?;
-        drop(self.enqueue(app, &need.kind, Trigger::Request, false, false));
+        drop(self.enqueue(app, need.kind(), Trigger::Request, false, false));
         Ok(())
     }
 
@@ -173,7 +173,7 @@ impl Provider {
         let removed = self.store.change_durable(|c| c.remove(&key)).await?;
         if removed {
             tracing::info!(entry = %key, "entry released");
-            drop(self.enqueue(app, &need.kind, Trigger::Gc, false, false));
+            drop(self.enqueue(app, need.kind(), Trigger::Gc, false, false));
         }
         Ok(removed)
     }

@@ -2,6 +2,8 @@
 //! request, its last response and what was last delivered. One owner (the
 //! [`fort_core::store::Store`]) writes it.
 
+use std::sync::Arc;
+
 use fort_core::canonical::sha256_hex;
 use fort_core::wire::payload_bytes;
 use serde::{Deserialize, Serialize};
@@ -11,12 +13,15 @@ use serde_json::Value;
 pub const FILE: &str = "provider-state.json";
 pub const FIELD: &str = "entries";
 
+/// Requests and responses are shared (`Arc`): an entry is copied on every change and
+/// every entry is handed to each handler run, and a deep copy of each would make a run
+/// over 50,000 entries hold them all twice.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Entry {
-    pub request: Value,
+    pub request: Arc<Value>,
     /// The handler's last response; `None` when it gave none.
-    pub response: Option<Value>,
+    pub response: Option<Arc<Value>>,
     /// Hash of the response's payload bytes, kept beside it so that telling delivered
     /// from undelivered entries (status, redelivery) costs a comparison, not a hash of
     /// every payload. Absent in files from before it existed: computed then.
@@ -68,8 +73,8 @@ impl Entry {
     }
 
     /// Sets the response and its hash together.
-    pub fn set_response(&mut self, response: Option<Value>) {
-        self.response_hash = payload_hash(response.as_ref());
+    pub fn set_response(&mut self, response: Option<Arc<Value>>) {
+        self.response_hash = payload_hash(response.as_deref());
         self.response = response;
     }
 

@@ -1,6 +1,7 @@
 //! One worker per async capability: at most one handler run at a time; whatever arrives
 //! during a run is batched into the next one.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,6 +18,16 @@ pub(super) struct Worker {
     pub app: Arc<App>,
     pub capability: String,
     pub slot: Arc<WorkerSlot>,
+}
+
+/// One entry as a handler sees it (§9, §11.4): `renew` only when asked, so handlers
+/// that predate it see exactly the input they always did.
+#[derive(serde::Serialize)]
+pub(super) struct InputItem {
+    request: Arc<Value>,
+    response: Option<Arc<Value>>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    renew: bool,
 }
 
 /// A callback decided by a run: the entry whose current response (or revocation) its
@@ -69,23 +80,18 @@ impl Worker {
         };
         let pass_cached = spec.cache_response && !pending.force;
 
-        // The input: every active entry of this capability (§9).
-        let input: Map<String, Value> = app.provider.store.read(|entries| {
+        // The input: every active entry of this capability (§9), sharing the entries'
+        // requests and responses, serialised straight from them.
+        let input: BTreeMap<String, InputItem> = app.provider.store.read(|entries| {
             entries
                 .iter()
                 .filter(|(k, _)| capability_of(k) == Some(self.capability.as_str()))
                 .map(|(k, e)| {
-                    let cached = if pass_cached {
-                        e.response.clone().unwrap_or(Value::Null)
-                    } else {
-                        Value::Null
+                    let item = InputItem {
+                        request: e.request.clone(),
+                        response: e.response.clone().filter(|_| pass_cached),
+                        renew: e.renew,
                     };
-                    // `renew` only when asked (§11.4), so handlers that predate it see
-                    // exactly the input they always did.
-                    let mut item = serde_json::json!({"request": e.request, "response": cached});
-                    if e.renew {
-                        item["renew"] = Value::Bool(true);
-                    }
                     (k.clone(), item)
                 })
                 .collect()
@@ -172,7 +178,7 @@ impl Worker {
 
     fn apply(
         &self,
-        input: &Map<String, Value>,
+        input: &BTreeMap<String, InputItem>,
         output: &Map<String, Value>,
         pending: &Pending,
     ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
@@ -183,11 +189,16 @@ impl Worker {
                 let Some(mut entry) = c.get(key).cloned() else {
                     continue;
                 };
-                let new = output.get(key).filter(|v| !v.is_null()).cloned();
-                let changed = new != entry.response;
+                let new = output
+                    .get(key)
+                    .filter(|v| !v.is_null())
+                    .map(|v| Arc::new(v.clone()));
+                let changed = new.as_deref() != entry.response.as_deref();
                 // Asked again, with another request, while the handler ran: the run that
                 // is already queued answers that request, not this one.
-                let requester = entry.awaiting_response && seen["request"] == entry.request;
+                let requester = entry.awaiting_response
+                    && (Arc::ptr_eq(&seen.request, &entry.request)
+                        || *seen.request == *entry.request);
                 let mut changed_any = false;
                 if changed {
                     entry.set_response(new.clone());

@@ -97,10 +97,10 @@ async fn async_request(
     let need = NeedKey::parse(&parsed.need).ok_or_else(|| {
         ApiError::BadRequest(format!("need {:?} is not <type>/<id>", parsed.need))
     })?;
-    if need.kind != name {
+    if need.kind() != name {
         return Err(ApiError::BadRequest(format!(
             "need type {} is not capability {name}",
-            need.kind
+            need.kind()
         )));
     }
     if release {
@@ -117,7 +117,7 @@ async fn async_request(
     }
     // A host among the callers holds exactly the need ids it declares; anyone else the
     // capability allows holds a bounded number of its own choosing.
-    let quota = if spec.declares(&caller.origin, &need.id) {
+    let quota = if spec.declares(&caller.origin, need.id()) {
         None
     } else if spec.allows(&caller.origin) {
         Some(app.config.max_entries_per_origin)

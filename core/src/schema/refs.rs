@@ -137,7 +137,7 @@ mod tests {
         assert!(references(&json!({"$fort_ref": "a/b", "x": 1})).is_err());
         assert!(references(&json!({"$fort_ref": 3})).is_err());
         let out = resolve(&req, &mut |r| {
-            if r.need.kind == "ssl" {
+            if r.need.kind() == "ssl" {
                 extract(br#"{"fp":"AB:CD"}"#, &r.pointer)
             } else {
                 extract(b"token-text", &r.pointer)

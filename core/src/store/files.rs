@@ -254,12 +254,10 @@ pub fn encode_snapshot<V: Serialize + DeserializeOwned>(
         body,
     })
     .map_err(|e| e.to_string())?;
-    let back: serde_json::Map<String, Value> =
-        serde_json::from_slice(&bytes).map_err(|e| format!("snapshot would not read back: {e}"))?;
-    if let Some(m) = back.get(field) {
-        serde_json::from_value::<BTreeMap<String, V>>(m.clone())
-            .map_err(|e| format!("snapshot would not read back: {e}"))?;
-    }
+    // Proof that it parses back, without building it again: every record in it was
+    // proven readable when it was logged; what remains is the document around them.
+    serde_json::from_slice::<serde::de::IgnoredAny>(&bytes)
+        .map_err(|e| format!("snapshot would not read back: {e}"))?;
     Ok(bytes)
 }
 
