@@ -61,6 +61,19 @@ pub fn payload_bytes(value: &serde_json::Value) -> Vec<u8> {
     }
 }
 
+/// Payload bytes for a response kept as JSON text: the same bytes as [`payload_bytes`]
+/// gives for the parsed value.
+pub fn payload_bytes_raw(raw: &serde_json::value::RawValue) -> Vec<u8> {
+    let text = raw.get();
+    if text.starts_with('"') {
+        if let Ok(s) = serde_json::from_str::<String>(text) {
+            return s.into_bytes();
+        }
+    }
+    // Compact already: it was written by serde_json from a value.
+    text.as_bytes().to_vec()
+}
+
 /// How deeply a stored request may nest. serde_json refuses to parse past 128 levels; a
 /// request must stay far below that once it sits inside a state file (entry, map, file),
 /// or a caller could make the provider's own state unreadable.
@@ -112,5 +125,12 @@ mod tests {
             b"-----BEGIN"
         );
         assert_eq!(payload_bytes(&serde_json::json!({"a": 1})), br#"{"a":1}"#);
+        for v in [
+            serde_json::json!("pem\n\"x\""),
+            serde_json::json!({"a": [1, "b"]}),
+        ] {
+            let raw = serde_json::value::to_raw_value(&v).unwrap();
+            assert_eq!(payload_bytes_raw(&raw), payload_bytes(&v));
+        }
     }
 }

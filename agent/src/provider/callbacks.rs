@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use fort_core::client::Target;
 use fort_core::names::parse_entry_key;
-use fort_core::wire::{payload_bytes, unix_now};
+use fort_core::wire::{payload_bytes_raw, unix_now};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -303,7 +303,10 @@ async fn send(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
     let keys = peer.keys.clone();
     drop(loaded);
     let cfg = &app.config.callbacks;
-    let payload = response.as_deref().map(payload_bytes).unwrap_or_default();
+    let payload = response
+        .as_deref()
+        .map(payload_bytes_raw)
+        .unwrap_or_default();
     let target = Target {
         name: origin,
         address: &address,

@@ -118,6 +118,7 @@ impl Provider {
         quota: Option<usize>,
     ) -> Result<(), UpsertError> {
         let key = entry_key(origin, need);
+        let request = state::raw(&request);
         let prefix = format!("{origin}:{}/", need.kind());
         let now = unix_now();
         let (admitted, ticket) = self.store.change(|c| {
@@ -129,14 +130,14 @@ impl Provider {
             // that is not already queued. (A caller repeating itself costs no fsyncs.)
             if existing.as_ref().is_some_and(|e| {
                 e.awaiting_response
-                    && *e.request == request
+                    && e.request.get() == request.get()
                     && (e.renew || !renew)
                     && e.absent_since.is_none()
             }) {
                 return true;
             }
             let mut entry = existing.unwrap_or_else(|| Entry {
-                request: Arc::new(Value::Null),
+                request: request.clone(),
                 response: None,
                 response_hash: None,
                 created_at: now,
@@ -146,7 +147,7 @@ impl Provider {
                 delivery: Default::default(),
                 renew: false,
             });
-            entry.request = Arc::new(request);
+            entry.request = request;
             entry.requested_at = now;
             entry.absent_since = None;
             entry.awaiting_response = true;

@@ -5,23 +5,24 @@
 use std::sync::Arc;
 
 use fort_core::canonical::sha256_hex;
-use fort_core::wire::payload_bytes;
+use fort_core::wire::payload_bytes_raw;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// The file, and the field of the snapshot that holds the entries.
 pub const FILE: &str = "provider-state.json";
 pub const FIELD: &str = "entries";
 
-/// Requests and responses are shared (`Arc`): an entry is copied on every change and
-/// every entry is handed to each handler run, and a deep copy of each would make a run
-/// over 50,000 entries hold them all twice.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+/// Requests and responses are kept as their compact JSON text, shared (`Arc`): the
+/// provider never looks inside them, a parsed tree costs ten times the text, an entry is
+/// copied on every change, and every entry is handed to each handler run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Entry {
-    pub request: Arc<Value>,
+    pub request: Arc<RawValue>,
     /// The handler's last response; `None` when it gave none.
-    pub response: Option<Arc<Value>>,
+    pub response: Option<Arc<RawValue>>,
     /// Hash of the response's payload bytes, kept beside it so that telling delivered
     /// from undelivered entries (status, redelivery) costs a comparison, not a hash of
     /// every payload. Absent in files from before it existed: computed then.
@@ -58,8 +59,19 @@ pub struct Delivery {
 }
 
 /// Hash identifying a response's payload bytes (§7); `None` for no response.
-pub fn payload_hash(response: Option<&Value>) -> Option<String> {
-    response.map(|v| sha256_hex(&payload_bytes(v)))
+pub fn payload_hash(response: Option<&RawValue>) -> Option<String> {
+    response.map(|v| sha256_hex(&payload_bytes_raw(v)))
+}
+
+/// A value as the compact JSON text entries keep.
+pub fn raw(value: &Value) -> Arc<RawValue> {
+    Arc::from(serde_json::value::to_raw_value(value).expect("a JSON value serialises"))
+}
+
+/// Whether two kept texts are the same JSON (texts written by serde_json are canonical:
+/// objects are sorted maps, numbers and strings have one form).
+pub fn same(a: Option<&RawValue>, b: Option<&RawValue>) -> bool {
+    a.map(RawValue::get) == b.map(RawValue::get)
 }
 
 impl Entry {
@@ -73,7 +85,7 @@ impl Entry {
     }
 
     /// Sets the response and its hash together.
-    pub fn set_response(&mut self, response: Option<Arc<Value>>) {
+    pub fn set_response(&mut self, response: Option<Arc<RawValue>>) {
         self.response_hash = payload_hash(response.as_deref());
         self.response = response;
     }

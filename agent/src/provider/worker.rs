@@ -24,8 +24,8 @@ pub(super) struct Worker {
 /// that predate it see exactly the input they always did.
 #[derive(serde::Serialize)]
 pub(super) struct InputItem {
-    request: Arc<Value>,
-    response: Option<Arc<Value>>,
+    request: Arc<serde_json::value::RawValue>,
+    response: Option<Arc<serde_json::value::RawValue>>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     renew: bool,
 }
@@ -192,13 +192,13 @@ impl Worker {
                 let new = output
                     .get(key)
                     .filter(|v| !v.is_null())
-                    .map(|v| Arc::new(v.clone()));
-                let changed = new.as_deref() != entry.response.as_deref();
+                    .map(super::state::raw);
+                let changed = !super::state::same(new.as_deref(), entry.response.as_deref());
                 // Asked again, with another request, while the handler ran: the run that
                 // is already queued answers that request, not this one.
                 let requester = entry.awaiting_response
                     && (Arc::ptr_eq(&seen.request, &entry.request)
-                        || *seen.request == *entry.request);
+                        || seen.request.get() == entry.request.get());
                 let mut changed_any = false;
                 if changed {
                     entry.set_response(new.clone());
