@@ -161,6 +161,9 @@ async fn all_due(b: &Built, timeout: Duration) -> Result<Due> {
     }
     let wall = t0.elapsed();
     let cpu = util::self_cpu() - self0;
+    // Attempt counters are bookkeeping, written lazily: on disk (and so in the status)
+    // once flushed.
+    let _ = b.fulfiller.store().flush_once().await;
     let rows = b.fulfiller.status();
     let accepted = rows
         .iter()

@@ -28,6 +28,12 @@ pub(super) struct InputItem {
     response: Option<Arc<serde_json::value::RawValue>>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     renew: bool,
+    /// The response the entry held when the run began (whether or not it is passed).
+    #[serde(skip)]
+    current: Option<Arc<serde_json::value::RawValue>>,
+    /// Its requester was owed an answer when the run began.
+    #[serde(skip)]
+    awaiting: bool,
 }
 
 /// A callback decided by a run: the entry whose current response (or revocation) its
@@ -36,11 +42,24 @@ pub struct Planned {
     pub key: String,
 }
 
+/// The longest a run waits after the previous one (see [`Worker::run`]).
+const MAX_PACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Worker {
+    /// Runs the handler whenever there is work. A run waits after the previous one as
+    /// long as that one took (at most [`MAX_PACE`]): a handler always reads every entry,
+    /// so under a steady stream of requests back-to-back runs would spend all their time
+    /// re-reading what did not change; this way runs take at most half the time and each
+    /// answers twice as many requests. An idle provider still answers at once.
     pub async fn run(self) {
+        let mut earliest = Instant::now();
         loop {
             tokio::select! {
                 _ = self.slot.wake.notified() => {}
+                _ = self.app.shutdown.cancelled() => return,
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(earliest.into()) => {}
                 _ = self.app.shutdown.cancelled() => return,
             }
             let pending = std::mem::take(&mut *self.slot.pending.lock().expect("pending lock"));
@@ -48,7 +67,9 @@ impl Worker {
                 continue;
             }
             let waiters = pending.waiters.len();
+            let began = Instant::now();
             let record = self.run_once(&pending).await;
+            earliest = Instant::now() + began.elapsed().min(MAX_PACE);
             tracing::debug!(capability = %self.capability, waiters, ok = record.ok, "handler run done");
             for w in pending.waiters {
                 let _ = w.send(record.clone());
@@ -91,6 +112,8 @@ impl Worker {
                         request: e.request.clone(),
                         response: e.response.clone().filter(|_| pass_cached),
                         renew: e.renew,
+                        current: e.response.clone(),
+                        awaiting: e.awaiting_response,
                     };
                     (k.clone(), item)
                 })
@@ -182,17 +205,31 @@ impl Worker {
         output: &Map<String, Value>,
         pending: &Pending,
     ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
-        self.app.provider.store.change(|c| {
-            let mut planned = Vec::new();
-            for (key, seen) in input {
-                // Released or collected while the handler ran: gone stays gone.
-                let Some(mut entry) = c.get(key).cloned() else {
-                    continue;
-                };
+        // Only entries whose response changed, or whose requester was owed an answer, are
+        // looked at again: the others are known unchanged from the run's own input, and a
+        // run over 50,000 entries must not touch 50,000 of them to change a few.
+        let candidates: Vec<(
+            &String,
+            &InputItem,
+            Option<Arc<serde_json::value::RawValue>>,
+        )> = input
+            .iter()
+            .filter_map(|(key, seen)| {
                 let new = output
                     .get(key)
                     .filter(|v| !v.is_null())
                     .map(super::state::raw);
+                let differs = !super::state::same(new.as_deref(), seen.current.as_deref());
+                (differs || seen.awaiting || pending.callback_all).then_some((key, seen, new))
+            })
+            .collect();
+        self.app.provider.store.change(|c| {
+            let mut planned = Vec::new();
+            for (key, seen, new) in candidates {
+                // Released or collected while the handler ran: gone stays gone.
+                let Some(mut entry) = c.get(key).cloned() else {
+                    continue;
+                };
                 let changed = !super::state::same(new.as_deref(), entry.response.as_deref());
                 // Asked again, with another request, while the handler ran: the run that
                 // is already queued answers that request, not this one.
