@@ -128,6 +128,28 @@ pub fn status(app: &Arc<App>) -> Value {
             "kept_no_proof_by_class": g.no_proof_classes,
         })),
         "nonces": app.nonces.len(),
+        "memory": memory(app),
+    })
+}
+
+/// What the agent holds in memory, and per provider entry: entries are what grows with
+/// a fleet (requests and responses are kept as their JSON text; a stored request is at
+/// most `max_request_bytes`).
+fn memory(app: &Arc<App>) -> Value {
+    let rss_kb: u64 = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0);
+    let entries = app.provider.store.read(|e| e.len()) as u64;
+    json!({
+        "rss_bytes": rss_kb * 1024,
+        "provider_entries": entries,
+        "rss_per_entry_bytes": (entries > 0).then(|| rss_kb * 1024 / entries),
+        "max_request_bytes": app.config.max_request_bytes,
     })
 }
 

@@ -275,8 +275,11 @@ impl Provider {
                 )
             })
             .collect();
+        let entries = self.store.read(|e| e.len());
         serde_json::json!({
             "state_writes": self.store.writes(),
+            "state_bytes": self.store.disk_bytes(),
+            "entries": entries,
             "capabilities": caps,
         })
     }

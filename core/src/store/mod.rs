@@ -103,6 +103,8 @@ struct Inner<V> {
     flushed: watch::Sender<Flushed>,
     appends: AtomicU64,
     snapshots: AtomicU64,
+    /// Snapshot plus log, as last written.
+    disk_bytes: AtomicU64,
 }
 
 /// A map of records whose only writer is this process, persisted as a log + snapshot.
@@ -266,6 +268,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                 flushed: watch::channel(Flushed::default()).0,
                 appends: AtomicU64::new(0),
                 snapshots: AtomicU64::new(0),
+                disk_bytes: AtomicU64::new(snapshot_bytes),
             }),
         })
     }
@@ -284,6 +287,11 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     /// Durable writes (log appends, each one fsync) since start.
     pub fn writes(&self) -> u64 {
         self.inner.appends.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the state takes on disk (snapshot and log).
+    pub fn disk_bytes(&self) -> u64 {
+        self.inner.disk_bytes.load(Ordering::Relaxed)
     }
 
     /// Snapshots written since start (compactions).
@@ -425,6 +433,9 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         match written {
             Ok(n) => {
                 writer.log_bytes += n;
+                self.inner
+                    .disk_bytes
+                    .store(writer.snapshot_bytes + writer.log_bytes, Ordering::Relaxed);
                 {
                     let mut st = self.inner.state.lock().expect("state lock");
                     for p in batch {
@@ -504,6 +515,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                 writer.log_bytes = 0;
                 writer.snapshot_bytes = n;
                 writer.compaction_failed_at = None;
+                self.inner.disk_bytes.store(n, Ordering::Relaxed);
                 self.inner.snapshots.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
