@@ -105,6 +105,8 @@ impl Fulfiller {
                             _ => None,
                         };
                         st.payload_sha256 = Some(digest.clone());
+                        st.received += 1;
+                        st.received_at = Some(now);
                         st.files = written.files.clone();
                         st.payload = keep_payload
                             .then(|| base64::engine::general_purpose::STANDARD.encode(payload));

@@ -753,6 +753,13 @@ impl Fulfiller {
     /// satisfied need satisfied and a pending one pending).
     fn record_reason(&self, key: &NeedKey, reason: String) {
         self.update_lazy(key, |st| {
+            // What is running out stays in the reason: an operator reading "cannot
+            // connect" must still learn that the credential expires (or has).
+            let reason = match (st.phase, st.expires_at) {
+                (Phase::Expired, Some(at)) => format!("expired at {at}; {reason}"),
+                (Phase::Expiring, Some(at)) => format!("expires at {at}; {reason}"),
+                _ => reason,
+            };
             let changed = st.last_error.as_deref() != Some(reason.as_str());
             st.last_error = Some(reason);
             changed

@@ -92,4 +92,10 @@ pub struct NeedState {
     /// agent's alone (0700), like the files the payload is written to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
+    /// Payloads applied since the need was declared, changed or not, and when the last
+    /// one came: an operator tells "the provider still answers" from "nothing changed".
+    #[serde(default)]
+    pub received: u64,
+    #[serde(default)]
+    pub received_at: Option<u64>,
 }

@@ -21,6 +21,10 @@ pub struct NeedStatus {
     /// `state == satisfied`.
     pub satisfied: bool,
     pub satisfied_at: Option<u64>,
+    /// Payloads applied since the need was declared (an unchanged one counts too), and
+    /// unix seconds of the last.
+    pub received: u64,
+    pub received_at: Option<u64>,
     pub last_sought: Option<u64>,
     pub attempts: u32,
     /// Unix seconds of the next planned request or check; `None`: nothing planned.
@@ -50,6 +54,8 @@ impl Fulfiller {
                         expires_at: st.expires_at,
                         satisfied: st.phase == Phase::Satisfied,
                         satisfied_at: st.satisfied_at,
+                        received: st.received,
+                        received_at: st.received_at,
                         last_sought: st.last_sought,
                         attempts: st.attempts,
                         next_request: due

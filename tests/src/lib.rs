@@ -402,6 +402,15 @@ impl Fleet {
         v["status"].clone()
     }
 
+    /// One need's row in `host`'s status (`Null` when it is not declared there).
+    pub fn need_status(&self, host: &str, need: &str) -> Value {
+        let s = self.status(host);
+        s["needs"]["items"]
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["need"] == need).cloned())
+            .unwrap_or(Value::Null)
+    }
+
     /// Whether the host answers `status` and every need it declares is satisfied.
     pub fn all_satisfied(&self, host: &str) -> bool {
         let s = self.status(host);
@@ -431,6 +440,34 @@ impl Fleet {
             Err(_) => Value::Null,
         }
     }
+}
+
+/// Says that (part of) a test could not run here and why: on stderr, and as a line in
+/// `target/fort-skipped.txt` (or `$FORT_SKIPPED`), which `.ci/run` prints after the run,
+/// so a skip shows in the summary instead of passing silently.
+pub fn skip(test: &str, reason: &str) {
+    eprintln!("SKIP: {test}: {reason}");
+    let path = std::env::var_os("FORT_SKIPPED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fort-skipped.txt")
+        });
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(file, "{test}: {reason}");
+    }
+}
+
+/// The text a metrics listener serves.
+pub fn metrics(addr: SocketAddr) -> String {
+    let (_, _, body) = raw_http_plain(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    String::from_utf8_lossy(&body).into_owned()
 }
 
 /// Polls `f` until it returns true or `timeout` passes.
