@@ -22,8 +22,16 @@ pub struct NeedDecl {
     pub key: &'static str,
     pub from: &'static str,
     pub request: Value,
-    /// An example handler's file name; `None` for a side-effect-only need.
+    /// An example handler's file name, run with the payload.
     pub handler: Option<&'static str>,
+    /// Files written from the payload, as `(name, JSON pointer, mode)`: each lands at
+    /// `<consumer>/run/needs/<type>/<id>/<name>`, owned by whoever runs the demo.
+    pub files: Vec<(&'static str, &'static str, &'static str)>,
+    /// More needs.json fields as they are written (`restart_units`, `reload_units`,
+    /// `renew_before_seconds`): a JSON object.
+    pub more: Value,
+    /// Declared from the start, or only once a step adds it.
+    pub from_start: bool,
 }
 
 /// One capability a demo host serves.
@@ -51,11 +59,19 @@ pub struct Fleet {
     exe: PathBuf,
 }
 
+/// The demo runs without systemd: unit restarts and reloads go to a script that writes
+/// down what it was asked, one line per call, in this file under the fleet's root.
+pub const SYSTEMCTL_LOG: &str = "systemctl.log";
+
 /// Nag interval of every demo need: short, so a lost request is retried within seconds.
 const NAG_SECONDS: u64 = 5;
 
 /// Tunables that make a loopback fleet converge in well under a second and retry fast.
 const AGENT_TOML_EXTRA: &str = r#"handler_timeout = "30s"
+
+[access]
+journal = ["ops"]
+systemd = ["ops"]
 
 [callbacks]
 backoff = "500ms"
@@ -94,7 +110,15 @@ impl Fleet {
         let exe = std::env::current_exe().context("cannot locate the fort-agent binary")?;
         let scripts = root.join("handlers");
         std::fs::create_dir_all(&scripts)?;
-        for (name, text) in fort_handlers::examples::EXAMPLES {
+        let recorder = format!(
+            "#!/bin/sh\n# The demo's systemctl: writes down what it is asked, starts nothing.\necho \"$*\" >> '{}'\n",
+            root.join(SYSTEMCTL_LOG).display().to_string().replace('\'', r"'\''")
+        );
+        let demo_scripts = [("systemctl-recorder", recorder.as_str())];
+        for (name, text) in fort_handlers::examples::EXAMPLES
+            .iter()
+            .chain(&demo_scripts)
+        {
             let path = scripts.join(name);
             std::fs::write(&path, text)?;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
@@ -134,10 +158,11 @@ impl Fleet {
         };
         for h in &fleet.hosts {
             fleet.write_capabilities(h)?;
-            fleet.write_needs(h.name, |_| true)?;
+            fleet.write_needs(h.name, |n| n.from_start)?;
             let d = h.dir.display();
             let toml = format!(
-                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{root}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n# Handlers get a clean environment: what they need is passed explicitly.\nhandler_environment = {{ FORT_EXAMPLE_STATE = \"{d}/examples\" }}\n{AGENT_TOML_EXTRA}",
+                "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{root}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n# Handlers get a clean environment: what they need is passed explicitly.\nhandler_environment = {{ FORT_EXAMPLE_STATE = \"{d}/examples\" }}\nsystemctl = \"{recorder}\"\n{AGENT_TOML_EXTRA}",
+                recorder = fleet.script("systemctl-recorder").display(),
                 name = h.name,
                 addr = h.addr,
                 root = root.display(),
@@ -180,24 +205,53 @@ impl Fleet {
     }
 
     /// Writes `host`'s `needs.json` with the declared needs `keep` accepts.
-    pub fn write_needs(&self, host: &str, keep: impl Fn(&str) -> bool) -> anyhow::Result<()> {
+    pub fn write_needs(&self, host: &str, keep: impl Fn(&NeedDecl) -> bool) -> anyhow::Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        // The files go to whoever runs the demo: as root or not, the agent can chown to it.
+        let me = std::fs::metadata(&self.root)?;
         let mut out = Map::new();
-        for n in self
-            .needs
-            .iter()
-            .filter(|n| n.consumer == host && keep(n.key))
-        {
-            out.insert(
-                n.key.to_owned(),
-                json!({
-                    "from": n.from,
-                    "request": n.request,
-                    "nag_seconds": NAG_SECONDS,
-                    "handler": n.handler.map(|s| self.script(s)),
-                }),
-            );
+        for n in self.needs.iter().filter(|n| n.consumer == host && keep(n)) {
+            let files: Vec<Value> = n
+                .files
+                .iter()
+                .map(|(name, pointer, mode)| {
+                    json!({
+                        "name": name,
+                        "path": self.delivered(n.key, name),
+                        "pointer": pointer,
+                        "mode": mode,
+                        "owner": me.uid().to_string(),
+                        "group": me.gid().to_string(),
+                    })
+                })
+                .collect();
+            let mut spec = json!({
+                "from": n.from,
+                "request": n.request,
+                "nag_seconds": NAG_SECONDS,
+                "handler": n.handler.map(|s| self.script(s)),
+                "files": files,
+            });
+            if let (Some(spec), Some(more)) = (spec.as_object_mut(), n.more.as_object()) {
+                spec.extend(more.clone());
+            }
+            out.insert(n.key.to_owned(), spec);
         }
         write_json(&self.host(host).dir.join("needs.json"), &Value::Object(out))
+    }
+
+    /// Where file `name` of app's need `key` is delivered.
+    pub fn delivered(&self, key: &str, name: &str) -> PathBuf {
+        self.host("app").dir.join("run/needs").join(key).join(name)
+    }
+
+    /// What the `systemctl` recorder wrote: one line per call.
+    pub fn systemctl_calls(&self) -> Vec<String> {
+        std::fs::read_to_string(self.root.join(SYSTEMCTL_LOG))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
     }
 
     pub fn script(&self, name: &str) -> PathBuf {

@@ -1,6 +1,7 @@
 //! `fort-agent demo`: a three-host fleet on loopback, started from this very binary, that
-//! converges and then walks through a certificate rotation, a released need and a
-//! provider killed with `kill -9`. Every step checks its claim against the agents' state
+//! converges (credentials landing in files, their units restarted once) and then walks
+//! through a certificate rotation, a released need, a provider killed with `kill -9` and
+//! a certificate renewed before it expires. Every step checks its claim against the agents' state
 //! and the files the example handlers write, and fails the demo when it does not hold, so
 //! the demo doubles as an end-to-end test in CI.
 
@@ -29,6 +30,10 @@ pub struct DemoArgs {
 
 const WIKI_DOMAIN: &str = "wiki.demo.test";
 const API_DOMAIN: &str = "api.demo.test";
+const SHORT_DOMAIN: &str = "short.demo.test";
+/// The short-lived certificate lives this long and is renewed this long before it ends.
+const SHORT_LIFETIME: u64 = 15;
+const SHORT_RENEW_BEFORE: u64 = 10;
 
 fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
     let cap = |host, name, handler, cache_response, description| CapDecl {
@@ -61,39 +66,58 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
             "reverse-proxy vhost file; answers OK",
         ),
     ];
-    let need = |key, from, request, handler| NeedDecl {
+    let need = |key, from, request: Value| NeedDecl {
         consumer: "app",
         key,
         from,
         request,
-        handler,
+        handler: None,
+        files: Vec::new(),
+        more: json!({}),
+        from_start: true,
     };
-    let store = Some("store-payload.sh");
     let needs = vec![
-        need(
-            "oidc/wiki",
-            "forge",
-            json!({"client_name": "wiki", "redirect_uri": format!("https://{WIKI_DOMAIN}/oauth/callback")}),
-            store,
-        ),
-        need(
-            "ssl-cert/wiki",
-            "forge",
-            json!({"domain": WIKI_DOMAIN}),
-            store,
-        ),
-        need(
-            "ssl-cert/api",
-            "forge",
-            json!({"domain": API_DOMAIN}),
-            store,
-        ),
+        // Delivered the NixOS way: two files cut from the JSON payload, and the service
+        // using them restarted once when they change.
+        NeedDecl {
+            files: vec![
+                ("client_id", "/client_id", "0444"),
+                ("client_secret", "/client_secret", "0400"),
+            ],
+            more: json!({"restart_units": ["wiki.service"]}),
+            ..need(
+                "oidc/wiki",
+                "forge",
+                json!({"client_name": "wiki", "redirect_uri": format!("https://{WIKI_DOMAIN}/oauth/callback")}),
+            )
+        },
+        NeedDecl {
+            files: vec![("bundle.pem", "", "0400")],
+            more: json!({"reload_units": ["nginx.service"]}),
+            ..need("ssl-cert/wiki", "forge", json!({"domain": WIKI_DOMAIN}))
+        },
+        // Delivered by a handler of its own (an example script that stores the payload).
+        NeedDecl {
+            handler: Some("store-payload.sh"),
+            ..need("ssl-cert/api", "forge", json!({"domain": API_DOMAIN}))
+        },
         need(
             "proxy/wiki",
             "beacon",
             json!({"server_name": WIKI_DOMAIN, "upstream": "http://127.0.0.1:3000"}),
-            None,
         ),
+        // Added by the renewal step: a certificate that lives seconds, renewed before it
+        // expires.
+        NeedDecl {
+            files: vec![("bundle.pem", "", "0400")],
+            more: json!({"reload_units": ["nginx.service"], "renew_before_seconds": SHORT_RENEW_BEFORE}),
+            from_start: false,
+            ..need(
+                "ssl-cert/short",
+                "forge",
+                json!({"domain": SHORT_DOMAIN, "lifetime_seconds": SHORT_LIFETIME}),
+            )
+        },
     ];
     (caps, needs)
 }
@@ -192,7 +216,12 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
             line(format!("serves {:<14} {}", c.name, c.description));
         }
         for n in fleet.needs.iter().filter(|n| n.consumer == h.name) {
-            line(format!("needs  {:<14} from {}", n.key, n.from));
+            let later = if n.from_start {
+                ""
+            } else {
+                " (added in step 4)"
+            };
+            line(format!("needs  {:<14} from {}{later}", n.key, n.from));
         }
     }
     println!("  ops     principal        the operator; its key signs the `fort` CLI's calls\n");
@@ -248,19 +277,22 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
         s["needs"]["total"],
         converged.as_secs_f64()
     );
-    let (_, oidc) = payload(fleet, "oidc/wiki")
-        .context("oidc/wiki was satisfied but its payload is not stored")?;
-    let oidc: Value = serde_json::from_slice(&oidc).context("the oidc/wiki payload is not JSON")?;
-    let secret = oidc["client_secret"]
-        .as_str()
-        .context("oidc/wiki payload has no client_secret")?
-        .to_owned();
+    let read = |need: &str, name: &str| {
+        let path = fleet.delivered(need, name);
+        std::fs::read_to_string(&path)
+            .with_context(|| format!("{need} was satisfied but {} is missing", path.display()))
+    };
+    let client_id = read("oidc/wiki", "client_id")?;
+    let secret = read("oidc/wiki", "client_secret")?;
+    println!("  app/run/needs/oidc/wiki/client_id       {client_id} (mode 0444)");
     println!(
-        "  app/examples/oidc_wiki       client_id {}, client_secret {}… (0600)",
-        oidc["client_id"].as_str().unwrap_or("?"),
+        "  app/run/needs/oidc/wiki/client_secret   {}… (mode 0400)",
         &secret[..8.min(secret.len())]
     );
-    for need in ["ssl-cert/wiki", "ssl-cert/api"] {
+    for (need, shown) in [
+        ("ssl-cert/wiki", "app/run/needs/ssl-cert/wiki/bundle.pem"),
+        ("ssl-cert/api", "app/examples/ssl-cert_api (its handler)"),
+    ] {
         let (_, pem) =
             payload(fleet, need).with_context(|| format!("{need} payload is not stored"))?;
         let pem = String::from_utf8_lossy(&pem);
@@ -268,10 +300,28 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
             bail!("{need}: the stored payload is not a PEM certificate and key");
         }
         println!(
-            "  app/examples/{:<15} PEM certificate + key, {}",
-            need.replace('/', "_"),
+            "  {shown:<39} PEM certificate + key, {}",
             cert_serial(fleet, need)
         );
+    }
+    // One restart of wiki.service for its two files, one reload of nginx for its
+    // certificate: each unit once per round, whatever number of files changed.
+    let wait = Wait::until("the units of the delivered files are restarted and reloaded");
+    let expected = ["restart -- wiki.service", "reload -- nginx.service"];
+    while !expected
+        .iter()
+        .all(|e| fleet.systemctl_calls().iter().any(|c| c == e))
+    {
+        wait.tick().await?;
+    }
+    steps::settle_rounds().await;
+    let calls = fleet.systemctl_calls();
+    println!(
+        "  systemctl (a recorder: the demo runs without systemd) was asked: {}",
+        calls.join("; ")
+    );
+    if calls.len() != expected.len() {
+        bail!("each unit should be restarted or reloaded once, systemctl was asked {calls:?}");
     }
     let vhost = fleet.examples_dir("beacon").join("vhosts/app@wiki.conf");
     let conf = std::fs::read_to_string(&vhost).context("beacon wrote no vhost for proxy/wiki")?;
@@ -286,18 +336,23 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
         s["needs"]["total"],
         converged.as_secs_f64()
     )];
-    let steps: [(&str, &str); 3] = [
+    let steps: [(&str, &str); 4] = [
         ("rotation", "certificate rotation reaches only its consumer"),
         ("release", "a removed need is released and cleaned up"),
         ("kill -9", "the provider killed and restarted loses nothing"),
+        (
+            "renewal",
+            "a certificate living seconds is renewed before it expires",
+        ),
     ];
     for (i, (short, title)) in steps.iter().enumerate() {
-        println!("Step {}/3: {title}", i + 1);
+        println!("Step {}/{}: {title}", i + 1, steps.len());
         let started = Instant::now();
         let detail = match i {
             0 => steps::rotation(fleet).await,
             1 => steps::release(fleet).await,
-            _ => steps::kill_and_restart(fleet, &secret).await,
+            2 => steps::kill_and_restart(fleet, &secret).await,
+            _ => steps::renewal(fleet).await,
         }
         .with_context(|| format!("step {} ({title}) failed", i + 1))?;
         let took = secs(started);
@@ -377,11 +432,22 @@ fn print_commands(fleet: &Fleet, temporary: bool) {
         sh_quote(&exe),
         sh_quote(&fleet.config("forge"))
     );
-    println!("  tail -f {}/*/agent.log", sh_quote(root));
+    println!(
+        "  ls -l {}",
+        sh_quote(&fleet.host("app").dir.join("run/needs/oidc/wiki"))
+    );
+    println!("  cat {}", sh_quote(&root.join(fleet::SYSTEMCTL_LOG)));
+    println!(
+        "  tail -n 5 {}",
+        sh_quote(&fleet.host("app").dir.join("agent.log"))
+    );
     if !fort.exists() {
+        // Built by the same profile as this binary, where the commands above look for it.
+        let release = exe.components().any(|c| c.as_os_str() == "release");
         println!(
-            "  ({} is not built yet: cargo build --bins)",
-            fort.display()
+            "  (build {} first: cargo build{} --bin fort)",
+            fort.display(),
+            if release { " --release" } else { "" }
         );
     }
     println!(

@@ -2,7 +2,7 @@
 //! they share: each step prints what it does, checks its claim against the agents' status
 //! and the files the example handlers write, and returns a one-line result or an error.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -10,7 +10,7 @@ use fort_core::canonical::sha256_hex;
 use serde_json::Value;
 
 use super::fleet::{stored_entries, Fleet};
-use super::WIKI_DOMAIN;
+use super::{SHORT_LIFETIME, SHORT_RENEW_BEFORE, WIKI_DOMAIN};
 use crate::admin::AdminRequest;
 
 /// How long one wait may take before the demo calls the step failed.
@@ -44,23 +44,59 @@ impl Wait {
     }
 }
 
-/// A stored payload: its digest (to compare) and its bytes.
+/// Where a need's payload can be read whole: its first delivered file, or what its
+/// handler stored.
+fn payload_path(fleet: &Fleet, need: &str) -> PathBuf {
+    let decl = fleet.needs.iter().find(|n| n.key == need);
+    match decl.and_then(|d| d.files.first()) {
+        Some((name, _, _)) => fleet.delivered(need, name),
+        None => fleet.examples_dir("app").join(need.replace('/', "_")),
+    }
+}
+
+/// What a need holds: the digest (to compare) and the bytes of all its delivered files,
+/// or of what its handler stored.
 pub(super) fn payload(fleet: &Fleet, need: &str) -> Option<(String, Vec<u8>)> {
-    let path = fleet.examples_dir("app").join(need.replace('/', "_"));
-    let bytes = std::fs::read(path).ok()?;
+    let decl = fleet.needs.iter().find(|n| n.key == need)?;
+    let bytes = if decl.files.is_empty() {
+        std::fs::read(payload_path(fleet, need)).ok()?
+    } else {
+        let mut all = Vec::new();
+        for (name, _, _) in &decl.files {
+            all.extend(std::fs::read(fleet.delivered(need, name)).ok()?);
+        }
+        all
+    };
     Some((sha256_hex(&bytes), bytes))
 }
 
-/// When a stored payload was last written. (Not its inode: a file replaced twice may get
-/// its first inode number back.)
-fn payload_written(fleet: &Fleet, need: &str) -> Option<std::time::SystemTime> {
-    let path = fleet.examples_dir("app").join(need.replace('/', "_"));
-    std::fs::metadata(path).ok().and_then(|m| m.modified().ok())
+/// Payloads a need has received (an unchanged one counts), from its status row.
+async fn received(fleet: &Fleet, need: &str) -> anyhow::Result<u64> {
+    let s = fleet.status("app").await?;
+    Ok(need_items(&s)
+        .iter()
+        .find(|n| n["need"] == need)
+        .and_then(|n| n["received"].as_u64())
+        .unwrap_or(0))
+}
+
+/// One need's status row.
+async fn need_row(fleet: &Fleet, need: &str) -> anyhow::Result<Value> {
+    let s = fleet.status("app").await?;
+    Ok(need_items(&s)
+        .into_iter()
+        .find(|n| n["need"] == need)
+        .unwrap_or(Value::Null))
+}
+
+/// Waits until the unit round in progress is over (gathered for 300 ms, rounds 1 s apart).
+pub(super) async fn settle_rounds() {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
 }
 
 /// `serial=…` of the certificate in a stored payload, for the reader; the check compares digests.
 pub(super) fn cert_serial(fleet: &Fleet, need: &str) -> String {
-    let path = fleet.examples_dir("app").join(need.replace('/', "_"));
+    let path = payload_path(fleet, need);
     std::process::Command::new("openssl")
         .args(["x509", "-noout", "-serial", "-in"])
         .arg(&path)
@@ -105,6 +141,7 @@ pub(super) async fn rotation(fleet: &Fleet) -> anyhow::Result<String> {
         cert_serial(fleet, "ssl-cert/wiki"),
         cert_serial(fleet, "ssl-cert/api")
     );
+    let calls_before = fleet.systemctl_calls().len();
     let marker = fleet.examples_dir("forge").join("rotate").join(WIKI_DOMAIN);
     std::fs::create_dir_all(marker.parent().expect("has a parent"))?;
     std::fs::write(&marker, "")?;
@@ -156,10 +193,26 @@ pub(super) async fn rotation(fleet: &Fleet) -> anyhow::Result<String> {
             marker.display()
         );
     }
+    let wait = Wait::until("nginx is reloaded for the new certificate");
+    while fleet.systemctl_calls().len() == calls_before {
+        wait.tick().await?;
+    }
+    settle_rounds().await;
+    let calls = fleet.systemctl_calls();
+    let new = &calls[calls_before..];
+    println!(
+        "  systemctl was asked: {} (wiki.service untouched)",
+        new.join("; ")
+    );
+    if new != ["reload -- nginx.service"] {
+        bail!(
+            "the rotation should reload nginx once and nothing else, systemctl was asked {new:?}"
+        );
+    }
     if !all_satisfied(&fleet.status("app").await?) {
         bail!("app has unsatisfied needs after the rotation");
     }
-    Ok("ssl-cert/wiki renewed, ssl-cert/api untouched, 1 callback".into())
+    Ok("ssl-cert/wiki renewed, ssl-cert/api untouched, 1 callback, nginx reloaded once".into())
 }
 
 pub(super) async fn release(fleet: &Fleet) -> anyhow::Result<String> {
@@ -180,7 +233,7 @@ pub(super) async fn release(fleet: &Fleet) -> anyhow::Result<String> {
     if before != 1 || !vhost.exists() {
         bail!("beacon should hold one proxy entry and its vhost before the release");
     }
-    fleet.write_needs("app", |k| k != "proxy/wiki")?;
+    fleet.write_needs("app", |n| n.from_start && n.key != "proxy/wiki")?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await
@@ -210,16 +263,21 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
     println!("  forge is killed with SIGKILL (no shutdown, no flush), then started again. Its entries were");
     println!("  durable before it answered 202, and its initialize run calls every consumer back.");
     let needs = ["oidc/wiki", "ssl-cert/wiki", "ssl-cert/api"];
-    let before: Vec<String> = needs
-        .iter()
-        .map(|n| {
-            Ok(payload(fleet, n)
-                .with_context(|| format!("no {n} payload"))?
-                .0)
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let mut before = Vec::new();
+    for n in needs {
+        let digest = payload(fleet, n)
+            .with_context(|| format!("no {n} payload"))?
+            .0;
+        before.push((digest, received(fleet, n).await?));
+    }
+    let stamp = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let files = [
+        fleet.delivered("oidc/wiki", "client_secret"),
+        fleet.delivered("ssl-cert/wiki", "bundle.pem"),
+    ];
+    let files_before: Vec<_> = files.iter().map(|p| stamp(p)).collect();
+    let calls_before = fleet.systemctl_calls();
     fleet.kill("forge");
-    let killed_at = std::time::SystemTime::now();
     let on_disk = stored_entries(fleet, "forge");
     let with_response = on_disk
         .values()
@@ -243,9 +301,10 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
     println!("  forge restarted (pid {pid})");
     let wait = Wait::until("app has received every payload again from the restarted forge");
     loop {
-        let redelivered = needs
-            .iter()
-            .all(|n| payload_written(fleet, n).is_some_and(|t| t > killed_at));
+        let mut redelivered = true;
+        for (n, (_, count)) in needs.iter().zip(&before) {
+            redelivered &= received(fleet, n).await? > *count;
+        }
         let s = fleet.status("forge").await?;
         let undelivered: u64 = ["oidc", "ssl-cert"]
             .iter()
@@ -260,24 +319,117 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
         }
         wait.tick().await?;
     }
-    for (n, digest) in needs.iter().zip(&before) {
+    for (n, (digest, _)) in needs.iter().zip(&before) {
         if payload(fleet, n).map(|p| p.0).as_ref() != Some(digest) {
             bail!("{n} changed across the restart: a cached response was lost");
         }
     }
-    let (_, oidc) = payload(fleet, "oidc/wiki").context("no oidc/wiki payload")?;
-    let oidc: Value = serde_json::from_slice(&oidc)?;
-    if oidc["client_secret"] != secret {
+    if read_secret(fleet)? != secret {
         bail!("the oidc client_secret changed across the restart");
     }
     if !all_satisfied(&fleet.status("app").await?) {
         bail!("app has unsatisfied needs after forge's restart");
     }
+    settle_rounds().await;
+    let files_after: Vec<_> = files.iter().map(|p| stamp(p)).collect();
+    if files_after != files_before {
+        bail!("a delivered file was rewritten although its content did not change");
+    }
+    if fleet.systemctl_calls() != calls_before {
+        bail!("a unit was restarted for a payload that did not change");
+    }
     println!(
-        "  app got all 3 payloads again, byte for byte the same: client_secret {}… unchanged",
+        "  app got all 3 payloads again, byte for byte the same: client_secret {}… unchanged,",
         &secret[..8.min(secret.len())]
     );
-    Ok("3 entries survived, same secret and certificates redelivered".into())
+    println!("  its delivered files untouched and no unit restarted");
+    Ok("3 entries survived, same secret and certificates, nothing restarted".into())
+}
+
+fn read_secret(fleet: &Fleet) -> anyhow::Result<String> {
+    let path = fleet.delivered("oidc/wiki", "client_secret");
+    std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+pub(super) async fn renewal(fleet: &Fleet) -> anyhow::Result<String> {
+    const NEED: &str = "ssl-cert/short";
+    println!("  app now also declares {NEED}: a certificate living {SHORT_LIFETIME}s, to be renewed {SHORT_RENEW_BEFORE}s");
+    println!("  before it expires (renew_before_seconds). In the renewal window the need is `expiring` and");
+    println!("  is asked for again with \"renew\": true, which forge's handler honours.");
+    fleet.write_needs("app", |n| n.key != "proxy/wiki")?;
+    fleet
+        .admin("app", &AdminRequest::Reload)
+        .await
+        .context("reload app")?;
+    let wait = Wait::until("app holds a certificate for ssl-cert/short");
+    let first = loop {
+        let row = need_row(fleet, NEED).await?;
+        if row["satisfied"] == true {
+            if let Some(at) = row["expires_at"].as_u64() {
+                break at;
+            }
+        }
+        wait.tick().await?;
+    };
+    let now = fort_core::wire::unix_now();
+    println!(
+        "  satisfied: {}, expires in {}s; the renewal window opens in {}s",
+        cert_serial(fleet, NEED),
+        first.saturating_sub(now),
+        first.saturating_sub(SHORT_RENEW_BEFORE).saturating_sub(now)
+    );
+    let calls_before = fleet.systemctl_calls().len();
+    let mut seen = vec!["satisfied".to_owned()];
+    let wait = Wait::until("ssl-cert/short is renewed");
+    let (renewed, row) = loop {
+        let row = need_row(fleet, NEED).await?;
+        let state = row["state"].as_str().unwrap_or("?").to_owned();
+        if seen.last() != Some(&state) {
+            seen.push(state);
+        }
+        match row["expires_at"].as_u64() {
+            Some(at) if at > first && row["satisfied"] == true => break (at, row),
+            _ => wait.tick().await?,
+        }
+    };
+    let now = fort_core::wire::unix_now();
+    if now >= first {
+        bail!("ssl-cert/short was renewed only after it expired");
+    }
+    let log = fleet.examples_dir("forge").join("renewals.log");
+    let renewals = std::fs::read_to_string(&log).unwrap_or_default();
+    if !renewals.contains("app:ssl-cert/short renew") {
+        bail!(
+            "forge's handler did not see renew: true ({} says {renewals:?})",
+            log.display()
+        );
+    }
+    println!("  states seen: {}", seen.join(" → "));
+    println!(
+        "  renewed {}s before expiry: {}, expires in {}s; forge's handler logged the renewal asked for",
+        first - now,
+        cert_serial(fleet, NEED),
+        renewed.saturating_sub(now)
+    );
+    let wait = Wait::until("nginx is reloaded for the renewed certificate");
+    while fleet.systemctl_calls().len() == calls_before {
+        wait.tick().await?;
+    }
+    if row["reason"] != Value::Null {
+        bail!("a renewed certificate should leave no reason, status says {row}");
+    }
+    println!(
+        "  systemctl was asked: {}",
+        fleet.systemctl_calls()[calls_before..].join("; ")
+    );
+    println!(
+        "  (it keeps being renewed every {}s while the demo runs)",
+        SHORT_LIFETIME - SHORT_RENEW_BEFORE
+    );
+    Ok(format!(
+        "renewed {}s before expiry, renew seen by the handler",
+        first - now
+    ))
 }
 
 /// `path` relative to the fleet's root, for shorter lines.
