@@ -115,6 +115,17 @@ fn refuse(app: &App, peer: Option<IpAddr>, err: ApiError, reason: &'static str) 
     plain(err.reply())
 }
 
+/// A timestamp outside the window, before or after the body: the reply tells the caller
+/// this host's time, so it can tell a skewed clock from a slow link.
+fn refuse_clock(app: &App, peer: Option<IpAddr>, message: String, now: u64) -> Response {
+    let mut resp = refuse(app, peer, ApiError::Unauthorized(message), "clock");
+    resp.headers_mut().insert(
+        H_SERVER_TIME,
+        HeaderValue::from_str(&now.to_string()).expect("digits"),
+    );
+    resp
+}
+
 /// How long an authenticated request waits for a slot before it is told to come back.
 const SLOT_WAIT: Duration = Duration::from_secs(5);
 
@@ -228,17 +239,12 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     let now = unix_now();
     let timestamp: u64 = timestamp_text.parse().expect("checked digits");
     if now.abs_diff(timestamp) > app.config.clock_skew.as_secs() {
-        let mut resp = refuse(
+        return refuse_clock(
             &app,
             peer,
-            ApiError::Unauthorized(format!("timestamp {timestamp} vs now {now}")),
-            "clock",
+            format!("timestamp {timestamp} vs now {now}"),
+            now,
         );
-        resp.headers_mut().insert(
-            H_SERVER_TIME,
-            HeaderValue::from_str(&now.to_string()).expect("digits"),
-        );
-        return resp;
     }
 
     // 5. Origin. An unknown one is refused only once its body is in, exactly when and how
@@ -305,11 +311,11 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     // in transit must not reach the nonce store, which forgets nonces past the window.
     let now = unix_now();
     if now.abs_diff(timestamp) > app.config.clock_skew.as_secs() {
-        return refuse(
+        return refuse_clock(
             &app,
             peer,
-            ApiError::Unauthorized(format!("timestamp {timestamp} vs now {now} after the body")),
-            "clock",
+            format!("timestamp {timestamp} vs now {now} after the body"),
+            now,
         );
     }
 
@@ -342,9 +348,16 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 
     // From here on every reply is signed. Authenticated work waits a little for a slot
-    // rather than being shed at once: these are callers the agent must serve anyway.
-    let outcome = match tokio::time::timeout(SLOT_WAIT, app.limiter.clone().acquire_owned()).await {
-        Ok(Ok(permit)) => {
+    // rather than being shed at once: these are callers the agent must serve anyway. The
+    // origin's own share is taken first, so one origin (a busy peer, a stolen key) can
+    // hold at most its share of the slots and the others still get theirs.
+    let slots = async {
+        let share = app.origin_slots(&origin).acquire_owned().await.ok()?;
+        let global = app.limiter.clone().acquire_owned().await.ok()?;
+        Some((share, global))
+    };
+    let outcome = match tokio::time::timeout(SLOT_WAIT, slots).await {
+        Ok(Some(permit)) => {
             // 7. Replay.
             let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
                 NonceCheck::Fresh => {

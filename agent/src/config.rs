@@ -327,9 +327,36 @@ impl Config {
                 message: format!("host {:?} is not a valid host name", config.host),
             });
         }
+        for name in config.handler_environment.keys() {
+            let malformed = name.is_empty() || name.contains(['=', '\0']);
+            if malformed || RESERVED_ENVIRONMENT.contains(&name.as_str()) {
+                return Err(ConfigError::Parse {
+                    file,
+                    message: format!(
+                        "handler_environment: {name:?} {}",
+                        if malformed {
+                            "is not a variable name"
+                        } else {
+                            "is set by the agent for each run and cannot be overridden"
+                        }
+                    ),
+                });
+            }
+        }
         Ok(config)
     }
 }
+
+/// Variables the agent sets per handler run: a handler must be able to trust them, so
+/// `handler_environment` may not name them.
+const RESERVED_ENVIRONMENT: &[&str] = &[
+    "FORT_HOST",
+    "FORT_NEED",
+    "FORT_ORIGIN",
+    "FORT_CAPABILITY",
+    "FORT_TRIGGER",
+    "FORT_RUN_ID",
+];
 
 #[cfg(test)]
 mod tests {
@@ -349,5 +376,24 @@ admin_socket = "/a"
         assert_eq!(c.clock_skew, Duration::from_secs(300));
         assert_eq!(c.gc.grace, Duration::from_secs(900));
         assert!(toml::from_str::<Config>(&format!("{text}\nclock_skw = \"1s\"")).is_err());
+    }
+
+    #[test]
+    fn handler_environment_cannot_override_what_the_agent_sets() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.toml");
+        let base = "host = \"forge\"\nlisten = \"127.0.0.1:7770\"\nhost_key = \"/k\"\nhosts = \"/h\"\nstate_dir = \"/s\"\nadmin_socket = \"/a\"\n";
+        for (env, refused) in [
+            ("{ FORT_NEED = \"x\" }", Some("set by the agent")),
+            ("{ \"A=B\" = \"x\" }", Some("not a variable name")),
+            ("{ FORT_EXAMPLE_STATE = \"/x\", PATH = \"/bin\" }", None),
+        ] {
+            std::fs::write(&path, format!("{base}handler_environment = {env}\n")).unwrap();
+            match (Config::load(&path), refused) {
+                (Ok(_), None) => {}
+                (Err(e), Some(why)) => assert!(e.to_string().contains(why), "{e}"),
+                (r, _) => panic!("{env}: {:?}", r.map(|_| ())),
+            }
+        }
     }
 }

@@ -6,8 +6,9 @@ use std::process::Command;
 use fort_core::canonical::{request_bytes, response_bytes};
 use fort_core::sign::{verify, Signer};
 use fort_core::wire::unix_now;
-use fort_tests::{raw_http, raw_post, signed_headers, write_key, Fleet};
+use fort_tests::{eventually, raw_http, raw_post, signed_headers, write_key, Fleet};
 use serde_json::json;
+use std::time::Duration;
 
 /// Host `a` serves rpc `echo` (allowed: ops) whose handler appends to a marker file, so
 /// "no handler ran" is observable; host `b` trusts the same principals.
@@ -822,4 +823,56 @@ async fn a_flood_of_unsigned_requests_costs_a_bounded_number_of_log_lines() {
         )),
         "{text}"
     );
+}
+
+/// One origin with many slow calls in flight holds only its share of the request slots
+/// (an eighth, at least 8): another origin is still served while all of them wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_origin_cannot_hold_every_request_slot() {
+    let mut f = Fleet::new();
+    f.principal("hog");
+    f.principal("ops");
+    let started = f.dir.path().join("started");
+    let gate = f.dir.path().join("gate");
+    let slow = f.script(
+        "slow",
+        &format!(
+            "echo x >> {}; while [ ! -e {} ]; do sleep 0.05; done; cat",
+            started.display(),
+            gate.display()
+        ),
+    );
+    f.capability(
+        "a",
+        "slow",
+        json!({"handler": slow, "mode": "rpc", "allowed": ["hog"]}),
+    );
+    f.host("a").extra_toml = "max_concurrent_requests = 16\n".into();
+    f.start();
+    let hog_calls = (0..16)
+        .map(|i| ("hog".to_owned(), json!({ "i": i })))
+        .collect();
+    let count = |p: &std::path::Path| {
+        std::fs::read_to_string(p)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    let (hog, ops) = tokio::join!(
+        f.post_concurrently("a", "/agent/capabilities/slow", hog_calls),
+        async {
+            assert!(eventually(Duration::from_secs(10), || count(&started) >= 8).await);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            // hog holds its share; ops gets a slot of its own at once.
+            let in_flight = count(&started);
+            let r = f
+                .post("ops", "a", "/agent/capabilities/status", &json!({}))
+                .await;
+            std::fs::write(&gate, "").unwrap();
+            (r.status, in_flight)
+        }
+    );
+    assert_eq!(ops.0, 200, "ops was not served while hog waited");
+    assert_eq!(ops.1, 8, "hog ran more calls at once than its share");
+    // hog's other calls waited for its share, not failed.
+    assert!(hog.iter().all(|s| *s == Some(200)), "{hog:?}");
 }

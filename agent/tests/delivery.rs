@@ -197,12 +197,18 @@ async fn files_land_with_their_content_owner_and_mode() {
             file(&client_id, "/client_id", "0644", &who),
         ]}),
     );
+    // The agent's own umask (0077 under the NixOS unit) must not hide the directories it
+    // creates from the services that read their files.
+    f.host("c").spawn.umask = Some(0o077);
     f.start();
     assert!(
         eventually(Duration::from_secs(15), || f.all_satisfied("c")).await,
         "{}",
         f.need_status("c", "secret/wiki")
     );
+    for d in [f.dir.path().join("run"), dir.clone()] {
+        assert_eq!(mode_of(&d), 0o755, "{}", d.display());
+    }
     let payload: Value = serde_json::from_str(&read(&whole)).expect("the whole payload, JSON");
     assert_eq!(payload["client_secret"], "v1-c:secret/wiki");
     // A string at the pointer is written as its bytes, not as JSON.

@@ -113,15 +113,29 @@ pub fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> 
     Ok(out)
 }
 
+/// Creates the missing directories of `dir` with mode 0755, whatever the umask (the
+/// agent runs with 0077): a service must traverse them to reach its own file. Existing
+/// directories are left as they are.
+fn create_traversable(dir: &Path) -> std::io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| std::fs::symlink_metadata(d).is_err())
+        .collect();
+    for d in missing.into_iter().rev() {
+        match std::fs::DirBuilder::new().mode(0o755).create(d) {
+            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Writes one file unless it already holds `data` with this owner and mode; returns
 /// whether the content changed.
 fn write_one(path: &Path, data: &[u8], uid: u32, gid: u32, mode: u32) -> std::io::Result<bool> {
     let dir = path.parent().unwrap_or(Path::new("/"));
-    // Parent directories a service must traverse: created 0755 where missing.
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(dir)?;
+    create_traversable(dir)?;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if meta.file_type().is_file() && meta.len() == data.len() as u64 {
             let same = std::fs::OpenOptions::new()

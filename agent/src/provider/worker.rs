@@ -135,13 +135,20 @@ impl Worker {
         );
 
         let output = match outcome {
-            Ok(ok) => serde_json::from_slice::<Value>(&ok.stdout)
-                .ok()
-                .and_then(|v| match v {
-                    Value::Object(m) => Some(m),
-                    _ => None,
-                })
-                .ok_or_else(|| "not_an_object".to_owned()),
+            Ok(ok) => {
+                // A handler explains the entries it refused on stderr: for the operator,
+                // bounded (it may echo a request; the log is root's alone).
+                if let Some(notes) = ok.stderr_excerpt(2048) {
+                    tracing::info!(capability = %self.capability, trigger = trigger.as_str(), stderr = %notes, "handler notes");
+                }
+                serde_json::from_slice::<Value>(&ok.stdout)
+                    .ok()
+                    .and_then(|v| match v {
+                        Value::Object(m) => Some(m),
+                        _ => None,
+                    })
+                    .ok_or_else(|| "not_an_object".to_owned())
+            }
             Err(e) => {
                 tracing::warn!(capability = %self.capability, trigger = trigger.as_str(), error = %e.summary(), stderr = e.stderr_excerpt(2048).unwrap_or_default(), "handler failed; nothing changed");
                 Err(e.class().to_owned())

@@ -171,6 +171,13 @@ pub struct Success {
     pub duration: Duration,
 }
 
+impl Success {
+    /// What the run printed on stderr, as [`RunError::stderr_excerpt`] gives it.
+    pub fn stderr_excerpt(&self, max: usize) -> Option<String> {
+        excerpt(&String::from_utf8_lossy(&self.stderr), max)
+    }
+}
+
 /// A run that did not exit 0.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -235,20 +242,25 @@ impl RunError {
     /// The start of what the handler printed on stderr, on one line (control characters
     /// escaped), at most `max` bytes: for the log only.
     pub fn stderr_excerpt(&self, max: usize) -> Option<String> {
-        let stderr = match self {
-            RunError::Exit { stderr, .. } | RunError::Signal { stderr, .. } => stderr,
-            _ => return None,
-        };
-        if stderr.is_empty() {
-            return None;
+        match self {
+            RunError::Exit { stderr, .. } | RunError::Signal { stderr, .. } => excerpt(stderr, max),
+            _ => None,
         }
-        let mut cut = stderr.len().min(max);
-        while !stderr.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let more = if cut < stderr.len() { "…" } else { "" };
-        Some(format!("{}{more}", stderr[..cut].escape_debug()))
     }
+}
+
+/// The start of `text` on one line (control characters escaped), at most `max` bytes.
+fn excerpt(text: &str, max: usize) -> Option<String> {
+    let text = text.trim_end();
+    if text.is_empty() {
+        return None;
+    }
+    let mut cut = text.len().min(max);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let more = if cut < text.len() { "…" } else { "" };
+    Some(format!("{}{more}", text[..cut].escape_debug()))
 }
 
 // ---------------------------------------------------------------------------------------

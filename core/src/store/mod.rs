@@ -126,6 +126,9 @@ pub struct Changes<'a, V> {
     base: &'a BTreeMap<String, V>,
     pending: &'a HashMap<String, (u64, Option<V>)>,
     staged: BTreeMap<String, Option<V>>,
+    /// The latest ticket of an unwritten value this change has read: a change that writes
+    /// nothing still waits for it, so no answer rests on a value that may never be written.
+    read_pending: std::cell::Cell<u64>,
 }
 
 impl<V> Changes<'_, V> {
@@ -133,7 +136,8 @@ impl<V> Changes<'_, V> {
         if let Some(v) = self.staged.get(key) {
             return v.as_ref();
         }
-        if let Some((_, v)) = self.pending.get(key) {
+        if let Some((ticket, v)) = self.pending.get(key) {
+            self.read_pending.set(self.read_pending.get().max(*ticket));
             return v.as_ref();
         }
         self.base.get(key)
@@ -342,17 +346,19 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
 
     fn stage<R>(&self, f: impl FnOnce(&mut Changes<'_, V>) -> R) -> Result<(R, Ticket), Staged<R>> {
         let mut st = self.inner.state.lock().expect("state lock");
-        let (r, staged) = {
+        let (r, staged, read_pending) = {
             let mut ch = Changes {
                 base: &st.map,
                 pending: &st.pending,
                 staged: BTreeMap::new(),
+                read_pending: std::cell::Cell::new(0),
             };
             let r = f(&mut ch);
-            (r, ch.staged)
+            (r, ch.staged, ch.read_pending.get())
         };
         if staged.is_empty() {
-            return Ok((r, Ticket(0)));
+            // Nothing to write, but what was read may not be on disk yet.
+            return Ok((r, Ticket(read_pending)));
         }
         let mut lines = Vec::with_capacity(staged.len());
         for (k, v) in &staged {

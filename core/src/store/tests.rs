@@ -69,11 +69,18 @@ async fn a_failed_write_leaves_memory_as_it_was() {
             c.put("derived", base + 1)
         })
         .unwrap();
+    // Deciding that nothing needs writing, from a value not yet written, waits for it.
+    let (seen, t3) = store.change(|c| c.get("lost").copied()).unwrap();
+    assert_eq!(seen, Some(2));
     assert!(store.flush_once().await.is_err());
     assert!(store.wait(t1).await.is_err());
     assert!(
         store.wait(t2).await.is_err(),
         "built on a failed change: fails too"
+    );
+    assert!(
+        store.wait(t3).await.is_err(),
+        "a change that wrote nothing but read a failed value: fails too"
     );
     assert_eq!(
         store.read(|m| m.clone()),
