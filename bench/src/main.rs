@@ -8,6 +8,7 @@
 mod burst;
 mod converge;
 mod cycle;
+mod deliver;
 mod gc;
 mod status;
 mod util;
@@ -28,6 +29,7 @@ use clap::{Parser, Subcommand};
   fort-bench status --target https://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
   fort-bench burst --consumers 20 --needs 50
   fort-bench fulfill-cycle --needs 500
+  fort-bench deliver --needs 500 --units 5
   fort-bench gc --origins 200
   fort-bench converge --consumers 50 --needs 10
   fort-bench --json converge")]
@@ -61,6 +63,9 @@ enum Cmd {
     Burst(burst::BurstArgs),
     /// One consumer's fulfiller: CPU of a steady cycle, and N needs all due at once.
     FulfillCycle(cycle::CycleArgs),
+    /// One consumer with N needs delivering files, answered in one burst and then all
+    /// rotated: time, files written, unit restarts issued.
+    Deliver(deliver::DeliverArgs),
     /// One GC sweep over entries from many origin agents.
     Gc(gc::GcArgs),
     /// Time for K consumer agents to converge, and their idle memory.
@@ -92,6 +97,7 @@ fn main() -> ExitCode {
             Cmd::Status(a) => status::run(a, json).await,
             Cmd::Burst(a) => burst::run(a, json).await,
             Cmd::FulfillCycle(a) => cycle::run(a, json).await,
+            Cmd::Deliver(a) => deliver::run(a, json).await,
             Cmd::Gc(a) => gc::run(a, json).await,
             Cmd::Converge(a) => converge::run(a, json).await,
         }

@@ -1,7 +1,9 @@
 //! Restarts and reloads of the units that use delivered files (docs/protocol.md §11.3).
 //! Requests are gathered into rounds: whatever needs changed together, each unit is
-//! restarted (or reloaded) once per round, and rounds are at least a second apart. A unit
-//! asked to restart and to reload in one round is restarted.
+//! restarted (or reloaded) once per round, and rounds are at least a second apart. A round
+//! closes once no request has come for a moment (a provider's callbacks for many needs
+//! arrive over a second or more) or when it has gathered for long enough. A unit asked to
+//! restart and to reload in one round is restarted.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -13,9 +15,12 @@ use fort_core::process::{run, RunSpec};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-/// How long a round gathers requests after the first one: needs delivered in one burst
-/// of callbacks land in one round.
+/// A round closes once this long has passed without a new request: needs delivered in
+/// one burst of callbacks land in one round.
 const SETTLE: Duration = Duration::from_millis(300);
+/// ... or this long after its first request, so a steady trickle of changes cannot hold
+/// every restart back.
+const GATHER_AT_MOST: Duration = Duration::from_secs(5);
 /// The shortest time between two rounds.
 const SPACING: Duration = Duration::from_secs(1);
 
@@ -34,6 +39,8 @@ struct Inner {
     restarts: AtomicU64,
     reloads: AtomicU64,
     calls: AtomicU64,
+    /// Requests queued since start: a round still gathering sees whether more came.
+    requested: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -53,6 +60,7 @@ impl Units {
                 restarts: AtomicU64::new(0),
                 reloads: AtomicU64::new(0),
                 calls: AtomicU64::new(0),
+                requested: AtomicU64::new(0),
             }),
         }
     }
@@ -67,6 +75,7 @@ impl Units {
             round.restart.extend(restart.iter().cloned());
             round.reload.extend(reload.iter().cloned());
         }
+        self.inner.requested.fetch_add(1, Ordering::Relaxed);
         self.inner.wake.notify_one();
     }
 
@@ -86,7 +95,16 @@ impl Units {
                 _ = self.inner.wake.notified() => {}
                 _ = shutdown.cancelled() => return,
             }
-            tokio::time::sleep(SETTLE).await;
+            let first = tokio::time::Instant::now();
+            loop {
+                let seen = self.inner.requested.load(Ordering::Relaxed);
+                tokio::time::sleep(SETTLE).await;
+                if self.inner.requested.load(Ordering::Relaxed) == seen
+                    || first.elapsed() >= GATHER_AT_MOST
+                {
+                    break;
+                }
+            }
             let round = std::mem::take(&mut *self.inner.round.lock().expect("round lock"));
             let reload: Vec<String> = round.reload.difference(&round.restart).cloned().collect();
             let restart: Vec<String> = round.restart.into_iter().collect();
