@@ -10,6 +10,7 @@ mod converge;
 mod cycle;
 mod deliver;
 mod gc;
+mod schema;
 mod status;
 mod util;
 
@@ -32,6 +33,7 @@ use clap::{Parser, Subcommand};
   fort-bench deliver --needs 500 --units 5
   fort-bench gc --origins 200
   fort-bench converge --consumers 50 --needs 10
+  fort-bench schema --requests 2000 --rounds 3
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -70,6 +72,8 @@ enum Cmd {
     Gc(gc::GcArgs),
     /// Time for K consumer agents to converge, and their idle memory.
     Converge(converge::ConvergeArgs),
+    /// Accepted async requests per second with a request_schema and without, as a ratio.
+    Schema(schema::SchemaArgs),
 }
 
 fn main() -> ExitCode {
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
             Cmd::Deliver(a) => deliver::run(a, json).await,
             Cmd::Gc(a) => gc::run(a, json).await,
             Cmd::Converge(a) => converge::run(a, json).await,
+            Cmd::Schema(a) => schema::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

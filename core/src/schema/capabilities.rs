@@ -104,7 +104,10 @@ impl RequestSchema {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
             let what = match e.kind() {
-                Kind::Required { property } => format!("{property} is required"),
+                Kind::Required { property } => match property.as_str() {
+                    Some(name) => format!("{name} is required"),
+                    None => format!("{property} is required"),
+                },
                 Kind::AdditionalProperties { unexpected } => {
                     format!("unexpected field {}", unexpected.join(", "))
                 }
