@@ -101,10 +101,17 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
             handler: Some("store-payload.sh"),
             ..need("ssl-cert/api", "forge", json!({"domain": API_DOMAIN}))
         },
+        // Built from another need's response: users sign in through the wiki's own OIDC
+        // client, whatever id forge issued it. Sent once oidc/wiki is satisfied, and again
+        // whenever its client_id changes.
         need(
             "proxy/wiki",
             "beacon",
-            json!({"server_name": WIKI_DOMAIN, "upstream": "http://127.0.0.1:3000"}),
+            json!({
+                "server_name": WIKI_DOMAIN,
+                "upstream": "http://127.0.0.1:3000",
+                "sign_in_client": {"$fort_ref": "oidc/wiki#/client_id"},
+            }),
         ),
         // Added by the renewal step: a certificate that lives seconds, renewed before it
         // expires.
@@ -326,8 +333,10 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
     let vhost = fleet.examples_dir("beacon").join("vhosts/app@wiki.conf");
     let conf = std::fs::read_to_string(&vhost).context("beacon wrote no vhost for proxy/wiki")?;
     println!(
-        "  beacon/examples/vhosts/app@wiki.conf  {}\n",
-        conf.lines().nth(1).unwrap_or("").trim()
+        "  beacon/examples/vhosts/app@wiki.conf  {}\n{:<41}{}\n",
+        conf.lines().nth(1).unwrap_or("").trim(),
+        "",
+        conf.lines().nth(2).unwrap_or("").trim()
     );
 
     let mut results = vec![format!(
@@ -336,8 +345,12 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
         s["needs"]["total"],
         converged.as_secs_f64()
     )];
-    let steps: [(&str, &str); 4] = [
+    let steps: [(&str, &str); 5] = [
         ("rotation", "certificate rotation reaches only its consumer"),
+        (
+            "reference",
+            "a request built from another need's response follows it",
+        ),
         ("release", "a removed need is released and cleaned up"),
         ("kill -9", "the provider killed and restarted loses nothing"),
         (
@@ -350,8 +363,9 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
         let started = Instant::now();
         let detail = match i {
             0 => steps::rotation(fleet).await,
-            1 => steps::release(fleet).await,
-            2 => steps::kill_and_restart(fleet, &secret).await,
+            1 => steps::reference(fleet).await,
+            2 => steps::release(fleet).await,
+            3 => steps::kill_and_restart(fleet).await,
             _ => steps::renewal(fleet).await,
         }
         .with_context(|| format!("step {} ({title}) failed", i + 1))?;

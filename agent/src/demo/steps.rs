@@ -1,4 +1,4 @@
-//! The three steps of the demo walkthrough, after the fleet has converged, and the probes
+//! The steps of the demo walkthrough, after the fleet has converged, and the probes
 //! they share: each step prints what it does, checks its claim against the agents' status
 //! and the files the example handlers write, and returns a one-line result or an error.
 
@@ -215,6 +215,81 @@ pub(super) async fn rotation(fleet: &Fleet) -> anyhow::Result<String> {
     Ok("ssl-cert/wiki renewed, ssl-cert/api untouched, 1 callback, nginx reloaded once".into())
 }
 
+pub(super) async fn reference(fleet: &Fleet) -> anyhow::Result<String> {
+    println!("  app's proxy/wiki request carries {{\"$fort_ref\": \"oidc/wiki#/client_id\"}}: beacon's vhost");
+    println!(
+        "  names the wiki's OIDC client. forge issues new OIDC clients (`fort-agent trigger oidc"
+    );
+    println!(
+        "  --force`); app gets the new client, restarts wiki.service, and sends proxy/wiki again."
+    );
+    let vhost = fleet.examples_dir("beacon").join("vhosts/app@wiki.conf");
+    let client_line = || {
+        std::fs::read_to_string(&vhost)
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.contains("OIDC client"))
+            .map(|l| l.trim().to_owned())
+            .unwrap_or_default()
+    };
+    let id_before = read_delivered(fleet, "oidc/wiki", "client_id")?;
+    if !client_line().ends_with(&id_before) {
+        bail!(
+            "beacon's vhost should name client {id_before}, it says {:?}",
+            client_line()
+        );
+    }
+    println!("  before: client_id {id_before}; vhost: {}", client_line());
+    let proxy_sent = need_row(fleet, "proxy/wiki").await?["received"]
+        .as_u64()
+        .unwrap_or(0);
+    let calls_before = fleet.systemctl_calls().len();
+    fleet
+        .admin(
+            "forge",
+            &AdminRequest::Trigger {
+                capability: "oidc".into(),
+                force: true,
+                reason: None,
+            },
+        )
+        .await
+        .context("trigger oidc on forge")?;
+    let wait = Wait::until("beacon's vhost names the new OIDC client");
+    let id_after = loop {
+        let id = read_delivered(fleet, "oidc/wiki", "client_id")?;
+        if id != id_before && client_line().ends_with(&id) {
+            break id;
+        }
+        wait.tick().await?;
+    };
+    let wait = Wait::until("app has proxy/wiki satisfied for the new client");
+    while need_row(fleet, "proxy/wiki").await?["received"]
+        .as_u64()
+        .unwrap_or(0)
+        <= proxy_sent
+    {
+        wait.tick().await?;
+    }
+    settle_rounds().await;
+    println!("  after:  client_id {id_after}; vhost: {}", client_line());
+    let calls = fleet.systemctl_calls();
+    let new = &calls[calls_before..];
+    println!("  systemctl was asked: {}", new.join("; "));
+    if new != ["restart -- wiki.service"] {
+        bail!("new OIDC credentials should restart wiki.service once, systemctl was asked {new:?}");
+    }
+    if !all_satisfied(&fleet.status("app").await?) {
+        bail!("app has unsatisfied needs after the new OIDC client");
+    }
+    Ok("new OIDC client, proxy/wiki sent again with it, wiki.service restarted once".into())
+}
+
+fn read_delivered(fleet: &Fleet, need: &str, file: &str) -> anyhow::Result<String> {
+    let path = fleet.delivered(need, file);
+    std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))
+}
+
 pub(super) async fn release(fleet: &Fleet) -> anyhow::Result<String> {
     println!("  app stops declaring proxy/wiki (needs.json rewritten, then `fort-agent reload`): it tells");
     println!("  beacon at once, beacon drops the entry and its handler removes the vhost.");
@@ -259,10 +334,11 @@ pub(super) async fn release(fleet: &Fleet) -> anyhow::Result<String> {
     Ok("entry released at once, vhost removed".into())
 }
 
-pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow::Result<String> {
+pub(super) async fn kill_and_restart(fleet: &mut Fleet) -> anyhow::Result<String> {
     println!("  forge is killed with SIGKILL (no shutdown, no flush), then started again. Its entries were");
     println!("  durable before it answered 202, and its initialize run calls every consumer back.");
     let needs = ["oidc/wiki", "ssl-cert/wiki", "ssl-cert/api"];
+    let secret = read_secret(fleet)?;
     let mut before = Vec::new();
     for n in needs {
         let digest = payload(fleet, n)
@@ -347,8 +423,7 @@ pub(super) async fn kill_and_restart(fleet: &mut Fleet, secret: &str) -> anyhow:
 }
 
 fn read_secret(fleet: &Fleet) -> anyhow::Result<String> {
-    let path = fleet.delivered("oidc/wiki", "client_secret");
-    std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))
+    read_delivered(fleet, "oidc/wiki", "client_secret")
 }
 
 pub(super) async fn renewal(fleet: &Fleet) -> anyhow::Result<String> {
