@@ -1,4 +1,4 @@
-//! The request pipeline of PROTOCOL.md §3, in its order: transport limits, method and
+//! The request pipeline of docs/protocol.md §3, in its order: transport limits, method and
 //! path, headers, clock, origin, signature, nonce — and only then the endpoint. The
 //! first failure ends the request and no handler runs. Every response to a request whose
 //! signature verified is itself signed (§4).

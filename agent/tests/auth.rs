@@ -479,7 +479,10 @@ fn fort_pin(f: &Fleet, host: &str) -> String {
 #[tokio::test]
 async fn the_readme_s_hand_signing_script_works_with_the_right_pin_only() {
     if Command::new("curl").arg("--version").output().is_err() {
-        eprintln!("SKIP: curl not found");
+        fort_tests::skip(
+            "the_readme_s_hand_signing_script_works_with_the_right_pin_only",
+            "curl not found (apt-get install curl)",
+        );
         return;
     }
     let (f, marker) = fleet();

@@ -54,7 +54,10 @@ async fn a_full_disk_refuses_with_503_and_loses_nothing_accepted() {
     provider(&mut f);
     f.write_files();
     let Some(_disk) = TinyDisk::mount(&f.host_dir("p").join("state"), "512k") else {
-        eprintln!("SKIP: cannot mount a tmpfs here (needs root); full-disk behaviour untested");
+        fort_tests::skip(
+            "a_full_disk_refuses_with_503_and_loses_nothing_accepted",
+            "cannot mount a tmpfs here (needs root); full-disk behaviour untested",
+        );
         return;
     };
     f.start_host("p");

@@ -1,4 +1,4 @@
-//! The exact bytes that are signed (PROTOCOL.md §3 and §4). Both sides build them
+//! The exact bytes that are signed (docs/protocol.md §3 and §4). Both sides build them
 //! themselves; nothing here is ever parsed back.
 
 use sha2::{Digest, Sha256};

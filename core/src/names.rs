@@ -1,4 +1,4 @@
-//! The name grammars of PROTOCOL.md §1, checked by hand (no regex engine on the hot path).
+//! The name grammars of docs/protocol.md §1, checked by hand (no regex engine on the hot path).
 
 use std::fmt;
 

@@ -1,4 +1,4 @@
-//! Header names, paths and JSON bodies of the wire protocol (PROTOCOL.md §2–§8).
+//! Header names, paths and JSON bodies of the wire protocol (docs/protocol.md §2–§8).
 
 use serde::{Deserialize, Serialize};
 

@@ -1,4 +1,4 @@
-//! The consumer side (PROTOCOL.md §6, §7, §10): the needs this host declares, their
+//! The consumer side (docs/protocol.md §6, §7, §10): the needs this host declares, their
 //! fulfilment state, the nag scheduler that asks providers, and callback handling.
 //! One in-process owner keeps the state; callbacks and the scheduler both go through it.
 

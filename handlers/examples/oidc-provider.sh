@@ -1,5 +1,5 @@
 #!/bin/sh
-# oidc-provider.sh: example async provider handler (PROTOCOL.md §9) for an OIDC-like
+# oidc-provider.sh: example async provider handler (docs/protocol.md §9) for an OIDC-like
 # credential. Every entry `<origin>:oidc/<id>` gets {"client_id": ..., "client_secret": ...}.
 # Run it with cacheResponse: an entry that already has a response keeps it, so a consumer
 # asking again (nag, restart, re-request) gets the same secret; only

@@ -1,5 +1,5 @@
 #!/bin/sh
-# proxy-provider.sh: example side-effect-only async provider handler (PROTOCOL.md §9).
+# proxy-provider.sh: example side-effect-only async provider handler (docs/protocol.md §9).
 # Every entry `<origin>:proxy/<id>` with request {"server_name": "wiki.example.org",
 # "upstream": "http://10.0.0.7:3000"} (and optionally "sign_in_client": an OIDC client id
 # users sign in through, typically a reference to the consumer's own oidc need, §11.5)

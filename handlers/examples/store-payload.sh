@@ -1,5 +1,5 @@
 #!/bin/sh
-# store-payload.sh: example consumer handler (PROTOCOL.md §7). Stores the payload of the
+# store-payload.sh: example consumer handler (docs/protocol.md §7). Stores the payload of the
 # need $FORT_NEED (`<type>/<id>`) in $FORT_EXAMPLE_STATE/<type>_<id>, mode 0600, replacing
 # the previous one atomically (temporary file + rename), so a service reading it never
 # sees half a secret. Exit 0 tells the agent the need is satisfied. A real handler would
