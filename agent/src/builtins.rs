@@ -112,6 +112,7 @@ pub fn status(app: &Arc<App>) -> Value {
         "host": app.config.host,
         "version": fort_core::VERSION,
         "uptime_seconds": app.started.elapsed().as_secs(),
+        "manifest_sha256": loaded.manifest_sha256,
         "needs": {
             "total": needs.len(),
             "satisfied": satisfied,

@@ -11,6 +11,18 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
+/// The manifest hash of §11.7: SHA-256 of `hosts.json`, `\n`, `needs.json`, `\n`,
+/// `capabilities.json`, each as the bytes loaded (an absent file is empty).
+pub fn manifest_sha256(hosts: &[u8], needs: &[u8], capabilities: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(hosts);
+    h.update(b"\n");
+    h.update(needs);
+    h.update(b"\n");
+    h.update(capabilities);
+    hex::encode(h.finalize())
+}
+
 /// The eight-line request string of §3.
 pub fn request_bytes(
     target: &str,
@@ -39,6 +51,14 @@ pub fn response_bytes(responder: &str, nonce: &str, status: u16, body: &[u8]) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn manifest_hash_joins_the_three_files_with_newlines() {
+        assert_eq!(
+            manifest_sha256(b"{\"hosts\":{}}", b"", b"{}"),
+            sha256_hex(b"{\"hosts\":{}}\n\n{}")
+        );
+    }
 
     #[test]
     fn request_layout() {

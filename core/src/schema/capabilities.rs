@@ -146,7 +146,16 @@ impl<'de> Deserialize<'de> for RequestSchema {
 pub type Capabilities = BTreeMap<String, CapabilitySpec>;
 
 pub fn load_capabilities(file: &Path, registry: &Registry) -> Result<Capabilities, SchemaError> {
-    let raw: Capabilities = parse_json(file, &read(file)?)?;
+    capabilities_from_bytes(file, &read(file)?, registry)
+}
+
+/// `capabilities.json` from bytes already read (`file` names them in errors).
+pub fn capabilities_from_bytes(
+    file: &Path,
+    bytes: &[u8],
+    registry: &Registry,
+) -> Result<Capabilities, SchemaError> {
+    let raw: Capabilities = parse_json(file, bytes)?;
     validate_capabilities(file, raw, registry)
 }
 

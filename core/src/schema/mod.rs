@@ -11,14 +11,14 @@ pub mod refs;
 use std::path::Path;
 
 pub use capabilities::{
-    load_capabilities, validate_capabilities, Capabilities, CapabilitySpec, Mode, RequestSchema,
-    Triggers,
+    capabilities_from_bytes, load_capabilities, validate_capabilities, Capabilities,
+    CapabilitySpec, Mode, RequestSchema, Triggers,
 };
 pub use hosts::{
     is_address, is_plaintext_address, HostEntry, HostsFile, Peer, PeerKind, PrincipalEntry,
     Registry,
 };
-pub use needs::{load_needs, validate_needs, FileSpec, NeedSpec, Needs};
+pub use needs::{load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs};
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
 pub const BUILTIN_CAPABILITIES: [&str; 5] = ["status", "manifest", "needs", "journal", "systemd"];
@@ -26,11 +26,10 @@ pub const BUILTIN_CAPABILITIES: [&str; 5] = ["status", "manifest", "needs", "jou
 /// A configuration file that cannot be used, with enough context to fix it.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
-    #[error("{file}: cannot read: {source}")]
-    Read {
-        file: String,
-        source: std::io::Error,
-    },
+    // Not a `#[source]`: the message already carries it, and chains of causes
+    // (anyhow's `{:#}`) would print it twice.
+    #[error("{file}: cannot read: {error}")]
+    Read { file: String, error: std::io::Error },
     #[error("{file}: at `{path}`: {message}")]
     Parse {
         file: String,
@@ -62,8 +61,8 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(
 }
 
 pub(crate) fn read(file: &Path) -> Result<Vec<u8>, SchemaError> {
-    std::fs::read(file).map_err(|source| SchemaError::Read {
+    std::fs::read(file).map_err(|error| SchemaError::Read {
         file: file.display().to_string(),
-        source,
+        error,
     })
 }

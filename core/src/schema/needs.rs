@@ -118,7 +118,16 @@ impl FileSpec {
 pub type Needs = BTreeMap<NeedKey, NeedSpec>;
 
 pub fn load_needs(file: &Path, registry: &Registry) -> Result<Needs, SchemaError> {
-    let raw: BTreeMap<String, NeedSpec> = parse_json(file, &read(file)?)?;
+    needs_from_bytes(file, &read(file)?, registry)
+}
+
+/// `needs.json` from bytes already read (`file` names them in errors).
+pub fn needs_from_bytes(
+    file: &Path,
+    bytes: &[u8],
+    registry: &Registry,
+) -> Result<Needs, SchemaError> {
+    let raw: BTreeMap<String, NeedSpec> = parse_json(file, bytes)?;
     validate_needs(file, raw, registry)
 }
 
