@@ -5,14 +5,15 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// This host's name in hosts.json; the signed target of every request it accepts.
     pub host: String,
     /// Address the signed HTTP control plane listens on.
+    #[serde(deserialize_with = "addr::listen")]
     pub listen: SocketAddr,
     /// Unencrypted OpenSSH ed25519 private key; its public half must be in hosts.json.
     pub host_key: PathBuf,
@@ -95,7 +96,7 @@ pub struct Config {
     #[serde(default = "defaults::systemctl")]
     pub systemctl: PathBuf,
     /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "addr::metrics_listen")]
     pub metrics_listen: Option<SocketAddr>,
     /// Who may call the operator built-ins.
     #[serde(default)]
@@ -111,7 +112,7 @@ pub struct Config {
     pub fulfill: FulfillConfig,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Access {
     /// Principals allowed `journal`. Unset: nobody.
@@ -122,7 +123,7 @@ pub struct Access {
     pub systemd: Vec<String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct GcConfig {
     /// Time between sweeps; `0s` disables the periodic sweep. Unset: 1 h.
@@ -152,7 +153,7 @@ impl Default for GcConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CallbackConfig {
     /// Deliveries in flight at once. Unset: 32.
@@ -184,7 +185,7 @@ impl Default for CallbackConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FulfillConfig {
     /// Requests in flight to one provider at once. Unset: 8.
@@ -201,6 +202,32 @@ pub struct FulfillConfig {
 impl Default for FulfillConfig {
     fn default() -> Self {
         toml::from_str("").expect("defaults parse")
+    }
+}
+
+/// `listen` and `metrics_listen` are an IP address and a port: the agent binds exactly
+/// that, and resolving a name could give another address on another day.
+mod addr {
+    use std::net::SocketAddr;
+
+    use serde::{Deserialize, Deserializer};
+
+    fn parse<E: serde::de::Error>(key: &str, text: &str) -> Result<SocketAddr, E> {
+        text.parse().map_err(|_| {
+            E::custom(format!(
+                "{key} = {text:?}: use an IP address and port such as 127.0.0.1:7770 or [::]:7770; host names are not resolved"
+            ))
+        })
+    }
+
+    pub fn listen<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+        parse("listen", &String::deserialize(d)?)
+    }
+
+    pub fn metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|t| parse("metrics_listen", &t))
+            .transpose()
     }
 }
 
@@ -301,11 +328,9 @@ mod defaults {
 /// A config file that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{file}: cannot read: {source}")]
-    Read {
-        file: String,
-        source: std::io::Error,
-    },
+    // Not a `#[source]`: the message carries it (a chain of causes would repeat it).
+    #[error("{file}: cannot read: {error}")]
+    Read { file: String, error: std::io::Error },
     #[error("{file}: {message}")]
     Parse { file: String, message: String },
 }
@@ -313,11 +338,17 @@ pub enum ConfigError {
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             file: file.clone(),
-            source,
+            error,
         })?;
-        let config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        Config::from_text(path, &text)
+    }
+
+    /// Parses a config already read (`path` names it in errors).
+    pub fn from_text(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             file: file.clone(),
             message: e.to_string(),
         })?;

@@ -9,6 +9,9 @@ use ssh_key::{Algorithm, HashAlg, LineEnding, PrivateKey, PublicKey, SshSig};
 
 use crate::canonical::NAMESPACE;
 
+/// The first line of an OpenSSH private key file.
+pub const OPENSSH_ARMOR: &str = "-----BEGIN OPENSSH PRIVATE KEY-----";
+
 /// The longest `X-Fort-Signature` value accepted (§3).
 pub const MAX_SIGNATURE_LEN: usize = 2048;
 
@@ -36,18 +39,17 @@ pub enum VerifyError {
 }
 
 /// Why a key could not be loaded.
+///
+/// Causes are part of the message and not `#[source]`s, so that a chain of causes
+/// (anyhow's `{:#}`) does not print them twice.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
-    #[error("cannot read key {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("key {path} is not an OpenSSH private key: {source}")]
-    Parse {
-        path: String,
-        source: ssh_key::Error,
-    },
+    #[error("cannot read key {path}: {error}")]
+    Read { path: String, error: std::io::Error },
+    #[error("key {path} is not an OpenSSH private key (expected a file starting with {OPENSSH_ARMOR}){hint}")]
+    NotOpenSsh { path: String, hint: &'static str },
+    #[error("key {path} is not a usable OpenSSH private key: {error}")]
+    Parse { path: String, error: ssh_key::Error },
     #[error("key {path} is encrypted; fort needs an unencrypted key")]
     Encrypted { path: String },
     #[error("key {path} is {algorithm}; fort signs with ssh-ed25519 only")]
@@ -107,13 +109,26 @@ impl Signer {
     /// Reads an unencrypted OpenSSH ed25519 private key.
     pub fn from_file(path: &Path) -> Result<Signer, KeyError> {
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| KeyError::Read {
+        let bytes = std::fs::read(path).map_err(|error| KeyError::Read {
             path: shown.clone(),
-            source,
+            error,
         })?;
-        let key = PrivateKey::from_openssh(text.trim()).map_err(|source| KeyError::Parse {
+        // What the parser would say about anything else ("PEM preamble contains invalid
+        // data") does not tell what file was expected.
+        let text = std::str::from_utf8(&bytes).unwrap_or("").trim();
+        if !text.starts_with(OPENSSH_ARMOR) {
+            let hint = if text.starts_with("ssh-") {
+                "; this looks like a public key: give the file without .pub"
+            } else if text.starts_with("-----BEGIN ") {
+                "; this is another PEM format: fort needs an ed25519 key as ssh-keygen -t ed25519 writes it"
+            } else {
+                ""
+            };
+            return Err(KeyError::NotOpenSsh { path: shown, hint });
+        }
+        let key = PrivateKey::from_openssh(text).map_err(|error| KeyError::Parse {
             path: shown.clone(),
-            source,
+            error,
         })?;
         if key.is_encrypted() {
             return Err(KeyError::Encrypted { path: shown });
