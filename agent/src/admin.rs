@@ -1,6 +1,7 @@
 //! The admin socket: a Unix socket (mode 0600) speaking one JSON request line and one
 //! JSON reply line per connection. Only root (or the agent's user) can reach it, so it
-//! needs no signatures; it is how `fort-agent status|trigger|gc|reload` talk to the daemon.
+//! needs no signatures; it is how `fort-agent status|trigger|gc|reload|plan` talk to the
+//! daemon.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -33,6 +34,17 @@ pub enum AdminRequest {
         dry_run: bool,
     },
     Reload,
+    /// What loading these files would change; changes nothing. The files travel as
+    /// text, so the agent needs no access to where they are.
+    Plan {
+        hosts: crate::plan::PlanFile,
+        #[serde(default)]
+        needs: Option<crate::plan::PlanFile>,
+        #[serde(default)]
+        capabilities: Option<crate::plan::PlanFile>,
+        #[serde(default)]
+        config: Option<crate::plan::PlanFile>,
+    },
 }
 
 /// Binds the socket so that no one else can ever connect to it, not even for a moment:
@@ -63,6 +75,11 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
 /// Admin connections served at once; more wait for the kernel's backlog.
 const ADMIN_CONNECTIONS: usize = 16;
 
+/// The longest request line. A plan carries a fleet's hosts.json and a host's needs and
+/// capabilities; only root (or the agent's user) can connect, so this only bounds
+/// mistakes.
+const REQUEST_LIMIT: u64 = 64 * 1024 * 1024;
+
 pub async fn serve(app: Arc<App>, listener: UnixListener) {
     let slots = Arc::new(tokio::sync::Semaphore::new(ADMIN_CONNECTIONS));
     loop {
@@ -92,7 +109,7 @@ async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     // A client that connects and says nothing is dropped, as on the network listeners.
-    let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, 64 * 1024));
+    let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, REQUEST_LIMIT));
     let reading = reader.read_line(&mut line);
     match tokio::time::timeout(app.config.header_read_timeout, reading).await {
         Ok(read) => {
@@ -127,6 +144,27 @@ async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
             Ok(()) => json!({"ok": true}),
             Err(e) => json!({"ok": false, "error": e}),
         },
+        AdminRequest::Plan {
+            hosts,
+            needs,
+            capabilities,
+            config,
+        } => {
+            let req = crate::plan::PlanRequest {
+                hosts,
+                needs,
+                capabilities,
+                config,
+            };
+            // Parsing and comparing a large fleet's files takes a while: off the
+            // runtime's threads.
+            let app = app.clone();
+            match tokio::task::spawn_blocking(move || crate::plan::plan(&app, &req)).await {
+                Ok(Ok(plan)) => json!({"ok": true, "plan": plan}),
+                Ok(Err(e)) => json!({"ok": false, "error": e}),
+                Err(e) => json!({"ok": false, "error": format!("plan failed: {e}")}),
+            }
+        }
         AdminRequest::Gc { dry_run } => {
             let report = crate::provider::gc::run_once(app, dry_run).await;
             json!({"ok": true, "report": report})

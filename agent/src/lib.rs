@@ -15,6 +15,7 @@ pub mod loaded;
 pub mod logging;
 pub mod metrics;
 pub mod nonce;
+pub mod plan;
 pub mod provider;
 pub mod routes;
 pub mod server;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use fort_agent::admin::{self, AdminRequest};
 use fort_agent::config::Config;
+use fort_agent::plan::{self, request::PlanArgs};
 use tokio_util::sync::CancellationToken;
 
 const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
@@ -17,7 +18,7 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent gc --dry-run\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -66,6 +67,32 @@ enum Command {
         dry_run: bool,
         #[arg(long, default_value = DEFAULT_CONFIG)]
         config: PathBuf,
+    },
+    /// Show what loading new files would change in the running agent; changes nothing.
+    ///
+    /// The files not given are those the new config (or else the running one) names,
+    /// as a reload would read them. They are read here and sent to the agent, which
+    /// validates them exactly as a reload does.
+    Plan {
+        /// The running agent's config: its admin socket, and the files it names.
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// A new agent.toml: keys that change are listed (they take effect on a
+        /// restart), and it names the files not given below.
+        #[arg(long, value_name = "FILE")]
+        new_config: Option<PathBuf>,
+        /// The new hosts.json.
+        #[arg(long, value_name = "FILE")]
+        hosts: Option<PathBuf>,
+        /// The new needs.json.
+        #[arg(long, value_name = "FILE")]
+        needs: Option<PathBuf>,
+        /// The new capabilities.json.
+        #[arg(long, value_name = "FILE")]
+        capabilities: Option<PathBuf>,
+        /// Print the plan as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Re-read hosts.json, needs.json and capabilities.json (same as SIGHUP).
     Reload {
@@ -188,6 +215,23 @@ async fn main() -> ExitCode {
             print_admin(admin_call(&config, AdminRequest::Gc { dry_run }).await)
         }
         Command::Reload { config } => print_admin(admin_call(&config, AdminRequest::Reload).await),
+        Command::Plan {
+            config,
+            new_config,
+            hosts,
+            needs,
+            capabilities,
+            json,
+        } => {
+            let args = PlanArgs {
+                config,
+                new_config,
+                hosts,
+                needs,
+                capabilities,
+            };
+            plan(&args, json).await
+        }
         Command::Demo(args) => {
             init_tracing_quiet();
             match fort_agent::demo::run(args).await {
@@ -198,6 +242,51 @@ async fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+async fn plan(args: &PlanArgs, json: bool) -> ExitCode {
+    let fail = |e: &str| {
+        eprintln!("fort-agent plan: {e}");
+        ExitCode::FAILURE
+    };
+    let (running, req, notes) = match plan::request::build(args) {
+        Ok(b) => b,
+        Err(e) => return fail(&e),
+    };
+    for n in notes {
+        eprintln!("fort-agent plan: note: {n}");
+    }
+    let req = AdminRequest::Plan {
+        hosts: req.hosts,
+        needs: req.needs,
+        capabilities: req.capabilities,
+        config: req.config,
+    };
+    let reply = match admin::call(&running.admin_socket, &req).await {
+        Ok(v) => v,
+        Err(e) => return fail(&e),
+    };
+    if reply["ok"].as_bool() != Some(true) {
+        return fail(
+            reply["error"]
+                .as_str()
+                .unwrap_or("the agent refused the plan"),
+        );
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&reply["plan"]).unwrap_or_default()
+        );
+        return ExitCode::SUCCESS;
+    }
+    match serde_json::from_value::<plan::Plan>(reply["plan"].clone()) {
+        Ok(p) => {
+            print!("{}", plan::render::text(&p));
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("the agent's plan does not parse: {e}")),
     }
 }
 

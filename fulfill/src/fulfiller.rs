@@ -106,7 +106,7 @@ pub enum DeliverError {
 }
 
 /// What identifies a need's declaration: a change means asking again from scratch.
-fn declaration_hash(spec: &NeedSpec) -> String {
+pub(crate) fn declaration_hash(spec: &NeedSpec) -> String {
     let declared = serde_json::json!({
         "from": spec.from,
         "request": spec.request,

@@ -6,11 +6,13 @@ mod deliver;
 pub mod expiry;
 pub mod files;
 mod fulfiller;
+mod preview;
 mod schedule;
 pub mod state;
 mod status;
 mod units;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};
+pub use preview::{NeedChange, NeedFile, NeedsPreview};
 pub use state::Phase;
 pub use status::NeedStatus;
