@@ -44,9 +44,11 @@ let
 
   # The exact bytes installed, so that manifestSha256 is the hash the agent computes
   # over the files it loads (docs/protocol.md §11.7).
+  needsJson = fortLib.needsJson { inherit needs requestOf; };
+  capabilitiesJson = fortLib.capabilitiesJson { inherit capabilities callers; };
   hostsText = builtins.toJSON (fortLib.hostsJson { inherit (cluster) hosts principals; });
-  needsText = builtins.toJSON (fortLib.needsJson { inherit needs requestOf; });
-  capabilitiesText = builtins.toJSON (fortLib.capabilitiesJson { inherit capabilities callers; });
+  needsText = builtins.toJSON needsJson;
+  capabilitiesText = builtins.toJSON capabilitiesJson;
   hostsFile = pkgs.writeText "fort-hosts.json" hostsText;
   needsFile = pkgs.writeText "fort-needs.json" needsText;
   capabilitiesFile = pkgs.writeText "fort-capabilities.json" capabilitiesText;
@@ -63,6 +65,17 @@ let
       capabilities = "${capabilitiesFile}";
     }
   );
+  # The check runs every handler path it is given through stat: store paths are in the
+  # sandbox (the JSON files reference them), a path elsewhere (a string such as
+  # "/usr/local/bin/x") is not, so then handlers are left to the agent.
+  handlerPaths = lib.filter (p: p != null) (
+    lib.concatMap (n: [
+      n.handler
+      n.check
+    ]) (lib.attrValues needsJson)
+    ++ map (c: c.handler) (lib.attrValues capabilitiesJson)
+  );
+  handlersInStore = lib.all (lib.hasPrefix "${builtins.storeDir}/") handlerPaths;
   # The file installed as agent.toml only builds when the check passes. --skip-key: the
   # host key is a runtime secret and is not in the sandbox.
   checkedConfigFile =
@@ -75,7 +88,7 @@ let
           preferLocalBuild = true;
         }
         ''
-          fort-agent check --config "$checkConfig" --skip-key
+          fort-agent check --config "$checkConfig" --skip-key${lib.optionalString (!handlersInStore) " --skip-handlers"}
           cp "$config" "$out"
         ''
     else

@@ -62,7 +62,7 @@ fn module_generates_the_expected_files_and_they_pass_check() {
     for host in std::fs::read_dir(out_dir.path()).unwrap() {
         let config = host.unwrap().path().join("agent.toml");
         let check = Command::new(fort_tests::bin("fort-agent"))
-            .args(["check", "--skip-key", "--config"])
+            .args(["check", "--skip-key", "--skip-handlers", "--config"])
             .arg(&config)
             .output()
             .unwrap();
@@ -84,7 +84,7 @@ fn module_generates_the_expected_files_and_they_pass_check() {
     )
     .unwrap();
     let check = Command::new(fort_tests::bin("fort-agent"))
-        .args(["check", "--skip-key", "--config"])
+        .args(["check", "--skip-key", "--skip-handlers", "--config"])
         .arg(forge.join("agent.toml"))
         .output()
         .unwrap();

@@ -1,25 +1,131 @@
 //! `fort-agent check`: validate the config and every file it names, without starting.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+
+use anyhow::bail;
 
 use crate::app::check_own_key;
 use crate::config::Config;
 use crate::loaded::Loaded;
 
-/// Returns a one-line summary, or a precise error.
-pub fn check(config_path: &Path, skip_key: bool) -> anyhow::Result<String> {
+/// What to leave out, for checks away from the host that will run the agent.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CheckOptions {
+    /// The host key is a runtime secret (a build has none).
+    pub skip_key: bool,
+    /// Handlers live where the files are deployed, not where they are checked.
+    pub skip_handlers: bool,
+}
+
+/// What a passing check says: one summary line, and warnings worth a look.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    pub summary: String,
+    pub warnings: Vec<String>,
+}
+
+/// `n thing` or `n things`.
+fn count(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// Why `path` cannot run as a handler, if it cannot.
+fn not_runnable(path: &Path) -> Option<String> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("does not exist".into()),
+        Err(e) => Some(format!("cannot be read: {e}")),
+        Ok(m) if m.is_dir() => Some("is a directory".into()),
+        Ok(m) if m.permissions().mode() & 0o111 == 0 => Some(format!(
+            "is not executable (mode {:04o})",
+            m.permissions().mode() & 0o7777
+        )),
+        Ok(_) => None,
+    }
+}
+
+/// A needs or capabilities file the config names must exist: the agent would take a
+/// missing one as empty, and a path that is wrong would silently drop every need.
+fn named_file_exists(key: &str, path: Option<&Path>, absent_means: &str) -> anyhow::Result<()> {
+    if let Some(p) = path {
+        if !p.exists() {
+            bail!(
+                "{key} = {:?}: no such file. {absent_means}",
+                p.display().to_string()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Returns a summary, or a precise error naming every problem found.
+pub fn check(config_path: &Path, options: CheckOptions) -> anyhow::Result<Checked> {
     let config = Config::load(config_path)?;
+    named_file_exists(
+        "needs",
+        config.needs.as_deref(),
+        "A host with no needs leaves `needs` out of agent.toml, or names a file holding {}.",
+    )?;
+    named_file_exists(
+        "capabilities",
+        config.capabilities.as_deref(),
+        "A host that serves only the built-in capabilities leaves `capabilities` out of agent.toml, or names a file holding {}.",
+    )?;
     let loaded = Loaded::load(&config)?;
-    if !skip_key {
+    if !options.skip_handlers {
+        let mut problems = Vec::new();
+        let needs_file = config.needs.as_deref().unwrap_or(Path::new("needs.json"));
+        for (key, spec) in &loaded.needs {
+            for (field, path) in [("handler", &spec.handler), ("check", &spec.check)] {
+                if let Some(why) = path.as_deref().and_then(not_runnable) {
+                    problems.push(format!(
+                        "{}: need {:?}: {field} {} {why}",
+                        needs_file.display(),
+                        key.as_str(),
+                        path.as_deref().unwrap_or(Path::new("")).display()
+                    ));
+                }
+            }
+        }
+        let caps_file = config
+            .capabilities
+            .as_deref()
+            .unwrap_or(Path::new("capabilities.json"));
+        for (name, spec) in &loaded.capabilities {
+            if let Some(why) = not_runnable(&spec.handler) {
+                problems.push(format!(
+                    "{}: capability {name:?}: handler {} {why}",
+                    caps_file.display(),
+                    spec.handler.display()
+                ));
+            }
+        }
+        if !problems.is_empty() {
+            bail!("{}", problems.join("\n"));
+        }
+    }
+    if !options.skip_key {
         let signer = fort_core::sign::Signer::from_file(&config.host_key)?;
         check_own_key(&config, &loaded, &signer)?;
     }
-    Ok(format!(
-        "{}: ok: host {}, {} peers, {} needs, {} capabilities",
+    let mut warnings = Vec::new();
+    if config.plaintext {
+        warnings.push(
+            "plaintext = true: requests and replies travel unencrypted over http:// (still signed); use it only where the network already encrypts, such as WireGuard".to_owned(),
+        );
+    }
+    let summary = format!(
+        "{}: ok: host {}, {}, {}, {}, {}",
         config_path.display(),
         config.host,
-        loaded.registry.peers.len(),
-        loaded.needs.len(),
-        loaded.capabilities.len()
-    ))
+        count(loaded.registry.hosts().count(), "host", "hosts"),
+        count(
+            loaded.registry.principals().count(),
+            "principal",
+            "principals"
+        ),
+        count(loaded.needs.len(), "need", "needs"),
+        count(loaded.capabilities.len(), "capability", "capabilities")
+    );
+    Ok(Checked { summary, warnings })
 }

@@ -29,20 +29,29 @@ struct Cli {
 enum Command {
     /// Run the daemon.
     Serve {
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        /// The agent's config file (agent.toml).
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
     },
-    /// Validate the config and every file it names, then exit.
+    /// Validate the config and every file it names, then exit: non-zero with the file
+    /// and field at fault when the agent would refuse to start or could not run a
+    /// handler.
     Check {
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        /// The agent's config file (agent.toml).
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
         /// Do not read the host key (build-time checks have no key).
         #[arg(long)]
         skip_key: bool,
+        /// Do not check that handler and check programs exist and are executable (files
+        /// checked away from the host that runs them).
+        #[arg(long)]
+        skip_handlers: bool,
     },
     /// Show this host's needs and provider entries (from the running agent).
     Status {
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        /// The running agent's config: where its admin socket is.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
         /// Print the raw JSON instead of a table.
         #[arg(long)]
@@ -50,6 +59,7 @@ enum Command {
     },
     /// Run a capability's handler now and call back entries whose response changed.
     Trigger {
+        /// A capability this host serves.
         capability: String,
         /// Pass no cached responses: regenerate everything.
         #[arg(long)]
@@ -57,7 +67,8 @@ enum Command {
         /// Why: `manual` (default) or `systemd` (set by the NixOS module's units).
         #[arg(long)]
         reason: Option<String>,
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        /// The running agent's config: where its admin socket is.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
     },
     /// Run a GC sweep now and print what was removed and why.
@@ -65,7 +76,8 @@ enum Command {
         /// Decide and print, but remove nothing.
         #[arg(long)]
         dry_run: bool,
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        /// The running agent's config: where its admin socket is.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
     },
     /// Show what loading new files would change in the running agent; changes nothing.
@@ -75,7 +87,7 @@ enum Command {
     /// validates them exactly as a reload does.
     Plan {
         /// The running agent's config: its admin socket, and the files it names.
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
         /// A new agent.toml: keys that change are listed (they take effect on a
         /// restart), and it names the files not given below.
@@ -96,7 +108,8 @@ enum Command {
     },
     /// Re-read hosts.json, needs.json and capabilities.json (same as SIGHUP).
     Reload {
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        /// The running agent's config: where its admin socket is.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
     },
     /// Start a three-host demo fleet on loopback and walk through its lifecycle.
@@ -175,9 +188,22 @@ async fn main() -> ExitCode {
                 }
             }
         }
-        Command::Check { config, skip_key } => match fort_agent::check::check(&config, skip_key) {
-            Ok(summary) => {
-                println!("{summary}");
+        Command::Check {
+            config,
+            skip_key,
+            skip_handlers,
+        } => match fort_agent::check::check(
+            &config,
+            fort_agent::check::CheckOptions {
+                skip_key,
+                skip_handlers,
+            },
+        ) {
+            Ok(checked) => {
+                for w in checked.warnings {
+                    eprintln!("fort-agent check: warning: {w}");
+                }
+                println!("{}", checked.summary);
                 ExitCode::SUCCESS
             }
             Err(e) => {

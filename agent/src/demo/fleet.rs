@@ -168,7 +168,7 @@ impl Fleet {
                 root = root.display(),
             );
             std::fs::write(h.dir.join("agent.toml"), toml)?;
-            crate::check::check(&fleet.config(h.name), false)
+            crate::check::check(&fleet.config(h.name), crate::check::CheckOptions::default())
                 .with_context(|| format!("the generated configuration of {} is wrong", h.name))?;
         }
         Ok(fleet)
