@@ -47,10 +47,22 @@ pub async fn handle(
         _ => None,
     };
     if let Some(list) = operator_list {
-        if caller.kind != PeerKind::Principal || !list.contains(&caller.origin) {
+        let key = if which == Builtin::Journal {
+            "journal"
+        } else {
+            "systemd"
+        };
+        if caller.kind != PeerKind::Principal {
             return Err(ApiError::Forbidden(format!(
-                "{} may not call this operator capability",
-                caller.origin
+                "{key} is for principals (operators); hosts never get it"
+            )));
+        }
+        if !list.contains(&caller.origin) {
+            // The operator reading this is the one who can fix it: name the key.
+            return Err(ApiError::Forbidden(format!(
+                "{origin} may not call {key} on {host}: add \"{origin}\" to [access] {key} in its agent.toml (NixOS: services.fort-agent.settings.access.{key})",
+                origin = caller.origin,
+                host = app.config.host,
             )));
         }
     }
