@@ -81,7 +81,26 @@ async fn builtins_and_their_access() {
             )
             .await;
         assert_eq!(r.status, 403, "{who} {cap}");
+        // The refusal says how to grant it, to the operator who can.
+        let message = serde_json::from_slice::<Value>(&r.body).unwrap()["message"].clone();
+        let want = if who == "c" {
+            format!("{cap} is for principals (operators); hosts never get it")
+        } else {
+            format!("{who} may not call {cap} on p: add \"{who}\" to [access] {cap} in its agent.toml (NixOS: services.fort-agent.settings.access.{cap})")
+        };
+        assert_eq!(message, json!(want));
     }
+    // `fort` prints it.
+    let (code, out, _) = fort(&f, "viewer", &["journal", "p", "x.service"]);
+    assert_eq!(code, 2);
+    let message = serde_json::from_str::<Value>(&out).unwrap()["message"].clone();
+    assert!(
+        message
+            .as_str()
+            .unwrap()
+            .contains("add \"viewer\" to [access] journal"),
+        "{out}"
+    );
     // Parameters are checked before anything runs.
     for body in [
         json!({"unit": "--all"}),
@@ -131,9 +150,18 @@ async fn fort_cli_exit_codes_and_the_fleet_table() {
             == 1)
         .await
     );
-    let (code, out, _) = fort(&f, "viewer", &["status", "p"]);
+    let (code, out, _) = fort(&f, "viewer", &["status", "p", "--json"]);
     assert_eq!(code, 0);
     assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["host"], "p");
+    // Without --json, the same table `fort-agent status` prints.
+    let (code, out, _) = fort(&f, "viewer", &["status", "c"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("host c  version "), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("web/site") && l.contains(" p ") && l.contains("satisfied")),
+        "{out}"
+    );
     let (code, _, err) = fort(
         &f,
         "viewer",
@@ -165,7 +193,7 @@ async fn fort_cli_exit_codes_and_the_fleet_table() {
     let (ok, table) = f.admin("c", &["status"]);
     assert!(ok);
     assert!(
-        table.contains("web/site") && table.contains("yes"),
+        table.contains("web/site") && table.contains("satisfied"),
         "{table}"
     );
 }

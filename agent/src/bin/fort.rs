@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use fort_agent::cli::{fleet, fleet_json, fleet_table, judge, pins, Identity, Session, EXIT_FAIL};
+use fort_agent::cli::{
+    fleet, fleet_graph, fleet_json, fleet_table, judge, load_expected, pins, status_table,
+    Identity, Session, EXIT_FAIL,
+};
 
 #[derive(Parser)]
 #[command(
@@ -14,17 +17,19 @@ use fort_agent::cli::{fleet, fleet_json, fleet_table, judge, pins, Identity, Ses
     about = "Operator CLI for a fort fleet: signed calls to any host"
 )]
 #[command(
-    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort fleet --json\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS."
+    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
 )]
 struct Cli {
-    /// Private key to sign with (unencrypted OpenSSH ed25519).
-    #[arg(long, env = "FORT_SSH_KEY", global = true)]
+    /// Private key to sign with (unencrypted OpenSSH ed25519). Default:
+    /// ~/.ssh/id_ed25519; its public half must be listed for the origin in hosts.json.
+    #[arg(long, env = "FORT_SSH_KEY", global = true, value_name = "FILE")]
     key: Option<PathBuf>,
-    /// The principal or host name to sign as.
-    #[arg(long, env = "FORT_ORIGIN", global = true)]
+    /// The principal (or host) name to sign as, as hosts.json lists it. Default: $USER.
+    #[arg(long, env = "FORT_ORIGIN", global = true, value_name = "NAME")]
     origin: Option<String>,
-    /// The fleet registry.
+    /// The fleet registry: where hosts are and which keys they and the principals sign with.
     #[arg(
+        value_name = "FILE",
         long,
         env = "FORT_HOSTS",
         global = true,
@@ -41,23 +46,39 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Call a capability on a host: JSON argument, `-` for stdin, default `{}`.
+    /// Call a capability on a host and print its verified reply.
     Call {
+        /// A host in hosts.json.
         host: String,
+        /// The capability to call: a built-in (status, manifest, needs, journal, systemd)
+        /// or one the host serves.
         capability: String,
+        /// The JSON request body; `-` reads it from stdin. Default: `{}`.
         body: Option<String>,
     },
-    /// A host's status.
-    Status { host: String },
-    /// A unit's journal on a host.
-    Journal {
+    /// A host's status: its needs and their state, what it provides.
+    Status {
+        /// A host in hosts.json.
         host: String,
+        /// Print the status document as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A unit's journal on a host (the principal must be in the host's [access] journal).
+    Journal {
+        /// A host in hosts.json.
+        host: String,
+        /// The systemd unit, e.g. nginx.service.
         unit: String,
+        /// The most recent lines to show, 1 to 1000.
         #[arg(long, default_value_t = 100)]
         lines: u32,
-        #[arg(long)]
+        /// Only entries at or after this time, as journalctl reads it ("2025-01-31
+        /// 12:00", "-1h", "today").
+        #[arg(long, value_name = "TIME")]
         since: Option<String>,
-        #[arg(long)]
+        /// Only entries at or before this time, as journalctl reads it.
+        #[arg(long, value_name = "TIME")]
         until: Option<String>,
     },
     /// Print the TLS pin of a host's key(s) for `curl --pinnedpubkey` (one per line).
@@ -65,11 +86,22 @@ enum Command {
         /// A host in hosts.json.
         host: String,
     },
-    /// Every host's status in one table, asked concurrently.
+    /// Every host's status in one table, asked concurrently. Exits 1 when a host does
+    /// not answer or, with --expect, does not run what was built.
     Fleet {
         /// Machine-readable output.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "graph")]
         json: bool,
+        /// Print the fleet as a Graphviz graph: hosts as nodes, needs as edges from
+        /// consumer to provider coloured by state (satisfied green, pending or waiting
+        /// grey, failed red, expiring orange, expired dark red), unreachable hosts dashed.
+        #[arg(long)]
+        graph: bool,
+        /// The manifest hashes a build expects, `{"<host>": "<sha256>"}` (the NixOS
+        /// module's lib.fleetManifest as JSON): marks hosts that run other files, hosts
+        /// that do not answer, and hosts the build does not know.
+        #[arg(long, value_name = "FILE")]
+        expect: Option<PathBuf>,
     },
 }
 
@@ -117,18 +149,32 @@ async fn main() -> ExitCode {
     let pretty = std::io::stdout().is_terminal();
     let (host, capability, body) = match cli.command {
         Command::Pin { .. } => unreachable!("answered above"),
-        Command::Fleet { json } => {
-            let rows = fleet(&session).await;
+        Command::Fleet {
+            json,
+            graph,
+            expect,
+        } => {
+            let expected = match expect.as_deref().map(load_expected).transpose() {
+                Ok(e) => e,
+                Err(e) => {
+                    eprintln!("fort: {e}");
+                    return ExitCode::from(EXIT_FAIL);
+                }
+            };
+            let expected = expected.as_ref();
+            let rows = fort_agent::cli::with_expected_hosts(fleet(&session).await, expected);
             if json {
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(&fleet_json(&rows)).unwrap_or_default()
+                    serde_json::to_string_pretty(&fleet_json(&rows, expected)).unwrap_or_default()
                 );
+            } else if graph {
+                print!("{}", fleet_graph(&rows, expected));
             } else {
-                print!("{}", fleet_table(&rows));
+                print!("{}", fleet_table(&rows, expected));
             }
-            let all_up = rows.iter().all(|r| r.status.is_ok());
-            return ExitCode::from(if all_up { 0 } else { EXIT_FAIL });
+            let healthy = fort_agent::cli::healthy(&rows, expected);
+            return ExitCode::from(if healthy { 0 } else { EXIT_FAIL });
         }
         Command::Call {
             host,
@@ -149,7 +195,12 @@ async fn main() -> ExitCode {
             };
             (host, capability, body)
         }
-        Command::Status { host } => (host, "status".to_owned(), "{}".to_owned()),
+        Command::Status { host, json } => {
+            if !json {
+                return status(&session, &host).await;
+            }
+            (host, "status".to_owned(), "{}".to_owned())
+        }
         Command::Journal {
             host,
             unit,
@@ -184,6 +235,40 @@ async fn main() -> ExitCode {
         }
         Err((code, e)) => {
             eprintln!("fort: {e}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// `fort status HOST` as a table; refusals and failures are reported as for `fort call`.
+async fn status(session: &Session, host: &str) -> ExitCode {
+    let reply = match session.call(host, "status", b"{}".to_vec()).await {
+        Ok(r) => r,
+        Err((code, e)) => {
+            eprintln!("fort: {e}");
+            return ExitCode::from(code);
+        }
+    };
+    let (code, out, note) = judge(&reply, false);
+    let parsed = serde_json::from_str::<serde_json::Value>(&out);
+    match (code, parsed) {
+        (0, Ok(v)) => {
+            print!("{}", status_table(&v));
+            ExitCode::SUCCESS
+        }
+        (code, parsed) => {
+            if !out.is_empty() {
+                println!("{}", out.trim_end());
+            }
+            if let Some(n) = note {
+                eprintln!("fort: {n}");
+            }
+            if code == 0 {
+                if let Err(e) = parsed {
+                    eprintln!("fort: the status reply is not JSON: {e}");
+                }
+                return ExitCode::from(EXIT_FAIL);
+            }
             ExitCode::from(code)
         }
     }

@@ -1,0 +1,263 @@
+//! `fort fleet`: every host's status at once, as a table or JSON, and compared with the
+//! manifest hashes a build expects (drift, docs/protocol.md §11.7).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::Path;
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::table::need_state;
+use super::Session;
+
+/// One host's row in `fort fleet`.
+#[derive(Debug, Clone)]
+pub struct FleetRow {
+    pub host: String,
+    pub status: Result<Value, String>,
+}
+
+/// Asks every host for `status`, concurrently, verified.
+pub async fn fleet(session: &Session) -> Vec<FleetRow> {
+    let hosts: Vec<String> = session.registry.hosts().map(|(n, _)| n.clone()).collect();
+    let mut tasks = Vec::new();
+    for host in hosts {
+        let s = Session {
+            registry: session.registry.clone(),
+            client: session.client.clone(),
+        };
+        tasks.push(tokio::spawn(async move {
+            let status = match tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                s.call(&host, "status", b"{}".to_vec()),
+            )
+            .await
+            {
+                Err(_) => Err("timeout".to_owned()),
+                Ok(Err((_, e))) => Err(e),
+                Ok(Ok(r)) if r.status == 200 && r.verified() => {
+                    serde_json::from_slice(&r.body).map_err(|e| format!("bad status JSON: {e}"))
+                }
+                Ok(Ok(r)) if r.status == 200 => {
+                    Err(format!("signature not verified ({:?})", r.auth))
+                }
+                Ok(Ok(r)) => Err(format!("HTTP {}", r.status)),
+            };
+            FleetRow { host, status }
+        }));
+    }
+    let mut rows = Vec::new();
+    for t in tasks {
+        if let Ok(r) = t.await {
+            rows.push(r);
+        }
+    }
+    rows
+}
+
+/// What a build expects each host to run: `{"<host>": "<manifest sha256>"}`, the
+/// NixOS module's `lib.fleetManifest` written out as JSON.
+pub type Expected = BTreeMap<String, String>;
+
+pub fn load_expected(path: &Path) -> Result<Expected, String> {
+    let shown = path.display();
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+    let map: Expected = serde_json::from_slice(&bytes).map_err(|e| {
+        format!("{shown}: expected a JSON object of host name to manifest sha256 (lib.fleetManifest): {e}")
+    })?;
+    for (host, hash) in &map {
+        if hash.len() != 64 || !hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return Err(format!(
+                "{shown}: {host:?}: {hash:?} is not a lower-case hex SHA-256"
+            ));
+        }
+    }
+    Ok(map)
+}
+
+/// How a host's loaded files compare with the build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ManifestState {
+    /// It runs what was built.
+    Ok,
+    /// It runs other files: not deployed yet, deployed but not reloaded, or changed by hand.
+    Drift,
+    /// It answers, but the build does not know it.
+    NotInBuild,
+    /// No answer (or not in hosts.json): what it runs is unknown.
+    Unreachable,
+}
+
+impl ManifestState {
+    fn column(self) -> &'static str {
+        match self {
+            ManifestState::Ok => "ok",
+            ManifestState::Drift => "DRIFT",
+            ManifestState::NotInBuild => "NOT IN BUILD",
+            ManifestState::Unreachable => "?",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ManifestCheck {
+    pub state: ManifestState,
+    pub running: Option<String>,
+    pub expected: Option<String>,
+}
+
+/// `row` against the build.
+fn check(row: &FleetRow, expected: &Expected) -> ManifestCheck {
+    let want = expected.get(&row.host).cloned();
+    let running = row
+        .status
+        .as_ref()
+        .ok()
+        .and_then(|s| s["manifest_sha256"].as_str().map(str::to_owned));
+    let state = match (&row.status, &want) {
+        (Err(_), _) => ManifestState::Unreachable,
+        (Ok(_), None) => ManifestState::NotInBuild,
+        (Ok(_), Some(w)) if running.as_ref() == Some(w) => ManifestState::Ok,
+        (Ok(_), Some(_)) => ManifestState::Drift,
+    };
+    ManifestCheck {
+        state,
+        running,
+        expected: want,
+    }
+}
+
+/// The rows, plus one unreachable row for each host the build expects that hosts.json
+/// does not list (the registry used here is older or newer than the build).
+pub fn with_expected_hosts(mut rows: Vec<FleetRow>, expected: Option<&Expected>) -> Vec<FleetRow> {
+    for host in expected.into_iter().flat_map(|e| e.keys()) {
+        if !rows.iter().any(|r| &r.host == host) {
+            rows.push(FleetRow {
+                host: host.clone(),
+                status: Err("not in hosts.json".to_owned()),
+            });
+        }
+    }
+    rows.sort_by(|a, b| a.host.cmp(&b.host));
+    rows
+}
+
+/// Whether the fleet is as it should be: every host answers and, with a build to
+/// compare with, runs what was built.
+pub fn healthy(rows: &[FleetRow], expected: Option<&Expected>) -> bool {
+    rows.iter().all(|r| {
+        r.status.is_ok() && expected.is_none_or(|e| check(r, e).state == ManifestState::Ok)
+    })
+}
+
+pub fn fleet_json(rows: &[FleetRow], expected: Option<&Expected>) -> Value {
+    let hosts: BTreeMap<String, Value> = rows
+        .iter()
+        .map(|r| {
+            let mut v = match &r.status {
+                Ok(s) => json!({"reachable": true, "status": s}),
+                Err(e) => json!({"reachable": false, "error": e}),
+            };
+            if let Some(e) = expected {
+                v["manifest"] = json!(check(r, e));
+            }
+            (r.host.clone(), v)
+        })
+        .collect();
+    json!({ "hosts": hosts })
+}
+
+fn short(hash: Option<&String>) -> &str {
+    hash.map_or("none", |h| h.get(..12).unwrap_or(h))
+}
+
+pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
+    let mut out = String::new();
+    let manifest_header = if expected.is_some() { " MANIFEST" } else { "" };
+    let _ = writeln!(
+        out,
+        "{:<20} {:<10} {:>10} {:>8} {:>12}{manifest_header}",
+        "HOST", "REACHABLE", "NEEDS", "ENTRIES", "UNDELIVERED"
+    );
+    let mut needs = Vec::new();
+    let mut drift = Vec::new();
+    for r in rows {
+        let checked = expected.map(|e| check(r, e));
+        let manifest = checked
+            .as_ref()
+            .map(|c| format!(" {}", c.state.column()))
+            .unwrap_or_default();
+        if let Some(c) = &checked {
+            match c.state {
+                ManifestState::Drift => drift.push(format!(
+                    "  {}: runs {}, the build expects {}",
+                    r.host,
+                    short(c.running.as_ref()),
+                    short(c.expected.as_ref())
+                )),
+                ManifestState::NotInBuild => drift.push(format!(
+                    "  {}: runs {}, and the build does not know this host",
+                    r.host,
+                    short(c.running.as_ref())
+                )),
+                ManifestState::Ok | ManifestState::Unreachable => {}
+            }
+        }
+        match &r.status {
+            Ok(s) => {
+                let caps = s["provider"]["capabilities"].as_object();
+                let sum = |field: &str| -> u64 {
+                    caps.map_or(0, |c| {
+                        c.values().map(|v| v[field].as_u64().unwrap_or(0)).sum()
+                    })
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<20} {:<10} {:>10} {:>8} {:>12}{manifest}",
+                    r.host,
+                    "yes",
+                    format!("{}/{}", s["needs"]["satisfied"], s["needs"]["total"]),
+                    sum("entries"),
+                    sum("undelivered")
+                );
+                for n in s["needs"]["items"].as_array().into_iter().flatten() {
+                    let state = need_state(n);
+                    if state != "satisfied" {
+                        needs.push(format!(
+                            "  {}:{} from {}: {state}: {}",
+                            r.host,
+                            n["need"].as_str().unwrap_or(""),
+                            n["from"].as_str().unwrap_or(""),
+                            n["reason"].as_str().unwrap_or("no answer yet")
+                        ));
+                    }
+                }
+            }
+            Err(e) => {
+                let _ = writeln!(
+                    out,
+                    "{:<20} {:<10} {:>10} {:>8} {:>12}{manifest}   {e}",
+                    r.host, "NO", "-", "-", "-"
+                );
+            }
+        }
+    }
+    if !needs.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nUNSATISFIED NEEDS (host:need from provider: state: reason)"
+        );
+        for n in needs {
+            let _ = writeln!(out, "{n}");
+        }
+    }
+    if !drift.is_empty() {
+        let _ = writeln!(out, "\nNOT RUNNING WHAT WAS BUILT");
+        for d in drift {
+            let _ = writeln!(out, "{d}");
+        }
+    }
+    out
+}
