@@ -1,10 +1,15 @@
 //! The NixOS module, evaluated with the real nixpkgs `lib` (set `NIXPKGS_LIB`): its
-//! generated files match the expected JSON and pass `fort-agent check`; docs/options.md
-//! matches the option declarations; and every `.nix` file in the repo parses. Skips
-//! with a message when nixpkgs lib or Nix is absent.
+//! generated files match the expected JSON and pass `fort-agent check`; agents loading
+//! them report the manifest hashes the module computed; docs/options.md matches the
+//! option declarations; and every `.nix` file in the repo parses. Skips (through
+//! `fort_tests::skip`) when nixpkgs lib or Nix is absent.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
+
+use fort_tests::{eventually, free_addr, Agent};
+use serde_json::Value;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -14,8 +19,12 @@ fn repo() -> PathBuf {
 }
 
 /// Runs one of `nixos-module/tests/*.sh` under bash: `None` when it skipped (exit 77,
-/// its message printed), else whether it passed and what it printed.
-fn run_script(script: &str, command: impl FnOnce(&mut Command)) -> Option<(bool, String)> {
+/// recorded as a skip of `test`), else whether it passed and what it printed.
+fn run_script(
+    test: &str,
+    script: &str,
+    command: impl FnOnce(&mut Command),
+) -> Option<(bool, String)> {
     let mut cmd = Command::new("bash");
     cmd.arg(repo().join("nixos-module/tests").join(script));
     command(&mut cmd);
@@ -26,8 +35,11 @@ fn run_script(script: &str, command: impl FnOnce(&mut Command)) -> Option<(bool,
         String::from_utf8_lossy(&out.stderr)
     );
     if out.status.code() == Some(77) {
-        let why = text.trim().lines().last().unwrap_or("skipped").to_owned();
-        fort_tests::skip(&format!("nixos-module/tests/{script}"), &why);
+        let why = text.trim().lines().last().unwrap_or("skipped");
+        fort_tests::skip(
+            &format!("{test} (nixos-module/tests/{script})"),
+            why.strip_prefix("SKIP: ").unwrap_or(why),
+        );
         return None;
     }
     Some((out.status.success(), text))
@@ -35,16 +47,18 @@ fn run_script(script: &str, command: impl FnOnce(&mut Command)) -> Option<(bool,
 
 #[test]
 fn every_nix_file_parses() {
-    if let Some((passed, text)) = run_script("parse-all.sh", |_| {}) {
+    if let Some((passed, text)) = run_script("every_nix_file_parses", "parse-all.sh", |_| {}) {
         assert!(passed, "{text}");
     }
 }
 
 #[test]
 fn options_reference_is_current() {
-    if let Some((passed, text)) = run_script("options-doc.sh", |cmd| {
-        cmd.arg("--check");
-    }) {
+    if let Some((passed, text)) =
+        run_script("options_reference_is_current", "options-doc.sh", |cmd| {
+            cmd.arg("--check");
+        })
+    {
         assert!(passed, "{text}");
     }
 }
@@ -52,15 +66,23 @@ fn options_reference_is_current() {
 #[test]
 fn module_generates_the_expected_files_and_they_pass_check() {
     let out_dir = tempfile::tempdir().unwrap();
-    let Some((passed, text)) = run_script("run.sh", |cmd| {
-        cmd.env("OUT_DIR", out_dir.path());
-    }) else {
+    let Some((passed, text)) = run_script(
+        "module_generates_the_expected_files_and_they_pass_check",
+        "run.sh",
+        |cmd| {
+            cmd.env("OUT_DIR", out_dir.path());
+        },
+    ) else {
         return;
     };
     assert!(passed, "module evaluation failed:\n{text}");
     let mut checked = 0;
     for host in std::fs::read_dir(out_dir.path()).unwrap() {
-        let config = host.unwrap().path().join("agent.toml");
+        let host = host.unwrap().path();
+        if !host.is_dir() {
+            continue;
+        }
+        let config = host.join("agent.toml");
         let check = Command::new(fort_tests::bin("fort-agent"))
             .args(["check", "--skip-key", "--skip-handlers", "--config"])
             .arg(&config)
@@ -90,4 +112,71 @@ fn module_generates_the_expected_files_and_they_pass_check() {
         .unwrap();
     assert!(!check.status.success());
     assert!(String::from_utf8_lossy(&check.stderr).contains("mdoe"));
+}
+
+/// The agent.toml run.sh wrote for `dir`, listening on `listen` instead, without a
+/// metrics listener (tests run side by side).
+fn local_config(dir: &Path, listen: std::net::SocketAddr) {
+    let path = dir.join("agent.toml");
+    let toml: String = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("metrics_listen ="))
+        .map(|l| {
+            if l.starts_with("listen =") {
+                format!("listen = \"{listen}\"\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    std::fs::write(&path, toml).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_running_the_generated_files_report_the_fleet_manifest_hashes() {
+    let test = "agents_running_the_generated_files_report_the_fleet_manifest_hashes";
+    let out_dir = tempfile::tempdir().unwrap();
+    let Some((passed, text)) = run_script(test, "run.sh", |cmd| {
+        cmd.env("OUT_DIR", out_dir.path());
+    }) else {
+        return;
+    };
+    assert!(passed, "module evaluation failed:\n{text}");
+    let manifest: Value =
+        serde_json::from_slice(&std::fs::read(out_dir.path().join("manifest.json")).unwrap())
+            .unwrap();
+    // The hosts whose private keys the test keys include.
+    let keys = repo().join("nixos-module/tests/keys");
+    let mut checked = 0;
+    for host in ["forge", "app"] {
+        let dir = out_dir.path().join(host);
+        std::fs::copy(keys.join(host), dir.join("host_key")).unwrap();
+        std::fs::set_permissions(
+            dir.join("host_key"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+        let listen = free_addr("127.0.0.1");
+        local_config(&dir, listen);
+        let _agent = Agent::try_spawn(host, listen, &dir)
+            .unwrap_or_else(|log| panic!("{host} does not start on the generated files: {log}"));
+        let status = || {
+            let out = Command::new(fort_tests::bin("fort-agent"))
+                .args(["status", "--json", "--config"])
+                .arg(dir.join("agent.toml"))
+                .output()
+                .unwrap();
+            serde_json::from_slice::<Value>(&out.stdout).unwrap_or(Value::Null)["status"].clone()
+        };
+        assert!(
+            eventually(Duration::from_secs(10), || !status().is_null()).await,
+            "{host} answers status"
+        );
+        let want = &manifest[host];
+        assert!(want.is_string(), "lib.fleetManifest has {host}: {manifest}");
+        assert_eq!(&status()["manifest_sha256"], want, "{host}");
+        checked += 1;
+    }
+    assert_eq!(checked, 2);
 }

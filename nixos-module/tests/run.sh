@@ -9,8 +9,8 @@
 #   NIXPKGS_LIB=/path/to/nixpkgs bash nixos-module/tests/run.sh
 #
 # NIXPKGS_LIB: a nixpkgs checkout (the directory holding lib/) or its lib/ itself.
-# OUT_DIR:     if set, also write <host>/{hosts,needs,capabilities}.json and
-#              <host>/agent.toml naming them, for `fort-agent check --skip-key`.
+# OUT_DIR:     if set, also write <host>/{hosts,needs,capabilities}.json (the bytes
+#              installed), <host>/agent.toml naming them, and manifest.json.
 # UPDATE_EXPECTED=1: rewrite tests/expected from the current output (then read the diff).
 #
 # Exit status: 0 pass, 1 failure, 77 skipped (no nixpkgs lib, nix-instantiate or jq).
@@ -134,7 +134,9 @@ else
   echo "ok   flake.nix lib.mkFleet builds the same fleet"
 fi
 
-# Files for `fort-agent check`: the generated JSON, and an agent.toml naming it.
+# Files for `fort-agent check` and for agents under test: the generated JSON as the
+# exact bytes installed (so an agent loading them reports the built manifest hash), an
+# agent.toml naming them, and manifest.json (lib.fleetManifest).
 # TOML from the agent settings' JSON: scalars first, then one [table] per object.
 toml='
   def key: if test("^[A-Za-z0-9_-]+$") then . else tojson end;
@@ -147,7 +149,7 @@ if [ -n "${OUT_DIR:-}" ]; then
   for host in $hosts; do
     dir=$(mkdir -p "$OUT_DIR/$host" && cd "$OUT_DIR/$host" && pwd)
     for f in hosts needs capabilities; do
-      jq -S --arg h "$host" --arg f "$f" '.hosts[$h][$f]' "$work/fleet.json" >"$dir/$f.json"
+      jq -j --arg h "$host" --arg f "$f" '.hosts[$h].texts[$f]' "$work/fleet.json" >"$dir/$f.json"
     done
     jq -r --arg h "$host" --arg d "$dir" '.hosts[$h].agent
       | .hosts = "\($d)/hosts.json" | .needs = "\($d)/needs.json"
@@ -155,7 +157,8 @@ if [ -n "${OUT_DIR:-}" ]; then
       | .state_dir = "\($d)/state" | .admin_socket = "\($d)/agent.sock"
       | '"$toml" "$work/fleet.json" >"$dir/agent.toml"
   done
-  echo "ok   wrote $(echo $hosts | wc -w) hosts' files to $OUT_DIR"
+  jq -S .manifest "$work/fleet.json" >"$OUT_DIR/manifest.json"
+  echo "ok   wrote $(echo $hosts | wc -w) hosts' files and manifest.json to $OUT_DIR"
 fi
 
 # ------------------------------------------------------------ broken fleets
