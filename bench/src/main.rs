@@ -10,6 +10,7 @@ mod converge;
 mod cycle;
 mod deliver;
 mod gc;
+mod plan;
 mod schema;
 mod status;
 mod util;
@@ -34,6 +35,7 @@ use clap::{Parser, Subcommand};
   fort-bench gc --origins 200
   fort-bench converge --consumers 50 --needs 10
   fort-bench schema --requests 2000 --rounds 3
+  fort-bench plan --needs 500 --entries 5000
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -74,6 +76,9 @@ enum Cmd {
     Converge(converge::ConvergeArgs),
     /// Accepted async requests per second with a request_schema and without, as a ratio.
     Schema(schema::SchemaArgs),
+    /// `fort-agent plan` latency on a consumer with N needs and on a provider with M
+    /// entries, and proof that planning writes nothing.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -105,6 +110,7 @@ fn main() -> ExitCode {
             Cmd::Gc(a) => gc::run(a, json).await,
             Cmd::Converge(a) => converge::run(a, json).await,
             Cmd::Schema(a) => schema::run(a, json).await,
+            Cmd::Plan(a) => plan::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

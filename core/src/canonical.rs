@@ -53,6 +53,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_manifest_hash_example_of_the_protocol_document() {
+        let hosts = br#"{"hosts":{"forge":{"address":"https://10.0.0.1:7770","keys":["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1AF8PoQ4lakrcKp00bfrycmCzPLsSWjMDNVfEq9GYM"]}}}"#;
+        assert_eq!(
+            manifest_sha256(hosts, b"", b""),
+            "98489afa3d9c22f45e581575dfacbd9b57258bdf69d7f6bf2646ebc5fe412fbc"
+        );
+    }
+
+    #[test]
     fn manifest_hash_joins_the_three_files_with_newlines() {
         assert_eq!(
             manifest_sha256(b"{\"hosts\":{}}", b"", b"{}"),
