@@ -12,7 +12,8 @@
 # mode = "lib": the flake's lib without any host: the example interfaces rendered as
 #   Markdown and as JSON Schema, a schema covering every mapped option type, and refs.
 # mode = "broken", case = ./broken/<name>.nix: { expect; messages.<host> = [ failed
-#   assertions and warnings ]; agent.<host> = settings } for a fleet with a mistake in it.
+#   assertions and warnings ]; agent.<host> = settings; check.<host> = the build-time
+#   check's command } for a fleet with a mistake (or an unusual setting) in it.
 {
   lib ? import <nixpkgs-lib/lib>,
   mode ? "fleet",
@@ -144,6 +145,10 @@ let
         if p == [ ] && node.config.services.fort-agent.enable then builtins.deepSeq (render name node) [ ] else p
       ) nodes;
       agent = lib.mapAttrs (_: node: node.config.services.fort-agent.settings) nodes;
+      # The command that checks the generated files at build time.
+      check = lib.mapAttrs (
+        _: node: node.config.environment.etc."fort/agent.toml".source.buildCommand or ""
+      ) nodes;
     };
 in
 if mode == "fleet" then

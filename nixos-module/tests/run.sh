@@ -166,7 +166,8 @@ fi
 # assertions or warnings, or with `evalError = true` in the evaluation's error output
 # (type errors, which the module system reports before any assertion); `absent`,
 # strings no message may contain; `agent.<host>`, settings that host's agent.toml must
-# contain.
+# contain; `check.<host>`, strings the command checking that host's files at build time
+# must contain.
 for case in "$here"/broken/*.nix; do
   name=$(basename "$case" .nix)
   evaluate --argstr mode broken --arg case "$case" >"$work/$name.json" 2>"$work/$name.err" && status=0 || status=$?
@@ -197,11 +198,14 @@ for case in "$here"/broken/*.nix; do
     jq -r --slurpfile got "$work/$name.json" '[$got[0].messages[][]] as $m | .[] | . as $a | $m[] | select(contains($a))')
   settings=$(nix-instantiate --eval --strict --json -E "(import $case).agent or { }" |
     jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value as $v | select(($got[0].agent[$h] | contains($v)) | not) | "agent.toml of \($h) lacks \($v | tojson)"')
-  if [ -n "$missing$settings$present" ]; then
+  checks=$(nix-instantiate --eval --strict --json -E "(import $case).check or { }" |
+    jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value[] | . as $w | select($got[0].check[$h] | contains($w) | not) | "the build-time check of \($h) lacks \($w | tojson)"')
+  if [ -n "$missing$settings$present$checks" ]; then
     fail "broken/$name: no assertion or warning says (or one says what it must not):"
     [ -z "$missing" ] || printf '       %s\n' "$missing"
     [ -z "$settings" ] || printf '       %s\n' "$settings"
     [ -z "$present" ] || printf '       unexpected: %s\n' "$present"
+    [ -z "$checks" ] || printf '       %s\n' "$checks"
     echo "     got:"
     jq -r '.messages | to_entries[] | .key as $h | .value[] | "       \($h): \(.)"' "$work/$name.json"
   else
