@@ -12,6 +12,7 @@ mod deliver;
 mod gc;
 mod plan;
 mod schema;
+mod stall;
 mod status;
 mod util;
 
@@ -28,6 +29,7 @@ use clap::{Parser, Subcommand};
 )]
 #[command(after_help = "Examples:
   fort-bench status --connections 32 --duration 10s --compare-plaintext
+  fort-bench status --stall 300
   fort-bench status --target https://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
   fort-bench burst --consumers 20 --needs 50
   fort-bench fulfill-cycle --needs 500

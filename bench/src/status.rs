@@ -67,6 +67,14 @@ pub struct StatusArgs {
     /// Connections opened at once in the handshake phase.
     #[arg(long, default_value_t = 8)]
     handshake_concurrency: usize,
+    /// Measure again while N strangers hold connections with headers naming the agent's
+    /// own host, a signature from another key and a body that never comes; report the
+    /// throughput as a ratio of the measurement without them.
+    #[arg(long, default_value_t = 0)]
+    stall: usize,
+    /// Stalled connections per attacking address (127.77.x.y).
+    #[arg(long, default_value_t = 50)]
+    stall_per_address: usize,
 }
 
 #[derive(Default)]
@@ -427,6 +435,29 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
             .map(|r| r.body.len())
             .unwrap_or(0)
     };
+    let stalled = if args.stall > 0 && args.target.is_none() {
+        let staller = crate::stall::Staller::start(
+            &fleet.hosts["forge"],
+            "forge",
+            args.stall,
+            args.stall_per_address,
+        );
+        // Every stalled connection open before the measurement starts.
+        let ready = Instant::now() + Duration::from_secs(10);
+        while staller.held.load(std::sync::atomic::Ordering::Relaxed) < args.stall
+            && Instant::now() < ready
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let held_before = staller.held.load(std::sync::atomic::Ordering::Relaxed);
+        let m = measure(ep.clone(), &origin, &signer, &opts, &args, agent_pid).await?;
+        let held_after = staller.held.load(std::sync::atomic::Ordering::Relaxed);
+        let opened = staller.opened.load(std::sync::atomic::Ordering::Relaxed);
+        let shed = staller.shed.load(std::sync::atomic::Ordering::Relaxed);
+        Some((m, held_before, held_after, opened, shed))
+    } else {
+        None
+    };
     let agent_rss =
         agent_pid.and_then(|p| Some((util::proc_kb(p, "VmRSS")?, util::proc_kb(p, "VmHWM")?)));
     let handshake = if args.handshake_duration.is_zero() || !ep.address.starts_with("https://") {
@@ -535,6 +566,24 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
             (ratio * 1000.0).round() / 1000.0,
             format!("{ratio:.3} (TLS keep-alive req/s ÷ plain HTTP req/s, same run)"),
         );
+    }
+    if let Some((m, held_before, held_after, opened, shed)) = &stalled {
+        report_load(&mut r, "stalled_", m);
+        let ratio = m.rps() / tls.rps().max(1e-9);
+        r.line(
+            "stalled_connections",
+            json!([held_before, held_after, opened, shed]),
+            format!(
+                "{held_before} held when the measurement began, {held_after} at its end, {opened} opened in all, {shed} shed by the agent before their headers ({} per address)",
+                args.stall_per_address
+            ),
+        );
+        r.line(
+            "stalled_over_clean_ratio",
+            (ratio * 1000.0).round() / 1000.0,
+            format!("{ratio:.3} (verified req/s while stalled ÷ without, same run)"),
+        );
+        r.target("no errors while stalled", m.errors() == 0);
     }
     if agent.is_some() {
         r.note("the agent and this client share the machine's cores");
