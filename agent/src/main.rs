@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -47,6 +47,23 @@ enum Command {
         /// checked away from the host that runs them).
         #[arg(long)]
         skip_handlers: bool,
+        /// Instead of a config: hold this consumer's needs.json against a provider's
+        /// capabilities.json (its request schemas, and with --consumer its callers).
+        #[arg(long, value_name = "FILE", requires_all = ["capabilities", "hosts"])]
+        needs: Option<PathBuf>,
+        /// The provider's capabilities.json (with --needs).
+        #[arg(long, value_name = "FILE", requires = "needs")]
+        capabilities: Option<PathBuf>,
+        /// The fleet's hosts.json (with --needs).
+        #[arg(long, value_name = "FILE", requires = "needs")]
+        hosts: Option<PathBuf>,
+        /// The provider's host name: only needs from it are checked, and each must be
+        /// offered (with --needs). Default: every need whose type the file offers.
+        #[arg(long, value_name = "HOST", requires = "needs")]
+        provider: Option<String>,
+        /// The consumer's host name: each need id must be among the callers (with --needs).
+        #[arg(long, value_name = "HOST", requires = "needs")]
+        consumer: Option<String>,
     },
     /// Show this host's needs and provider entries (from the running agent).
     Status {
@@ -189,9 +206,36 @@ async fn main() -> ExitCode {
             }
         }
         Command::Check {
+            needs: Some(needs),
+            capabilities: Some(capabilities),
+            hosts: Some(hosts),
+            provider,
+            consumer,
+            ..
+        } => {
+            let c = fort_agent::check_requests::RequestCheck {
+                needs,
+                capabilities,
+                hosts,
+                provider,
+                consumer,
+            };
+            match fort_agent::check_requests::check_requests(&c) {
+                Ok(summary) => {
+                    println!("{summary}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("fort-agent check: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Check {
             config,
             skip_key,
             skip_handlers,
+            ..
         } => match fort_agent::check::check(
             &config,
             fort_agent::check::CheckOptions {

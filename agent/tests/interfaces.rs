@@ -348,3 +348,89 @@ fn check_refuses_cycles_and_references_to_undeclared_needs() {
     let (ok, text) = check(&f, "c");
     assert!(ok, "{text}");
 }
+
+fn check_requests(f: &Fleet, extra: &[&str]) -> (bool, String) {
+    let out = Command::new(bin("fort-agent"))
+        .arg("check")
+        .arg("--needs")
+        .arg(f.host_dir("c").join("needs.json"))
+        .arg("--capabilities")
+        .arg(f.host_dir("p").join("capabilities.json"))
+        .arg("--hosts")
+        .arg(f.host_dir("c").join("hosts.json"))
+        .args(extra)
+        .output()
+        .expect("run fort-agent check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[test]
+fn check_holds_a_consumer_s_requests_against_a_provider_s_schemas() {
+    let mut f = Fleet::new();
+    let h = f.script("issue", "jq -c 'with_entries(.value = \"OK\")'");
+    f.capability(
+        "p",
+        "oidc",
+        json!({"handler": h, "mode": "async", "request_schema": oidc_schema()}),
+    );
+    f.need(
+        "c",
+        "oidc/wiki",
+        "p",
+        json!({"request": {"client_name": "wiki"}}),
+    );
+    // A value built from another need's payload is only known when sent.
+    f.need(
+        "c",
+        "oidc/grafana",
+        "p",
+        json!({"request": {"client_name": {"$fort_ref": "oidc/wiki#/client_id"}}}),
+    );
+    f.write_files();
+    let (ok, text) = check_requests(&f, &["--provider", "p", "--consumer", "c"]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("ok: 2 requests fit p's request schemas"),
+        "{text}"
+    );
+    assert!(text.contains("checked when sent"), "{text}");
+
+    // Every problem at once, each naming the need and the place.
+    f.need(
+        "c",
+        "oidc/bad",
+        "p",
+        json!({"request": {"client_name": 7, "extra": true, "redirect_uris": ["x", 1]}}),
+    );
+    f.need("c", "token/x", "p", json!({}));
+    f.write_files();
+    let (ok, text) = check_requests(&f, &["--provider", "p"]);
+    assert!(!ok, "{text}");
+    for expected in [
+        "oidc/bad: request at /client_name:",
+        "oidc/bad: request at /: unexpected field extra",
+        "oidc/bad: request at /redirect_uris/1:",
+        "token/x: p offers no capability token",
+    ] {
+        assert!(
+            text.contains(expected),
+            "{expected:?} missing from:\n{text}"
+        );
+    }
+    assert!(!text.contains("oidc/wiki:"), "{text}");
+
+    // Ids the provider's callers do not list for this consumer.
+    f.host("c").needs.retain(|k, _| k == "oidc/wiki");
+    f.write_files();
+    let (ok, text) = check_requests(&f, &["--provider", "p", "--consumer", "p"]);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("oidc/wiki: p is not among the callers of oidc for id wiki"),
+        "{text}"
+    );
+}

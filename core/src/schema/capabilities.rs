@@ -99,23 +99,37 @@ impl RequestSchema {
     /// never the offending value: requests built from other needs' payloads can carry
     /// credentials, and this text goes to the caller and the log.
     pub fn check(&self, instance: &Value) -> Result<(), String> {
-        use jsonschema::error::ValidationErrorKind as Kind;
-        self.validator.validate(instance).map_err(|e| {
-            let at = e.instance_path().to_string();
-            let at = if at.is_empty() { "/".to_owned() } else { at };
-            let what = match e.kind() {
-                Kind::Required { property } => match property.as_str() {
-                    Some(name) => format!("{name} is required"),
-                    None => format!("{property} is required"),
-                },
-                Kind::AdditionalProperties { unexpected } => {
-                    format!("unexpected field {}", unexpected.join(", "))
-                }
-                other => format!("breaks the schema's `{}`", other.keyword()),
-            };
-            format!("at {at}: {what} (schema {})", e.schema_path())
-        })
+        self.validator
+            .validate(instance)
+            .map_err(|e| describe(&e).1)
     }
+
+    /// Every violation as `(JSON pointer, message)`, worded as [`RequestSchema::check`]
+    /// words the first.
+    pub fn violations(&self, instance: &Value) -> Vec<(String, String)> {
+        self.validator
+            .iter_errors(instance)
+            .map(|e| describe(&e))
+            .collect()
+    }
+}
+
+fn describe(e: &jsonschema::ValidationError<'_>) -> (String, String) {
+    use jsonschema::error::ValidationErrorKind as Kind;
+    let at = e.instance_path().to_string();
+    let what = match e.kind() {
+        Kind::Required { property } => match property.as_str() {
+            Some(name) => format!("{name} is required"),
+            None => format!("{property} is required"),
+        },
+        Kind::AdditionalProperties { unexpected } => {
+            format!("unexpected field {}", unexpected.join(", "))
+        }
+        other => format!("breaks the schema's `{}`", other.keyword()),
+    };
+    let shown = if at.is_empty() { "/" } else { at.as_str() };
+    let message = format!("at {shown}: {what} (schema {})", e.schema_path());
+    (at, message)
 }
 
 impl std::fmt::Debug for RequestSchema {
