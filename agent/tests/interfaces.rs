@@ -290,18 +290,32 @@ async fn a_chain_of_references_converges_and_a_rotation_resends_each_dependent_o
     assert!(f.all_satisfied("c"));
 }
 
-fn check(f: &Fleet, host: &str) -> (bool, String) {
+/// `fort-agent ARGS`: whether it succeeded, and stdout and stderr together.
+fn fort_agent<I, A>(args: I) -> (bool, String)
+where
+    I: IntoIterator<Item = A>,
+    A: AsRef<std::ffi::OsStr>,
+{
     let out = Command::new(bin("fort-agent"))
-        .args(["check", "--skip-key", "--config"])
-        .arg(f.config_path(host))
+        .args(args)
         .output()
-        .expect("run fort-agent check");
+        .expect("run fort-agent");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+fn check(f: &Fleet, host: &str) -> (bool, String) {
+    let config = f.config_path(host);
+    fort_agent([
+        std::ffi::OsStr::new("check"),
+        "--skip-key".as_ref(),
+        "--config".as_ref(),
+        config.as_os_str(),
+    ])
 }
 
 #[test]
@@ -350,23 +364,22 @@ fn check_refuses_cycles_and_references_to_undeclared_needs() {
 }
 
 fn check_requests(f: &Fleet, extra: &[&str]) -> (bool, String) {
-    let out = Command::new(bin("fort-agent"))
-        .arg("check")
-        .arg("--needs")
-        .arg(f.host_dir("c").join("needs.json"))
-        .arg("--capabilities")
-        .arg(f.host_dir("p").join("capabilities.json"))
-        .arg("--hosts")
-        .arg(f.host_dir("c").join("hosts.json"))
-        .args(extra)
-        .output()
-        .expect("run fort-agent check");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (needs, capabilities, hosts) = (
+        f.host_dir("c").join("needs.json"),
+        f.host_dir("p").join("capabilities.json"),
+        f.host_dir("c").join("hosts.json"),
     );
-    (out.status.success(), text)
+    let mut args: Vec<&std::ffi::OsStr> = vec![
+        std::ffi::OsStr::new("check"),
+        "--needs".as_ref(),
+        needs.as_os_str(),
+        "--capabilities".as_ref(),
+        capabilities.as_os_str(),
+        "--hosts".as_ref(),
+        hosts.as_os_str(),
+    ];
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    fort_agent(args)
 }
 
 #[test]
