@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use fort_core::canonical::manifest_sha256;
-use fort_tests::{eventually, skip, write_key, Fleet};
+use fort_tests::{eventually, skip, Fleet};
 use serde_json::{json, Value};
 
 /// What `host` should report: the hash of its three files as on disk now.
@@ -62,21 +62,7 @@ async fn status_reports_the_hash_of_the_files_as_loaded() {
 
 /// `fort --origin ops <args>` with the registry of `host`: (exit code, stdout, stderr).
 fn fort(f: &Fleet, registry_of: &str, args: &[&str]) -> (i32, String, String) {
-    let key = f.dir.path().join("ops.key");
-    write_key(&key, &f.principals["ops"]);
-    let out = Command::new(fort_tests::bin("fort"))
-        .args(["--origin", "ops", "--key"])
-        .arg(&key)
-        .arg("--hosts")
-        .arg(f.host_dir(registry_of).join("hosts.json"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    f.fort("ops", registry_of, args)
 }
 
 fn write_expected(f: &Fleet, expected: &BTreeMap<&str, String>) -> String {

@@ -1,10 +1,9 @@
 //! Operator surfaces: built-in capabilities and who may call them, `fort` exit codes,
 //! `fort fleet`, `fort-agent status`, and the metrics endpoint.
 
-use std::process::Command;
 use std::time::Duration;
 
-use fort_tests::{eventually, write_key, Fleet};
+use fort_tests::{eventually, Fleet};
 use serde_json::{json, Value};
 
 fn fleet() -> Fleet {
@@ -20,21 +19,7 @@ fn fleet() -> Fleet {
 }
 
 fn fort(f: &Fleet, origin: &str, args: &[&str]) -> (i32, String, String) {
-    let key = f.dir.path().join(format!("{origin}.key"));
-    write_key(&key, &f.principals[origin]);
-    let out = Command::new(fort_tests::bin("fort"))
-        .args(["--origin", origin, "--key"])
-        .arg(&key)
-        .arg("--hosts")
-        .arg(f.host_dir("p").join("hosts.json"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    f.fort(origin, "p", args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -395,6 +395,26 @@ impl Fleet {
         )
     }
 
+    /// `fort --origin ORIGIN --key <its key> --hosts <registry_of's hosts.json> ARGS`:
+    /// (exit code, stdout, stderr). `origin` is a principal of this fleet.
+    pub fn fort(&self, origin: &str, registry_of: &str, args: &[&str]) -> (i32, String, String) {
+        let key = self.dir.path().join(format!("{origin}.key"));
+        write_key(&key, &self.principals[origin]);
+        let out = Command::new(bin("fort"))
+            .args(["--origin", origin, "--key"])
+            .arg(&key)
+            .arg("--hosts")
+            .arg(self.host_dir(registry_of).join("hosts.json"))
+            .args(args)
+            .output()
+            .expect("run fort");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
     /// The agent's status document over the admin socket.
     pub fn status(&self, host: &str) -> Value {
         let (_, out) = self.admin(host, &["status", "--json"]);
