@@ -229,6 +229,7 @@ impl App {
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
                 systemctl: config.systemctl.clone(),
+                batches: config.batches,
             },
             fulfill_store,
             client.clone(),

@@ -41,6 +41,10 @@ pub enum Route {
     Capability(String),
     Callback(NeedKey),
     NeedsList,
+    /// Batched requests to one capability (§11.8).
+    CapabilityBatch(String),
+    /// Batched callbacks (§11.8).
+    CallbackBatch,
 }
 
 /// Strict path parsing: no decoding, no normalisation, nothing ambiguous reaches routing.
@@ -51,6 +55,17 @@ pub fn parse_route(path: &str) -> Result<Route, ApiError> {
     let not_found = || ApiError::NotFound(format!("no such path {path}"));
     if path == "/agent/needs" {
         return Ok(Route::NeedsList);
+    }
+    if path == fort_core::wire::CALLBACKS_PATH {
+        return Ok(Route::CallbackBatch);
+    }
+    if let Some(name) = path
+        .strip_prefix("/agent/capabilities/")
+        .and_then(|rest| rest.strip_suffix(fort_core::wire::BATCH_SUFFIX))
+    {
+        return is_capability_name(name)
+            .then(|| Route::CapabilityBatch(name.to_owned()))
+            .ok_or_else(not_found);
     }
     if let Some(name) = path.strip_prefix("/agent/capabilities/") {
         return is_capability_name(name)
@@ -428,6 +443,8 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         Route::Capability(_) => "unknown",
         Route::Callback(_) => "callback",
         Route::NeedsList => "needs",
+        Route::CapabilityBatch(_) => "batch",
+        Route::CallbackBatch => "callbacks",
     };
     app.metrics
         .requests
@@ -472,7 +489,18 @@ mod tests {
             parse_route("/agent/needs/oidc/x").unwrap(),
             Route::Callback(_)
         ));
+        assert_eq!(
+            parse_route("/agent/capabilities/oidc/batch").unwrap(),
+            Route::CapabilityBatch("oidc".into())
+        );
+        assert_eq!(
+            parse_route("/agent/callbacks").unwrap(),
+            Route::CallbackBatch
+        );
         for bad in [
+            "/agent/capabilities/oidc/batch/",
+            "/agent/capabilities/oidc/other",
+            "/agent/callbacks/",
             "/agent/capabilities/oidc/",
             "/agent/capabilities/OIDC",
             "/agent/needs/",

@@ -58,6 +58,12 @@ pub struct Config {
     /// hosts' keys).
     #[serde(default)]
     pub plaintext: bool,
+    /// Send and accept batches (§11.8 of the protocol): a consumer's requests to one
+    /// capability, and a provider's callbacks to one consumer, travel many to one signed
+    /// request. Peers that do not take batches are sent items one by one. Unset: true;
+    /// false speaks protocol 1.1 only.
+    #[serde(default = "defaults::yes")]
+    pub batches: bool,
     /// Connections the control plane holds at once (TLS handshakes included); more are
     /// closed at once. Capped at half the descriptor limit, so state files, handler pipes
     /// and outgoing calls always have descriptors. Unset: 4096.
@@ -233,6 +239,9 @@ mod addr {
 
 mod defaults {
     use std::time::Duration;
+    pub fn yes() -> bool {
+        true
+    }
     pub fn clock_skew() -> Duration {
         Duration::from_secs(300)
     }

@@ -36,6 +36,10 @@ pub struct BurstArgs {
     /// Consumers run a handler (`cat >/dev/null`) per callback instead of taking `OK`.
     #[arg(long)]
     consumer_handler: bool,
+    /// Every agent sends each request and callback alone (`batches = false`, protocol
+    /// 1.1) instead of in batches.
+    #[arg(long)]
+    one_by_one: bool,
 }
 
 const CAP: &str = "burst";
@@ -54,6 +58,11 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
                 spec["handler"] = json!(sink);
             }
             fleet.need(c, &format!("{CAP}/n{n:04}"), "forge", spec);
+        }
+    }
+    if args.one_by_one {
+        for name in std::iter::once("forge".to_owned()).chain(consumers.iter().cloned()) {
+            fleet.host(&name).extra_toml = "batches = false\n".into();
         }
     }
     fleet.write_files();
@@ -163,6 +172,15 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
 
     let mut r = Report::new("burst", json_out);
     r.line("consumers", args.consumers, args.consumers);
+    r.line(
+        "batches",
+        !args.one_by_one,
+        if args.one_by_one {
+            "no (one by one)"
+        } else {
+            "yes"
+        },
+    );
     r.line("needs_per_consumer", args.needs, args.needs);
     r.line("needs_total", total, total);
     r.line("all_called_back_ms", ms(elapsed), format!("{:.1} ms (SIGHUP of all consumers → every consumer satisfied; polled every {:?}, {polls} polls)", ms(elapsed), args.poll));

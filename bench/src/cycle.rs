@@ -39,6 +39,9 @@ pub struct CycleArgs {
     /// Requests in flight to the provider at once (the agent's default is 8).
     #[arg(long, default_value_t = 8)]
     per_provider_concurrency: usize,
+    /// Send every request alone (protocol 1.1) instead of in batches.
+    #[arg(long)]
+    one_by_one: bool,
     /// Give up on the all-due cycle after this long.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -59,6 +62,7 @@ async fn build(
     registry: Arc<Registry>,
     shutdown: &CancellationToken,
     concurrency: usize,
+    batches: bool,
 ) -> Result<Built> {
     std::fs::create_dir_all(dir)?;
     let store = Store::open(
@@ -77,6 +81,7 @@ async fn build(
             request_timeout: Duration::from_secs(30),
             handler_environment: Vec::new(),
             systemctl: "systemctl".into(),
+            batches,
         },
         store,
         client,
@@ -242,6 +247,7 @@ pub async fn run(args: CycleArgs, json_out: bool) -> Result<()> {
         registry.clone(),
         &shutdown,
         conc,
+        !args.one_by_one,
     )
     .await?;
     let prov0 = util::proc_cpu(provider.pid()).unwrap_or_default();
@@ -262,6 +268,7 @@ pub async fn run(args: CycleArgs, json_out: bool) -> Result<()> {
         registry.clone(),
         &shutdown,
         conc,
+        !args.one_by_one,
     )
     .await?;
     let due2 = all_due(&a2, args.timeout)
@@ -283,6 +290,15 @@ pub async fn run(args: CycleArgs, json_out: bool) -> Result<()> {
     let mut r = Report::new("fulfill-cycle", json_out);
     let n = args.needs;
     r.line("needs", n, n);
+    r.line(
+        "batches",
+        !args.one_by_one,
+        if args.one_by_one {
+            "no (one by one)"
+        } else {
+            "yes"
+        },
+    );
     r.line(
         "due_pass_cpu_ms",
         ms(due.pass_cpu),

@@ -11,6 +11,16 @@ pub const H_SERVER_TIME: &str = "x-fort-server-time";
 pub const CAPABILITIES_PREFIX: &str = "/agent/capabilities/";
 pub const NEEDS_PREFIX: &str = "/agent/needs/";
 pub const NEEDS_PATH: &str = "/agent/needs";
+/// Batched callbacks (§11.8).
+pub const CALLBACKS_PATH: &str = "/agent/callbacks";
+/// Appended to a capability's path for batched requests (§11.8).
+pub const BATCH_SUFFIX: &str = "/batch";
+
+/// Items in one batch at most (§11.8).
+pub const MAX_BATCH_ITEMS: usize = 256;
+/// A sender stops adding items once a batch body reaches this size, well inside the
+/// receiver's 1 MiB body limit; an item that alone is larger goes on its own.
+pub const BATCH_BODY_TARGET: usize = 512 * 1024;
 
 /// The one body every `401` carries.
 pub const UNAUTHORIZED_BODY: &str = r#"{"error":"unauthorized"}"#;
@@ -37,6 +47,48 @@ pub struct AsyncBody {
     /// The consumer's payload is about to expire: issue a new one (§11.4).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub renew: bool,
+}
+
+/// `POST /agent/capabilities/<capability>/batch` body (§11.8): each item is checked on
+/// its own as an [`AsyncBody`], so one bad item does not refuse the others.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RequestBatch {
+    pub requests: Vec<serde_json::Value>,
+}
+
+/// `POST /agent/callbacks` body (§11.8).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CallbackBatch {
+    pub callbacks: Vec<CallbackItem>,
+}
+
+/// One callback of a batch: the payload bytes of §7 as text (they are always UTF-8: a
+/// string's content or compact JSON); empty is a revocation.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CallbackItem {
+    pub need: String,
+    pub payload: String,
+}
+
+/// The reply to either batch: one result per item, in the items' order.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BatchResults {
+    pub results: Vec<ItemResult>,
+}
+
+/// What the single endpoint would have answered for this item: its status, its JSON
+/// body and its `Retry-After`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ItemResult {
+    pub status: u16,
+    pub body: serde_json::Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
 }
 
 /// `/agent/needs` reply (§8).

@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::batch::{Batcher, Destination, Outcome};
 use crate::schedule::{backoff, jittered, Due};
 use crate::state::{NeedState, Phase};
 use crate::units::Units;
@@ -36,6 +37,8 @@ pub struct FulfillOptions {
     pub handler_environment: Vec<(String, String)>,
     /// The program that restarts and reloads units for delivered files.
     pub systemctl: std::path::PathBuf,
+    /// Send requests that come due together in batches (§11.8).
+    pub batches: bool,
 }
 
 /// How much of a failed handler's stderr goes to the log (never to the state).
@@ -82,6 +85,7 @@ pub(crate) struct Inner {
     wake: Notify,
     pub need_locks: Mutex<HashMap<NeedKey, Arc<tokio::sync::Mutex<()>>>>,
     providers: Mutex<HashMap<String, Arc<Semaphore>>>,
+    batcher: Arc<Batcher>,
     pub tasks: TaskTracker,
     shutdown: CancellationToken,
     pub spawned: std::sync::atomic::AtomicU64,
@@ -141,6 +145,7 @@ impl Fulfiller {
                 wake: Notify::new(),
                 need_locks: Mutex::new(HashMap::new()),
                 providers: Mutex::new(HashMap::new()),
+                batcher: Default::default(),
                 tasks,
                 shutdown,
                 spawned: Default::default(),
@@ -599,6 +604,9 @@ impl Fulfiller {
         let Some(address) = peer.address.as_deref() else {
             return;
         };
+        let batched =
+            self.inner.opts.batches && self.inner.batcher.takes_batches(&spec.from, key.kind());
+        // A batch lane bounds its own batches in flight; alone, a request takes a slot.
         let limit = {
             let mut p = self.inner.providers.lock().expect("providers lock");
             p.entry(spec.from.clone())
@@ -609,7 +617,11 @@ impl Fulfiller {
                 })
                 .clone()
         };
-        let _slot = limit.acquire().await.expect("semaphore open");
+        let _slot = if batched {
+            None
+        } else {
+            Some(limit.acquire().await.expect("semaphore open"))
+        };
         // Changed while waiting for a slot: the next attendance builds the new request.
         if self.spec(key).as_ref() != Some(spec) {
             self.schedule(key, Some(Duration::ZERO));
@@ -628,23 +640,55 @@ impl Fulfiller {
             renew,
         })
         .expect("body serialises");
-        let target = Target {
-            name: &spec.from,
-            address,
-            keys: &peer.keys,
-        };
-        let path = format!("/agent/capabilities/{}", key.kind());
         let sent_at = unix_now();
         self.update_lazy(key, |st| {
             st.last_sought = Some(sent_at);
             st.attempts += 1;
             true
         });
-        let outcome = tokio::time::timeout(
-            self.inner.opts.request_timeout,
-            self.inner.client.post(&target, &path, body),
-        )
-        .await;
+        let destination = Destination {
+            provider: spec.from.clone(),
+            address: address.to_owned(),
+            keys: peer.keys.clone(),
+            capability: key.kind().to_owned(),
+        };
+        let outcome = if batched {
+            self.inner
+                .batcher
+                .submit(
+                    &self.inner.client,
+                    &self.inner.tasks,
+                    self.inner.opts.request_timeout,
+                    destination.clone(),
+                    body.clone(),
+                )
+                .await
+        } else {
+            Outcome::NotTaken
+        };
+        let outcome = match outcome {
+            Outcome::Reply(r) => Ok(Ok(r)),
+            Outcome::Failed(e) => Ok(Err(e)),
+            Outcome::NotTaken => {
+                let _slot = if batched {
+                    Some(limit.acquire().await.expect("semaphore open"))
+                } else {
+                    None
+                };
+                let target = Target {
+                    name: &destination.provider,
+                    address: &destination.address,
+                    keys: &destination.keys,
+                };
+                let path = format!("/agent/capabilities/{}", key.kind());
+                tokio::time::timeout(
+                    self.inner.opts.request_timeout,
+                    self.inner.client.post(&target, &path, body),
+                )
+                .await
+                .map(|r| r.map_err(|e| e.to_string()))
+            }
+        };
         let transport_failure = |me: &Self, error: String| {
             let failures = {
                 let mut view = me.inner.view.lock().expect("view lock");
@@ -664,7 +708,7 @@ impl Fulfiller {
         }
         let reply = match outcome {
             Err(_) => return transport_failure(self, "timeout".into()),
-            Ok(Err(e)) => return transport_failure(self, e.to_string()),
+            Ok(Err(e)) => return transport_failure(self, e),
             Ok(Ok(r)) => r,
         };
         // Busy or over its share: it said when to come back; that is when it is asked,

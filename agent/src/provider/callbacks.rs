@@ -9,13 +9,12 @@
 //! workers: one that accepts connections and never answers holds only its share, and the
 //! others' callbacks are not queued behind its timeouts.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fort_core::client::Target;
 use fort_core::names::parse_entry_key;
-use fort_core::wire::{payload_bytes_raw, unix_now};
+use fort_core::wire::MAX_BATCH_ITEMS;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -30,7 +29,7 @@ struct ConsumerQueue {
 }
 
 #[derive(Default)]
-struct Queue {
+pub(super) struct Queue {
     consumers: HashMap<String, ConsumerQueue>,
     /// Consumers with queued keys, served in turn.
     turn: VecDeque<String>,
@@ -40,10 +39,13 @@ struct Queue {
     /// Being sent now; `Some(force)` when it changed meanwhile and must go again.
     in_flight: HashMap<String, Option<bool>>,
     /// Failed attempts so far, per key.
-    attempts: HashMap<String, u32>,
+    pub(super) attempts: HashMap<String, u32>,
     /// Retries waiting for their time.
     retries: BTreeMap<(Instant, u64), String>,
     retry_seq: u64,
+    /// Consumers that take batched callbacks (§11.8): they sent batched requests, and
+    /// have not answered a batch `404` since.
+    batching: HashSet<String>,
 }
 
 impl Queue {
@@ -58,7 +60,7 @@ impl Queue {
 }
 
 pub struct Deliveries {
-    queue: Mutex<Queue>,
+    pub(super) queue: Mutex<Queue>,
     wake: Notify,
     per_consumer: usize,
     workers: usize,
@@ -108,12 +110,35 @@ impl Deliveries {
         q.queued.len() + q.in_flight.len()
     }
 
-    /// The next key to send, from the next consumer in turn with room in its share.
-    fn next(&self) -> Option<(String, bool)> {
+    /// A consumer takes batched callbacks from now on.
+    pub fn batches_accepted_by(&self, origin: &str) {
+        let mut q = self.queue.lock().expect("delivery queue");
+        if !q.batching.contains(origin) {
+            q.batching.insert(origin.to_owned());
+        }
+    }
+
+    /// A consumer answered a batch with `404`: it is sent one callback at a time.
+    pub fn batches_refused_by(&self, origin: &str) {
+        self.queue
+            .lock()
+            .expect("delivery queue")
+            .batching
+            .remove(origin);
+    }
+
+    /// The next keys to send, from the next consumer in turn with room in its share: up
+    /// to a batch for a consumer that takes batches, else one.
+    fn next(&self) -> Option<(String, Vec<(String, bool)>)> {
         let mut q = self.queue.lock().expect("delivery queue");
         for _ in 0..q.turn.len() {
             let origin = q.turn.pop_front()?;
             let share = self.per_consumer;
+            let most = if q.batching.contains(&origin) {
+                MAX_BATCH_ITEMS
+            } else {
+                1
+            };
             let Some(c) = q.consumers.get_mut(&origin) else {
                 continue;
             };
@@ -122,26 +147,29 @@ impl Deliveries {
                 // Its turn comes again when one of its sends ends (`done`).
                 continue;
             }
-            let Some(key) = c.keys.pop_front() else {
+            let n = c.keys.len().min(most);
+            if n == 0 {
                 continue;
-            };
+            }
+            let keys: Vec<String> = c.keys.drain(..n).collect();
             c.active += 1;
             q.take_turn(&origin);
-            let force = q.queued.remove(&key).unwrap_or(false);
-            q.in_flight.insert(key.clone(), None);
-            return Some((key, force));
+            let mut taken = Vec::with_capacity(keys.len());
+            for key in keys {
+                let force = q.queued.remove(&key).unwrap_or(false);
+                q.in_flight.insert(key.clone(), None);
+                taken.push((key, force));
+            }
+            return Some((origin, taken));
         }
         None
     }
 
-    /// A send ended; `retry_in`: try again then (a failure within the attempts).
-    fn done(&self, key: &str, retry_in: Option<Duration>) {
-        let Some((origin, _)) = parse_entry_key(key) else {
-            return;
-        };
-        let again = {
+    /// A send to `origin` ended: for each of its keys, when to try again (a failure within
+    /// the attempts), if ever.
+    fn done(&self, origin: &str, outcomes: Vec<(String, Option<Duration>)>) {
+        let again: Vec<(String, bool)> = {
             let mut q = self.queue.lock().expect("delivery queue");
-            let again = q.in_flight.remove(key).flatten();
             let gone = q.consumers.get_mut(origin).is_some_and(|c| {
                 c.active -= 1;
                 c.keys.is_empty() && c.active == 0
@@ -151,18 +179,25 @@ impl Deliveries {
             } else {
                 q.take_turn(origin);
             }
-            // Changed while being sent: it goes again as its turn comes; a retry would
-            // only duplicate it.
-            if let (Some(delay), None) = (retry_in, again) {
-                q.retry_seq += 1;
-                let seq = q.retry_seq;
-                q.retries
-                    .insert((Instant::now() + delay, seq), key.to_owned());
+            let mut again = Vec::new();
+            for (key, retry_in) in outcomes {
+                let changed = q.in_flight.remove(&key).flatten();
+                // Changed while being sent: it goes again as its turn comes; a retry
+                // would only duplicate it.
+                match (retry_in, changed) {
+                    (_, Some(force)) => again.push((key, force)),
+                    (Some(delay), None) => {
+                        q.retry_seq += 1;
+                        let seq = q.retry_seq;
+                        q.retries.insert((Instant::now() + delay, seq), key);
+                    }
+                    (None, None) => {}
+                }
             }
             again
         };
-        if let Some(force) = again {
-            self.enqueue(key.to_owned(), force);
+        for (key, force) in again {
+            self.enqueue(key, force);
         }
         self.wake.notify_one();
     }
@@ -232,9 +267,15 @@ async fn worker(app: Arc<App>) {
                 _ = app.shutdown.cancelled() => return,
             }
         };
-        let (key, force) = next;
-        let retry = send(&app, &key, force).await;
-        d.done(&key, retry);
+        let (origin, keys) = next;
+        let outcomes = if keys.len() == 1 {
+            let (key, force) = keys.into_iter().next().expect("one key");
+            let retry = super::send::one(&app, &key, force).await;
+            vec![(key, retry)]
+        } else {
+            super::send::batch(&app, &origin, keys).await
+        };
+        d.done(&origin, outcomes);
         if app.shutdown.is_cancelled() {
             return;
         }
@@ -281,117 +322,6 @@ pub async fn run_redelivery(app: Arc<App>) {
     }
 }
 
-/// One attempt at delivering `key`'s current response. Returns when to try again, if
-/// it failed and attempts remain.
-async fn send(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
-    let (origin, need) = parse_entry_key(key)?;
-    // What the entry holds now: a newer response supersedes what was queued.
-    let (response, hash, acknowledged) = app.provider.store.read(|entries| {
-        entries.get(key).map(|e| {
-            let hash = e.current_hash();
-            let acked = e.delivery.delivered_hash == hash;
-            (e.response.clone(), hash, acked)
-        })
-    })?;
-    if acknowledged && !force {
-        return None;
-    }
-    let loaded = app.loaded.load_full();
-    let peer = loaded.registry.get(origin)?;
-    // A principal has nowhere to be called back; it polls or uses rpc mode.
-    let address = peer.address.clone()?;
-    let keys = peer.keys.clone();
-    drop(loaded);
-    let cfg = &app.config.callbacks;
-    let payload = response
-        .as_deref()
-        .map(payload_bytes_raw)
-        .unwrap_or_default();
-    let target = Target {
-        name: origin,
-        address: &address,
-        keys: &keys,
-    };
-    let path = format!("/agent/needs/{need}");
-    let attempt = {
-        let q = app
-            .provider
-            .deliveries
-            .queue
-            .lock()
-            .expect("delivery queue");
-        q.attempts.get(key).copied().unwrap_or(0) + 1
-    };
-    let outcome = tokio::time::timeout(
-        cfg.timeout,
-        app.client.post(&target, &path, payload.clone()),
-    )
-    .await;
-    let error = match outcome {
-        Err(_) => "timeout".to_owned(),
-        Ok(Err(e)) => e.to_string(),
-        Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
-            app.provider.store.change_lazy(|c| {
-                if let Some(mut e) = c.get(key).cloned() {
-                    e.delivery.delivered_hash = hash.clone();
-                    e.delivery.delivered_at = Some(unix_now());
-                    e.delivery.last_error = None;
-                    e.delivery.attempts = attempt;
-                    c.put(key.to_owned(), e);
-                }
-            });
-            app.provider
-                .deliveries
-                .queue
-                .lock()
-                .expect("delivery queue")
-                .attempts
-                .remove(key);
-            app.metrics.callbacks.inc(&[("outcome", "sent")]);
-            tracing::info!(
-                entry = %key,
-                bytes = payload.len(),
-                revocation = response.is_none(),
-                payload_sha256 = %hash.as_deref().unwrap_or("-"),
-                "callback delivered"
-            );
-            return None;
-        }
-        Ok(Ok(reply)) if reply.status == 200 => {
-            format!("reply signature not verified ({:?})", reply.auth)
-        }
-        Ok(Ok(reply)) => format!("consumer answered {}", reply.status),
-    };
-    app.metrics.callbacks.inc(&[("outcome", "failed")]);
-    app.quiet.warn(
-        "callback_failed",
-        &format!("callback to {key} failed (attempt {attempt}): {error}"),
-    );
-    app.provider.store.change_lazy(|c| {
-        if let Some(mut e) = c.get(key).cloned() {
-            e.delivery.last_error = Some(error.clone());
-            e.delivery.attempts = attempt;
-            c.put(key.to_owned(), e);
-        }
-    });
-    let mut q = app
-        .provider
-        .deliveries
-        .queue
-        .lock()
-        .expect("delivery queue");
-    if attempt < cfg.attempts.max(1) {
-        q.attempts.insert(key.to_owned(), attempt);
-        app.metrics.callbacks.inc(&[("outcome", "retried")]);
-        let delay = cfg.backoff * 2u32.saturating_pow(attempt - 1).min(64);
-        Some(delay.min(Duration::from_secs(300)))
-    } else {
-        q.attempts.remove(key);
-        tracing::warn!(entry = %key, "callback gave up; the redelivery sweep and the consumer's nag will try again");
-        None
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -404,28 +334,62 @@ mod tests {
         }
         d.enqueue("quick:web/a".into(), true);
         let mut order = Vec::new();
-        while let Some((k, _)) = d.next() {
-            order.push(k);
+        while let Some((_, keys)) = d.next() {
+            order.extend(keys.into_iter().map(|(k, _)| k));
         }
         // Two of the slow consumer's (its share), and the quick one's, not blocked.
         order.sort();
         assert_eq!(order, ["quick:web/a", "slow:web/n0", "slow:web/n1"]);
-        d.done("slow:web/n0", None);
-        assert_eq!(d.next().map(|(k, _)| k).as_deref(), Some("slow:web/n2"));
+        d.done("slow", vec![("slow:web/n0".into(), None)]);
+        assert_eq!(first(&d).as_deref(), Some("slow:web/n2"));
     }
 
     #[test]
     fn a_change_during_a_send_sends_again_once() {
         let d = Deliveries::new(8, 2);
         d.enqueue("c:web/x".into(), true);
-        let (k, _) = d.next().unwrap();
+        let k = first(&d).unwrap();
         d.enqueue(k.clone(), false);
         d.enqueue(k.clone(), false);
         assert!(d.next().is_none(), "not twice at once");
-        d.done(&k, None);
-        assert_eq!(d.next().map(|(k, _)| k).as_deref(), Some("c:web/x"));
-        d.done(&k, None);
+        d.done("c", vec![(k.clone(), None)]);
+        assert_eq!(first(&d).as_deref(), Some("c:web/x"));
+        d.done("c", vec![(k.clone(), None)]);
         assert!(d.next().is_none());
         assert_eq!(d.backlog(), 0);
+    }
+
+    fn first(d: &Deliveries) -> Option<String> {
+        d.next().map(|(_, keys)| keys[0].0.clone())
+    }
+
+    #[test]
+    fn a_consumer_that_takes_batches_gets_its_keys_together_within_its_share() {
+        let d = Deliveries::new(8, 1);
+        d.batches_accepted_by("b");
+        for i in 0..300 {
+            d.enqueue(format!("b:web/n{i:03}"), false);
+        }
+        d.enqueue("one:web/a".into(), false);
+        d.enqueue("one:web/b".into(), false);
+        let (origin, keys) = d.next().unwrap();
+        assert_eq!((origin.as_str(), keys.len()), ("b", MAX_BATCH_ITEMS));
+        // The one-at-a-time consumer is next, one key, and the batching consumer has no
+        // room left in its share of one send.
+        let (origin, keys) = d.next().unwrap();
+        assert_eq!((origin.as_str(), keys.len()), ("one", 1));
+        assert!(d.next().is_none());
+        d.done("b", keys_of(MAX_BATCH_ITEMS, Some(Duration::from_secs(60))));
+        let (origin, keys) = d.next().unwrap();
+        assert_eq!((origin.as_str(), keys.len()), ("b", 300 - MAX_BATCH_ITEMS));
+        d.batches_refused_by("b");
+        d.enqueue("b:web/late".into(), false);
+        d.done("b", Vec::new());
+        let (_, keys) = d.next().unwrap();
+        assert_eq!(keys.len(), 1, "one at a time after a refusal");
+    }
+
+    fn keys_of(n: usize, retry: Option<Duration>) -> Vec<(String, Option<Duration>)> {
+        (0..n).map(|i| (format!("b:web/n{i:03}"), retry)).collect()
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod callbacks;
 pub mod gc;
+mod send;
 pub mod state;
 mod worker;
 

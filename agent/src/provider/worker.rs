@@ -42,6 +42,9 @@ pub struct Planned {
     pub key: String,
 }
 
+/// Entries whose changes a run stages at once (see [`Worker::apply`]).
+const APPLY_CHUNK: usize = 2048;
+
 /// The longest a run waits after the previous one (see [`Worker::run`]).
 const MAX_PACE: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -173,10 +176,7 @@ impl Worker {
         }
 
         // Apply: store new responses, decide who is called back.
-        let persisted = match self.apply(&input, &output, pending) {
-            Ok((planned, ticket)) => app.provider.store.wait(ticket).await.map(|()| planned),
-            Err(e) => Err(e),
-        };
+        let persisted = self.apply(&input, &output, pending).await;
         let planned = match persisted {
             Ok(planned) => planned,
             Err(e) => {
@@ -206,12 +206,12 @@ impl Worker {
         record
     }
 
-    fn apply(
+    async fn apply(
         &self,
         input: &BTreeMap<String, InputItem>,
         output: &Map<String, Value>,
         pending: &Pending,
-    ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
+    ) -> Result<Vec<Planned>, fort_core::store::PersistError> {
         // Only entries whose response changed, or whose requester was owed an answer, are
         // looked at again: the others are known unchanged from the run's own input, and a
         // run over 50,000 entries must not touch 50,000 of them to change a few.
@@ -230,9 +230,39 @@ impl Worker {
                 (differs || seen.awaiting || pending.callback_all).then_some((key, seen, new))
             })
             .collect();
+        // Written in chunks, the next staged while the previous one is flushed: a run that
+        // answers 50,000 entries at once holds two chunks of encoded changes in memory,
+        // not 50,000. Each entry's change stands alone, so a crash between chunks leaves
+        // every entry either answered or still owed an answer, never half of one.
+        let mut planned = Vec::new();
+        let mut previous = None;
+        for chunk in candidates.chunks(APPLY_CHUNK) {
+            let (mut p, ticket) = self.apply_chunk(chunk, pending)?;
+            planned.append(&mut p);
+            if let Some(t) = previous.replace(ticket) {
+                self.app.provider.store.wait(t).await?;
+            }
+        }
+        if let Some(t) = previous {
+            self.app.provider.store.wait(t).await?;
+        }
+        Ok(planned)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn apply_chunk(
+        &self,
+        candidates: &[(
+            &String,
+            &InputItem,
+            Option<Arc<serde_json::value::RawValue>>,
+        )],
+        pending: &Pending,
+    ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
         self.app.provider.store.change(|c| {
             let mut planned = Vec::new();
             for (key, seen, new) in candidates {
+                let (key, seen) = (*key, *seen);
                 // Released or collected while the handler ran: gone stays gone.
                 let Some(mut entry) = c.get(key).cloned() else {
                     continue;

@@ -19,6 +19,16 @@ pub async fn handle(
     need: &NeedKey,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
+    deliver(app, caller, need, &body).await
+}
+
+/// One callback, whether it came alone or in a batch (§11.8).
+pub(super) async fn deliver(
+    app: &Arc<App>,
+    caller: &Caller,
+    need: &NeedKey,
+    body: &[u8],
+) -> Result<Reply, ApiError> {
     let spec = app
         .fulfiller
         .spec(need)
@@ -31,7 +41,7 @@ pub async fn handle(
     }
     let satisfied = app
         .fulfiller
-        .deliver(need, &caller.origin, &body)
+        .deliver(need, &caller.origin, body)
         .await
         .map_err(|e| match e {
             DeliverError::UnknownNeed => {

@@ -77,7 +77,17 @@ async fn async_request(
     spec: &CapabilitySpec,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
-    let parsed: Result<AsyncBody, _> = serde_json::from_slice(&body);
+    async_item(app, caller, name, spec, serde_json::from_slice(&body)).await
+}
+
+/// One async request or release, whether it came alone or in a batch (§11.8).
+pub(super) async fn async_item(
+    app: &Arc<App>,
+    caller: &Caller,
+    name: &str,
+    spec: &CapabilitySpec,
+    parsed: Result<AsyncBody, serde_json::Error>,
+) -> Result<Reply, ApiError> {
     // A release touches only the caller's own entry (the origin is part of the key), so
     // it is honoured from anyone known, even a host no longer among the callers: when
     // both sides of a deploy switch at once, the provider may drop the caller first.

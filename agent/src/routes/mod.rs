@@ -1,6 +1,7 @@
 //! Endpoints, one file each. They run only after [`crate::auth::dispatch`] verified the
 //! caller, and they receive it as a [`Caller`].
 
+mod batch;
 mod callback;
 mod capability;
 pub use capability::run_output;
@@ -24,5 +25,7 @@ pub async fn handle(
         Route::Capability(name) => capability::handle(app, caller, &name, body).await,
         Route::Callback(need) => callback::handle(app, caller, &need, body).await,
         Route::NeedsList => needs::handle(app, caller, body).await,
+        Route::CapabilityBatch(name) => batch::requests(app, caller, &name, body).await,
+        Route::CallbackBatch => batch::callbacks(app, caller, body).await,
     }
 }

@@ -1,0 +1,289 @@
+//! Sending callbacks (§7): one entry's response in one signed request, or many of one
+//! consumer's in a batch (§11.8). Either way a delivery counts only on a verified `200`
+//! for that entry, and each entry keeps its own attempts, back-off and delivery record.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fort_core::client::{Reply, Target};
+use fort_core::names::parse_entry_key;
+use fort_core::wire::{
+    payload_bytes_raw, unix_now, BatchResults, CallbackBatch, CallbackItem, BATCH_BODY_TARGET,
+    CALLBACKS_PATH,
+};
+use ssh_key::PublicKey;
+
+use crate::app::App;
+
+/// What one entry holds for its consumer now: a newer response supersedes what was queued.
+struct Owed {
+    key: String,
+    payload: Vec<u8>,
+    hash: Option<String>,
+    revocation: bool,
+    attempt: u32,
+}
+
+/// Reads what `key` owes its consumer, unless the consumer acknowledged that very payload
+/// and `force` is off.
+fn owed(app: &App, key: &str, force: bool) -> Option<Owed> {
+    let (response, hash, acknowledged) = app.provider.store.read(|entries| {
+        entries.get(key).map(|e| {
+            let hash = e.current_hash();
+            let acked = e.delivery.delivered_hash == hash;
+            (e.response.clone(), hash, acked)
+        })
+    })?;
+    if acknowledged && !force {
+        return None;
+    }
+    let attempt = app
+        .provider
+        .deliveries
+        .queue
+        .lock()
+        .expect("delivery queue")
+        .attempts
+        .get(key)
+        .copied()
+        .unwrap_or(0)
+        + 1;
+    Some(Owed {
+        key: key.to_owned(),
+        payload: response
+            .as_deref()
+            .map(payload_bytes_raw)
+            .unwrap_or_default(),
+        hash,
+        revocation: response.is_none(),
+        attempt,
+    })
+}
+
+/// The consumer's address and keys; `None` for a principal, which has nowhere to be
+/// called back (it polls or uses rpc mode), or a host no longer registered.
+fn address_of(app: &App, origin: &str) -> Option<(String, Vec<PublicKey>)> {
+    let loaded = app.loaded.load_full();
+    let peer = loaded.registry.get(origin)?;
+    Some((peer.address.clone()?, peer.keys.clone()))
+}
+
+/// One attempt at delivering `key`'s current response. Returns when to try again, if
+/// it failed and attempts remain.
+pub async fn one(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
+    let (origin, need) = parse_entry_key(key)?;
+    let owed = owed(app, key, force)?;
+    let (address, keys) = address_of(app, origin)?;
+    let target = Target {
+        name: origin,
+        address: &address,
+        keys: &keys,
+    };
+    let path = format!("/agent/needs/{need}");
+    let outcome = tokio::time::timeout(
+        app.config.callbacks.timeout,
+        app.client.post(&target, &path, owed.payload.clone()),
+    )
+    .await;
+    let error = match outcome {
+        Err(_) => "timeout".to_owned(),
+        Ok(Err(e)) => e.to_string(),
+        Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
+            acknowledged(app, &owed);
+            return None;
+        }
+        Ok(Ok(reply)) => refusal(&reply),
+    };
+    failed(app, &owed, &error)
+}
+
+fn refusal(reply: &Reply) -> String {
+    if reply.status == 200 {
+        format!("reply signature not verified ({:?})", reply.auth)
+    } else {
+        format!("consumer answered {}", reply.status)
+    }
+}
+
+/// One attempt at delivering several of `origin`'s entries in one batch. Returns, for
+/// every key, when to try it again, if ever. Keys that did not fit, and all of them when
+/// the consumer answers the batch with `404`, are queued again to go one by one.
+pub async fn batch(
+    app: &Arc<App>,
+    origin: &str,
+    keys: Vec<(String, bool)>,
+) -> Vec<(String, Option<Duration>)> {
+    let mut outcomes = Vec::with_capacity(keys.len());
+    let mut later = Vec::new();
+    let mut items = Vec::new();
+    let mut owed_items = Vec::new();
+    let mut size = 0;
+    for (key, force) in keys {
+        let Some(owed) = owed(app, &key, force) else {
+            outcomes.push((key, None));
+            continue;
+        };
+        let Some((_, need)) = parse_entry_key(&key) else {
+            outcomes.push((key, None));
+            continue;
+        };
+        // Payload bytes are a JSON string's content or compact JSON: always UTF-8.
+        let Ok(payload) = String::from_utf8(owed.payload.clone()) else {
+            let retry = failed(app, &owed, "payload is not UTF-8");
+            outcomes.push((key, retry));
+            continue;
+        };
+        let need = need.to_string();
+        size += payload.len() + need.len() + 32;
+        if !items.is_empty() && size > BATCH_BODY_TARGET {
+            outcomes.push((key.clone(), None));
+            later.push((key, force));
+            continue;
+        }
+        items.push(CallbackItem { need, payload });
+        owed_items.push(owed);
+    }
+    let sent = send_batch(app, origin, items).await;
+    match sent {
+        Sent::Results(results) => {
+            for (owed, result) in owed_items.into_iter().zip(results) {
+                let retry = if result.status == 200 {
+                    acknowledged(app, &owed);
+                    None
+                } else {
+                    failed(
+                        app,
+                        &owed,
+                        &format!("consumer answered {} in a batch", result.status),
+                    )
+                };
+                outcomes.push((owed.key, retry));
+            }
+        }
+        Sent::NotTaken => {
+            app.provider.deliveries.batches_refused_by(origin);
+            tracing::info!(consumer = %origin, "consumer takes no batched callbacks; sending them one by one");
+            for owed in owed_items {
+                outcomes.push((owed.key.clone(), None));
+                later.push((owed.key, true));
+            }
+        }
+        Sent::Failed(error) => {
+            for owed in owed_items {
+                let retry = failed(app, &owed, &error);
+                outcomes.push((owed.key, retry));
+            }
+        }
+    }
+    // Still in flight, so these go again once this send is done with.
+    for (key, force) in later {
+        app.provider.deliveries.enqueue(key, force);
+    }
+    outcomes
+}
+
+enum Sent {
+    /// A verified `200` with one result per item.
+    Results(Vec<fort_core::wire::ItemResult>),
+    /// The whole batch answered `404`: the consumer takes no batches.
+    NotTaken,
+    Failed(String),
+}
+
+async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<CallbackItem>) -> Sent {
+    if items.is_empty() {
+        return Sent::Results(Vec::new());
+    }
+    let Some((address, keys)) = address_of(app, origin) else {
+        return Sent::Failed(format!("{origin} has no address"));
+    };
+    let n = items.len();
+    let body = serde_json::to_vec(&CallbackBatch { callbacks: items }).expect("batch serialises");
+    let target = Target {
+        name: origin,
+        address: &address,
+        keys: &keys,
+    };
+    let outcome = tokio::time::timeout(
+        app.config.callbacks.timeout,
+        app.client.post(&target, CALLBACKS_PATH, body),
+    )
+    .await;
+    match outcome {
+        Err(_) => Sent::Failed("timeout".into()),
+        Ok(Err(e)) => Sent::Failed(e.to_string()),
+        Ok(Ok(reply)) if reply.status == 404 => Sent::NotTaken,
+        Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
+            match serde_json::from_slice::<BatchResults>(&reply.body) {
+                Ok(r) if r.results.len() == n => Sent::Results(r.results),
+                _ => Sent::Failed(format!("the consumer's batch reply is not {n} results")),
+            }
+        }
+        Ok(Ok(reply)) => Sent::Failed(refusal(&reply)),
+    }
+}
+
+/// A verified `200` for this entry: recorded lazily (a lost record only means one more
+/// delivery of the same payload).
+fn acknowledged(app: &App, owed: &Owed) {
+    let key = &owed.key;
+    app.provider.store.change_lazy(|c| {
+        if let Some(mut e) = c.get(key).cloned() {
+            e.delivery.delivered_hash = owed.hash.clone();
+            e.delivery.delivered_at = Some(unix_now());
+            e.delivery.last_error = None;
+            e.delivery.attempts = owed.attempt;
+            c.put(key.to_owned(), e);
+        }
+    });
+    app.provider
+        .deliveries
+        .queue
+        .lock()
+        .expect("delivery queue")
+        .attempts
+        .remove(key);
+    app.metrics.callbacks.inc(&[("outcome", "sent")]);
+    tracing::info!(
+        entry = %key,
+        bytes = owed.payload.len(),
+        revocation = owed.revocation,
+        payload_sha256 = %owed.hash.as_deref().unwrap_or("-"),
+        "callback delivered"
+    );
+}
+
+/// A failed attempt: recorded on the entry; returns when to try again, if attempts remain.
+fn failed(app: &App, owed: &Owed, error: &str) -> Option<Duration> {
+    let key = &owed.key;
+    let attempt = owed.attempt;
+    let cfg = &app.config.callbacks;
+    app.metrics.callbacks.inc(&[("outcome", "failed")]);
+    app.quiet.warn(
+        "callback_failed",
+        &format!("callback to {key} failed (attempt {attempt}): {error}"),
+    );
+    app.provider.store.change_lazy(|c| {
+        if let Some(mut e) = c.get(key).cloned() {
+            e.delivery.last_error = Some(error.to_owned());
+            e.delivery.attempts = attempt;
+            c.put(key.to_owned(), e);
+        }
+    });
+    let mut q = app
+        .provider
+        .deliveries
+        .queue
+        .lock()
+        .expect("delivery queue");
+    if attempt < cfg.attempts.max(1) {
+        q.attempts.insert(key.to_owned(), attempt);
+        app.metrics.callbacks.inc(&[("outcome", "retried")]);
+        let delay = cfg.backoff * 2u32.saturating_pow(attempt - 1).min(64);
+        Some(delay.min(Duration::from_secs(300)))
+    } else {
+        q.attempts.remove(key);
+        tracing::warn!(entry = %key, "callback gave up; the redelivery sweep and the consumer's nag will try again");
+        None
+    }
+}
