@@ -194,7 +194,8 @@ impl Default for CallbackConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FulfillConfig {
-    /// Requests in flight to one provider at once. Unset: 8.
+    /// Requests sent alone in flight to one provider at once (batches, §11.8 of the
+    /// protocol: at most 2 per capability). Unset: 8.
     #[serde(default = "defaults::fulfill_concurrency")]
     pub per_provider_concurrency: usize,
     /// First retry after a transport failure; doubles up to the need's nag interval. Unset: 2 s.

@@ -21,6 +21,7 @@ use fort_core::client::{ClientOptions, SignedClient};
 use fort_core::schema::{load_needs, Needs, Registry};
 use fort_core::sign::Signer;
 use fort_core::store::Store;
+use fort_core::wire::MAX_BATCH_ITEMS;
 use fort_fulfill::{FulfillOptions, Fulfiller};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -325,7 +326,17 @@ pub async fn run(args: CycleArgs, json_out: bool) -> Result<()> {
     r.line(
         "due_cycle_wall_ms",
         ms(due.wall),
-        format!("{:.1} ms (per-provider concurrency {conc})", ms(due.wall)),
+        if args.one_by_one {
+            format!(
+                "{:.1} ms (one by one, per-provider concurrency {conc})",
+                ms(due.wall)
+            )
+        } else {
+            format!(
+                "{:.1} ms (in batches of up to {MAX_BATCH_ITEMS}, 2 in flight)",
+                ms(due.wall)
+            )
+        },
     );
     r.line(
         "due_accepted",

@@ -16,7 +16,6 @@ use fort_core::schema::Mode;
 use fort_core::wire::{
     AsyncBody, BatchResults, CallbackBatch, ItemResult, RequestBatch, MAX_BATCH_ITEMS,
 };
-use futures_util::stream::{self, StreamExt};
 use http::StatusCode;
 
 use crate::app::App;
@@ -24,8 +23,10 @@ use crate::auth::Caller;
 use crate::builtins;
 use crate::error::{ApiError, Reply};
 
-/// Callbacks of one batch applied at once: each may write files and start a handler.
-const CALLBACKS_AT_ONCE: usize = 32;
+/// Callbacks of one batch that write files or start a handler, applied at once: as many
+/// as a provider's share of single callbacks (`[callbacks] per_consumer`) would bring.
+/// The others only record an outcome, and all of them share one fsync.
+const HANDLERS_AT_ONCE: usize = 4;
 
 fn item_result(outcome: Result<Reply, ApiError>) -> ItemResult {
     let reply = outcome.unwrap_or_else(|e| {
@@ -118,11 +119,21 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
         ))
     })?;
     check_count(batch.callbacks.len())?;
+    let handler_slots = tokio::sync::Semaphore::new(HANDLERS_AT_ONCE);
     let mut seen = HashSet::new();
     let items = batch.callbacks.into_iter().map(|item| {
         let need = NeedKey::parse(&item.need);
         let repeated = !seen.insert(item.need.clone());
+        let costly = need
+            .as_ref()
+            .and_then(|n| app.fulfiller.spec(n))
+            .is_some_and(|spec| spec.handler.is_some() || !spec.files.is_empty());
+        let handler_slots = &handler_slots;
         async move {
+            let _slot = match costly {
+                true => handler_slots.acquire().await.ok(),
+                false => None,
+            };
             let outcome = match need {
                 _ if repeated => Err(ApiError::BadRequest(
                     "this need is already an item of the batch".into(),
@@ -138,10 +149,5 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
             item_result(outcome)
         }
     });
-    Ok(results(
-        stream::iter(items)
-            .buffered(CALLBACKS_AT_ONCE)
-            .collect::<Vec<_>>()
-            .await,
-    ))
+    Ok(results(futures_util::future::join_all(items).await))
 }
