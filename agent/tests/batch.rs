@@ -280,3 +280,77 @@ async fn a_consumer_that_stops_taking_batches_gets_callbacks_one_by_one() {
     assert!(served(m, "callbacks", "404") >= 1, "no batch was refused");
     assert!(served(m, "callback", "200") >= 10);
 }
+
+/// A batch of callbacks whose handlers take long is answered inside the provider's
+/// timeout: what cannot start within 10 s is told to come back (here 8 of the 24, after
+/// two rounds of 8 six-second handlers), nothing is applied twice, and no more handlers
+/// run at once than a few single callbacks would start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_handlers_in_a_callback_batch_run_once_each_and_a_few_at_a_time() {
+    let mut s = setup(24, "", "");
+    let runs = s.f.dir.path().join("runs");
+    let slow = s.f.script(
+        "slow",
+        &format!(
+            "cat >/dev/null; echo s >> {r}; sleep 6; echo e >> {r}",
+            r = runs.display()
+        ),
+    );
+    for i in 0..24 {
+        s.f.host("c")
+            .needs
+            .get_mut(&format!("cred/n{i:03}"))
+            .unwrap()["handler"] = json!(slow);
+    }
+    s.f.start();
+    assert!(
+        eventually(Duration::from_secs(90), || s.f.all_satisfied("c")).await,
+        "{} of 24 satisfied",
+        satisfied_count(&s.f, "c")
+    );
+    let log = std::fs::read_to_string(&runs).unwrap();
+    let (mut running, mut most) = (0i32, 0i32);
+    for line in log.lines() {
+        running += if line == "s" { 1 } else { -1 };
+        most = most.max(running);
+    }
+    assert_eq!(
+        log.lines().filter(|l| *l == "s").count(),
+        24,
+        "handler runs"
+    );
+    assert!(most <= 8, "{most} handlers at once");
+    assert!(served(s.consumer_metrics, "callbacks", "200") >= 1);
+    let failed = metrics(s.provider_metrics)
+        .lines()
+        .any(|l| l.starts_with("fort_callbacks_total{outcome=\"failed\"}"));
+    assert!(!failed, "a callback attempt failed");
+}
+
+/// A consumer whose body limit is smaller than a batch gets its callbacks one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_with_a_small_body_limit_gets_callbacks_one_by_one() {
+    // Quotes: each payload travels escaped, twice its length.
+    let mut s = setup_with(40, "", "body_limit = 65536\n", r#"("\"" * 3000)"#);
+    let got = s.f.dir.path().join("got");
+    let keep = s.f.script(
+        "keep",
+        &format!(
+            "mkdir -p {g}; cat > {g}/$(echo $FORT_NEED | tr / _)",
+            g = got.display()
+        ),
+    );
+    for n in s.f.host("c").needs.values_mut() {
+        n["handler"] = json!(keep);
+    }
+    s.f.start();
+    assert!(
+        eventually(Duration::from_secs(60), || s.f.all_satisfied("c")).await,
+        "{} of 40 satisfied",
+        satisfied_count(&s.f, "c")
+    );
+    let log = std::fs::read_to_string(s.f.host_dir("p").join("agent.log")).unwrap();
+    assert!(log.contains("takes no batched callbacks"));
+    let payload = std::fs::read(got.join("cred_n007")).unwrap();
+    assert_eq!(payload, vec![b'"'; 3000]);
+}

@@ -4,11 +4,12 @@
 //! instead of per need. Each need still gets its own outcome, exactly what the single
 //! endpoint would have answered, and handles it as before.
 //!
-//! A lane (provider, capability) has at most [`SENDERS_PER_LANE`] batches in flight;
-//! whatever comes due meanwhile waits for the next batch, and a request due alone goes
-//! alone, to the capability's own path. A provider that answers a batch
-//! with `404` (one that predates batches, or a capability that takes none) is sent that
-//! capability's needs one by one for [`REFUSAL_MEMORY`].
+//! A lane (provider, capability) has at most [`SENDERS_PER_LANE`] batches in flight, and
+//! every batch takes one of the provider's `per_provider_concurrency` slots, as a request
+//! sent alone does; whatever comes due meanwhile waits for the next batch, and a request
+//! due alone goes alone, to the capability's own path. A provider that answers a batch
+//! with `404` (one that predates batches, or a capability that takes none) or `413` (a
+//! smaller body limit) is sent that capability's needs one by one for [`REFUSAL_MEMORY`].
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -20,7 +21,7 @@ use fort_core::wire::{
     BatchResults, BATCH_BODY_TARGET, BATCH_SUFFIX, CAPABILITIES_PREFIX, MAX_BATCH_ITEMS,
 };
 use ssh_key::PublicKey;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Semaphore};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -36,6 +37,9 @@ pub(crate) struct Destination {
     pub address: String,
     pub keys: Vec<PublicKey>,
     pub capability: String,
+    /// The provider's share of requests in flight (`per_provider_concurrency`): a batch
+    /// takes one, as a request sent alone does.
+    pub slots: Arc<Semaphore>,
 }
 
 /// What became of one need's request in a batch.
@@ -158,6 +162,7 @@ impl Batcher {
             let outcomes = if batch.len() == 1 {
                 vec![Outcome::NotTaken]
             } else {
+                let _slot = to.slots.acquire().await.ok();
                 self.send(&client, &to, timeout, &batch).await
             };
             for (waiting, outcome) in batch.into_iter().zip(outcomes) {

@@ -41,6 +41,10 @@ pub struct FulfillOptions {
     pub batches: bool,
 }
 
+/// Batched callbacks with files or a handler applied at once, across all batches: as
+/// many as two providers' shares of single callbacks (`[callbacks] per_consumer`) bring.
+const BATCH_APPLIERS: usize = 8;
+
 /// How much of a failed handler's stderr goes to the log (never to the state).
 pub(crate) const STDERR_IN_LOG: usize = 2048;
 
@@ -86,6 +90,9 @@ pub(crate) struct Inner {
     pub need_locks: Mutex<HashMap<NeedKey, Arc<tokio::sync::Mutex<()>>>>,
     providers: Mutex<HashMap<String, Arc<Semaphore>>>,
     batcher: Arc<Batcher>,
+    /// Batched callbacks that write files or run a handler, applied at once (all batches
+    /// together): a batch must not turn one request slot into dozens of processes.
+    batch_appliers: Semaphore,
     pub tasks: TaskTracker,
     shutdown: CancellationToken,
     pub spawned: std::sync::atomic::AtomicU64,
@@ -146,6 +153,7 @@ impl Fulfiller {
                 need_locks: Mutex::new(HashMap::new()),
                 providers: Mutex::new(HashMap::new()),
                 batcher: Default::default(),
+                batch_appliers: Semaphore::new(BATCH_APPLIERS),
                 tasks,
                 shutdown,
                 spawned: Default::default(),
@@ -153,6 +161,11 @@ impl Fulfiller {
                 started: Default::default(),
             }),
         }
+    }
+
+    /// Slots for applying batched callbacks that write files or run a handler.
+    pub fn batch_appliers(&self) -> &Semaphore {
+        &self.inner.batch_appliers
     }
 
     pub fn store(&self) -> &Store<NeedState> {
@@ -651,6 +664,7 @@ impl Fulfiller {
             address: address.to_owned(),
             keys: peer.keys.clone(),
             capability: key.kind().to_owned(),
+            slots: limit.clone(),
         };
         let outcome = if batched {
             self.inner

@@ -8,8 +8,7 @@ use std::time::Duration;
 use fort_core::client::{Reply, Target};
 use fort_core::names::parse_entry_key;
 use fort_core::wire::{
-    payload_bytes_raw, unix_now, BatchResults, CallbackBatch, CallbackItem, BATCH_BODY_TARGET,
-    CALLBACKS_PATH,
+    payload_bytes_raw, unix_now, BatchResults, CallbackItem, BATCH_BODY_TARGET, CALLBACKS_PATH,
 };
 use ssh_key::PublicKey;
 
@@ -107,7 +106,8 @@ fn refusal(reply: &Reply) -> String {
 
 /// One attempt at delivering several of `origin`'s entries in one batch. Returns, for
 /// every key, when to try it again, if ever. Keys that did not fit, and all of them when
-/// the consumer answers the batch with `404`, are queued again to go one by one.
+/// the consumer answers the batch with `404` or `413`, are queued again (to go one by one
+/// after a refusal); one that is left alone goes alone.
 pub async fn batch(
     app: &Arc<App>,
     origin: &str,
@@ -115,7 +115,7 @@ pub async fn batch(
 ) -> Vec<(String, Option<Duration>)> {
     let mut outcomes = Vec::with_capacity(keys.len());
     let mut later = Vec::new();
-    let mut items = Vec::new();
+    let mut items: Vec<Vec<u8>> = Vec::new();
     let mut owed_items = Vec::new();
     let mut size = 0;
     for (key, force) in keys {
@@ -133,45 +133,58 @@ pub async fn batch(
             outcomes.push((key, retry));
             continue;
         };
-        let need = need.to_string();
-        size += payload.len() + need.len() + 32;
-        if !items.is_empty() && size > BATCH_BODY_TARGET {
+        // Sized as sent: escaping can make a payload several times longer.
+        let item = serde_json::to_vec(&CallbackItem {
+            need: need.to_string(),
+            payload,
+        })
+        .expect("item serialises");
+        if !items.is_empty() && size + item.len() > BATCH_BODY_TARGET {
             outcomes.push((key.clone(), None));
             later.push((key, force));
             continue;
         }
-        items.push(CallbackItem { need, payload });
-        owed_items.push(owed);
+        size += item.len() + 1;
+        items.push(item);
+        owed_items.push((owed, force));
     }
-    let sent = send_batch(app, origin, items).await;
-    match sent {
-        Sent::Results(results) => {
-            for (owed, result) in owed_items.into_iter().zip(results) {
-                let retry = if result.status == 200 {
-                    acknowledged(app, &owed);
-                    None
-                } else {
-                    failed(
-                        app,
-                        &owed,
-                        &format!("consumer answered {} in a batch", result.status),
-                    )
-                };
-                outcomes.push((owed.key, retry));
+    if owed_items.len() == 1 {
+        let (owed, force) = owed_items.pop().expect("one");
+        let retry = one(app, &owed.key, force).await;
+        outcomes.push((owed.key, retry));
+    } else {
+        match send_batch(app, origin, items).await {
+            Sent::Results(results) => {
+                for ((owed, _), result) in owed_items.into_iter().zip(results) {
+                    let retry = match (result.status, result.retry_after) {
+                        (200, _) => {
+                            acknowledged(app, &owed);
+                            None
+                        }
+                        // Busy with the batch's earlier items: not a failed attempt.
+                        (503, Some(after)) => Some(Duration::from_secs(after.clamp(1, 60))),
+                        (status, _) => failed(
+                            app,
+                            &owed,
+                            &format!("consumer answered {status} in a batch"),
+                        ),
+                    };
+                    outcomes.push((owed.key, retry));
+                }
             }
-        }
-        Sent::NotTaken => {
-            app.provider.deliveries.batches_refused_by(origin);
-            tracing::info!(consumer = %origin, "consumer takes no batched callbacks; sending them one by one");
-            for owed in owed_items {
-                outcomes.push((owed.key.clone(), None));
-                later.push((owed.key, true));
+            Sent::NotTaken(status) => {
+                app.provider.deliveries.batches_refused_by(origin);
+                tracing::info!(consumer = %origin, status, "consumer takes no batched callbacks; sending them one by one");
+                for (owed, _) in owed_items {
+                    outcomes.push((owed.key.clone(), None));
+                    later.push((owed.key, true));
+                }
             }
-        }
-        Sent::Failed(error) => {
-            for owed in owed_items {
-                let retry = failed(app, &owed, &error);
-                outcomes.push((owed.key, retry));
+            Sent::Failed(error) => {
+                for (owed, _) in owed_items {
+                    let retry = failed(app, &owed, &error);
+                    outcomes.push((owed.key, retry));
+                }
             }
         }
     }
@@ -185,12 +198,13 @@ pub async fn batch(
 enum Sent {
     /// A verified `200` with one result per item.
     Results(Vec<fort_core::wire::ItemResult>),
-    /// The whole batch answered `404`: the consumer takes no batches.
-    NotTaken,
+    /// The whole batch answered `404` (the consumer takes no batches) or `413` (its body
+    /// limit is smaller than a batch).
+    NotTaken(u16),
     Failed(String),
 }
 
-async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<CallbackItem>) -> Sent {
+async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<Vec<u8>>) -> Sent {
     if items.is_empty() {
         return Sent::Results(Vec::new());
     }
@@ -198,7 +212,16 @@ async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<CallbackItem>) -> S
         return Sent::Failed(format!("{origin} has no address"));
     };
     let n = items.len();
-    let body = serde_json::to_vec(&CallbackBatch { callbacks: items }).expect("batch serialises");
+    // The items are already JSON: the body is written around them.
+    let mut body = Vec::with_capacity(items.iter().map(|i| i.len() + 1).sum::<usize>() + 16);
+    body.extend_from_slice(b"{\"callbacks\":[");
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(item);
+    }
+    body.extend_from_slice(b"]}");
     let target = Target {
         name: origin,
         address: &address,
@@ -212,7 +235,7 @@ async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<CallbackItem>) -> S
     match outcome {
         Err(_) => Sent::Failed("timeout".into()),
         Ok(Err(e)) => Sent::Failed(e.to_string()),
-        Ok(Ok(reply)) if reply.status == 404 => Sent::NotTaken,
+        Ok(Ok(reply)) if matches!(reply.status, 404 | 413) => Sent::NotTaken(reply.status),
         Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
             match serde_json::from_slice::<BatchResults>(&reply.body) {
                 Ok(r) if r.results.len() == n => Sent::Results(r.results),

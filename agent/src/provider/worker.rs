@@ -177,17 +177,17 @@ impl Worker {
 
         // Apply: store new responses, decide who is called back.
         let persisted = self.apply(&input, &output, pending).await;
-        let planned = match persisted {
-            Ok(planned) => planned,
+        let called_back = match persisted {
+            Ok(n) => n,
             Err(e) => {
-                tracing::error!(capability = %self.capability, error = %e, "responses not persisted; callbacks held back");
+                tracing::error!(capability = %self.capability, error = %e, "responses not persisted; their callbacks held back");
                 record.error = Some("persist_failed".into());
                 app.provider.record_run(&self.capability, record.clone());
                 return record;
             }
         };
         record.ok = true;
-        record.callbacks = planned.len();
+        record.callbacks = called_back;
         app.metrics
             .handler_runs
             .inc(&[("capability", &self.capability), ("outcome", "ok")]);
@@ -199,9 +199,6 @@ impl Worker {
             ms = record.duration_ms,
             "handler run"
         );
-        for p in planned {
-            app.provider.deliveries.enqueue(p.key, true);
-        }
         app.provider.record_run(&self.capability, record.clone());
         record
     }
@@ -211,7 +208,7 @@ impl Worker {
         input: &BTreeMap<String, InputItem>,
         output: &Map<String, Value>,
         pending: &Pending,
-    ) -> Result<Vec<Planned>, fort_core::store::PersistError> {
+    ) -> Result<usize, fort_core::store::PersistError> {
         // Only entries whose response changed, or whose requester was owed an answer, are
         // looked at again: the others are known unchanged from the run's own input, and a
         // run over 50,000 entries must not touch 50,000 of them to change a few.
@@ -234,19 +231,30 @@ impl Worker {
         // answers 50,000 entries at once holds two chunks of encoded changes in memory,
         // not 50,000. Each entry's change stands alone, so a crash between chunks leaves
         // every entry either answered or still owed an answer, never half of one.
-        let mut planned = Vec::new();
+        // A chunk's callbacks are queued once that chunk is durable, so a chunk that cannot
+        // be written withholds only its own.
+        let mut called_back = 0;
         let mut previous = None;
         for chunk in candidates.chunks(APPLY_CHUNK) {
-            let (mut p, ticket) = self.apply_chunk(chunk, pending)?;
-            planned.append(&mut p);
-            if let Some(t) = previous.replace(ticket) {
-                self.app.provider.store.wait(t).await?;
+            let staged = self.apply_chunk(chunk, pending)?;
+            if let Some((planned, ticket)) = previous.replace(staged) {
+                self.app.provider.store.wait(ticket).await?;
+                called_back += self.call_back(planned);
             }
         }
-        if let Some(t) = previous {
-            self.app.provider.store.wait(t).await?;
+        if let Some((planned, ticket)) = previous {
+            self.app.provider.store.wait(ticket).await?;
+            called_back += self.call_back(planned);
         }
-        Ok(planned)
+        Ok(called_back)
+    }
+
+    fn call_back(&self, planned: Vec<Planned>) -> usize {
+        let n = planned.len();
+        for p in planned {
+            self.app.provider.deliveries.enqueue(p.key, true);
+        }
+        n
     }
 
     #[allow(clippy::type_complexity)]

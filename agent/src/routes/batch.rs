@@ -9,6 +9,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use fort_core::names::NeedKey;
@@ -23,14 +24,14 @@ use crate::auth::Caller;
 use crate::builtins;
 use crate::error::{ApiError, Reply};
 
-/// Callbacks of one batch that write files or start a handler, applied at once: as many
-/// as a provider's share of single callbacks (`[callbacks] per_consumer`) would bring.
-/// The others only record an outcome, and all of them share one fsync.
-const HANDLERS_AT_ONCE: usize = 4;
+/// A callback of a batch that writes files or runs a handler is started within this long
+/// of the batch's arrival, or answered `503` + `Retry-After: 1`: the reply must reach the
+/// provider well inside its callback timeout (30 s), whatever the handlers take.
+const APPLY_BUDGET: Duration = Duration::from_secs(10);
 
-fn item_result(outcome: Result<Reply, ApiError>) -> ItemResult {
+fn item_result(caller: &Caller, outcome: Result<Reply, ApiError>) -> ItemResult {
     let reply = outcome.unwrap_or_else(|e| {
-        tracing::debug!(error = %e, "batch item refused");
+        tracing::debug!(origin = %caller.origin, error = %e, "batch item refused");
         e.reply()
     });
     ItemResult {
@@ -95,11 +96,17 @@ pub async fn requests(
         let repeated = matches!(&parsed, Ok(b) if !seen.insert(b.need.clone()));
         async move {
             if repeated {
-                return item_result(Err(ApiError::BadRequest(
-                    "this need is already an item of the batch".into(),
-                )));
+                return item_result(
+                    caller,
+                    Err(ApiError::BadRequest(
+                        "this need is already an item of the batch".into(),
+                    )),
+                );
             }
-            item_result(super::capability::async_item(app, caller, name, spec, parsed).await)
+            item_result(
+                caller,
+                super::capability::async_item(app, caller, name, spec, parsed).await,
+            )
         }
     });
     Ok(results(futures_util::future::join_all(items).await))
@@ -119,7 +126,8 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
         ))
     })?;
     check_count(batch.callbacks.len())?;
-    let handler_slots = tokio::sync::Semaphore::new(HANDLERS_AT_ONCE);
+    let deadline = tokio::time::Instant::now() + APPLY_BUDGET;
+    let appliers = app.fulfiller.batch_appliers();
     let mut seen = HashSet::new();
     let items = batch.callbacks.into_iter().map(|item| {
         let need = NeedKey::parse(&item.need);
@@ -128,11 +136,22 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
             .as_ref()
             .and_then(|n| app.fulfiller.spec(n))
             .is_some_and(|spec| spec.handler.is_some() || !spec.files.is_empty());
-        let handler_slots = &handler_slots;
         async move {
-            let _slot = match costly {
-                true => handler_slots.acquire().await.ok(),
-                false => None,
+            let _slot = if costly {
+                match tokio::time::timeout_at(deadline, appliers.acquire()).await {
+                    Ok(Ok(slot)) => Some(slot),
+                    _ => {
+                        return item_result(
+                            caller,
+                            Err(ApiError::Overloaded(
+                                "busy applying earlier callbacks of this batch".into(),
+                                1,
+                            )),
+                        )
+                    }
+                }
+            } else {
+                None
             };
             let outcome = match need {
                 _ if repeated => Err(ApiError::BadRequest(
@@ -146,7 +165,7 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
                     super::callback::deliver(app, caller, &need, item.payload.as_bytes()).await
                 }
             };
-            item_result(outcome)
+            item_result(caller, outcome)
         }
     });
     Ok(results(futures_util::future::join_all(items).await))
