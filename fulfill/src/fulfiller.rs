@@ -1,7 +1,7 @@
 //! The fulfiller: asks providers for this host's needs, nags on a timer, backs off on
 //! transport failures and honours `Retry-After`, holds needs until what they refer to is
 //! satisfied, renews payloads before they expire, and turns callbacks into satisfaction
-//! (the payload side lives in `deliver.rs`).
+//! (asking lives in `request.rs` and `batch.rs`, the payload side in `deliver.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -20,8 +20,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::batch::{Batcher, Destination, Outcome};
-use crate::schedule::{backoff, jittered, Due};
+use crate::batch::Batcher;
+use crate::schedule::{jittered, Due};
 use crate::state::{NeedState, Phase};
 use crate::units::Units;
 
@@ -70,11 +70,11 @@ pub(crate) struct View {
     in_flight: HashSet<NeedKey>,
     /// Came due while in flight: attended again once the current attendance ends.
     deferred: HashSet<NeedKey>,
-    failures: HashMap<NeedKey, u32>,
+    pub(crate) failures: HashMap<NeedKey, u32>,
     /// Needs whose current request (new, or changed by a reload) has not been sent yet.
     /// A reply or callback arriving meanwhile may answer an older request: it must not
     /// stop the current one from going out at once.
-    unsent: HashSet<NeedKey>,
+    pub(crate) unsent: HashSet<NeedKey>,
     /// need → the needs that refer to it or come after it.
     dependents: HashMap<NeedKey, Vec<NeedKey>>,
     /// Needs whose payload other needs' requests are built from (it is kept).
@@ -84,12 +84,12 @@ pub(crate) struct View {
 pub(crate) struct Inner {
     pub opts: FulfillOptions,
     pub store: Store<NeedState>,
-    client: SignedClient,
+    pub(crate) client: SignedClient,
     pub view: Mutex<View>,
     wake: Notify,
     pub need_locks: Mutex<HashMap<NeedKey, Arc<tokio::sync::Mutex<()>>>>,
-    providers: Mutex<HashMap<String, Arc<Semaphore>>>,
-    batcher: Arc<Batcher>,
+    pub(crate) providers: Mutex<HashMap<String, Arc<Semaphore>>>,
+    pub(crate) batcher: Arc<Batcher>,
     /// Batched callbacks that write files or run a handler, applied at once (all batches
     /// together): a batch must not turn one request slot into dozens of processes.
     batch_appliers: Semaphore,
@@ -493,7 +493,7 @@ impl Fulfiller {
     }
 
     /// Whether a reload changed the need's request after this one was sent.
-    fn superseded(&self, key: &NeedKey) -> bool {
+    pub(crate) fn superseded(&self, key: &NeedKey) -> bool {
         self.inner
             .view
             .lock()
@@ -599,229 +599,6 @@ impl Fulfiller {
         }
         self.request(key, resolved, resolved_hash, renewal.is_some())
             .await;
-    }
-
-    async fn request(
-        &self,
-        key: &NeedKey,
-        resolved: serde_json::Value,
-        resolved_hash: String,
-        renew: bool,
-    ) {
-        let Some(spec) = self.spec(key) else { return };
-        let spec = &spec;
-        let registry = self.inner.view.lock().expect("view lock").registry.clone();
-        let Some(peer) = registry.get(&spec.from) else {
-            return;
-        };
-        let Some(address) = peer.address.as_deref() else {
-            return;
-        };
-        let batched =
-            self.inner.opts.batches && self.inner.batcher.takes_batches(&spec.from, key.kind());
-        // A batch lane bounds its own batches in flight; alone, a request takes a slot.
-        let limit = {
-            let mut p = self.inner.providers.lock().expect("providers lock");
-            p.entry(spec.from.clone())
-                .or_insert_with(|| {
-                    Arc::new(Semaphore::new(
-                        self.inner.opts.per_provider_concurrency.max(1),
-                    ))
-                })
-                .clone()
-        };
-        let _slot = if batched {
-            None
-        } else {
-            Some(limit.acquire().await.expect("semaphore open"))
-        };
-        // Changed while waiting for a slot: the next attendance builds the new request.
-        if self.spec(key).as_ref() != Some(spec) {
-            self.schedule(key, Some(Duration::ZERO));
-            return;
-        }
-        self.inner
-            .view
-            .lock()
-            .expect("view lock")
-            .unsent
-            .remove(key);
-        let body = serde_json::to_vec(&AsyncBody {
-            need: key.to_string(),
-            request: Some(resolved),
-            release: false,
-            renew,
-        })
-        .expect("body serialises");
-        let sent_at = unix_now();
-        self.update_lazy(key, |st| {
-            st.last_sought = Some(sent_at);
-            st.attempts += 1;
-            true
-        });
-        let destination = Destination {
-            provider: spec.from.clone(),
-            address: address.to_owned(),
-            keys: peer.keys.clone(),
-            capability: key.kind().to_owned(),
-            slots: limit.clone(),
-        };
-        let outcome = if batched {
-            self.inner
-                .batcher
-                .submit(
-                    &self.inner.client,
-                    &self.inner.tasks,
-                    self.inner.opts.request_timeout,
-                    destination.clone(),
-                    body.clone(),
-                )
-                .await
-        } else {
-            Outcome::NotTaken
-        };
-        let outcome = match outcome {
-            Outcome::Reply(r) => Ok(Ok(r)),
-            Outcome::Failed(e) => Ok(Err(e)),
-            Outcome::NotTaken => {
-                let _slot = if batched {
-                    Some(limit.acquire().await.expect("semaphore open"))
-                } else {
-                    None
-                };
-                let target = Target {
-                    name: &destination.provider,
-                    address: &destination.address,
-                    keys: &destination.keys,
-                };
-                let path = format!("/agent/capabilities/{}", key.kind());
-                tokio::time::timeout(
-                    self.inner.opts.request_timeout,
-                    self.inner.client.post(&target, &path, body),
-                )
-                .await
-                .map(|r| r.map_err(|e| e.to_string()))
-            }
-        };
-        let transport_failure = |me: &Self, error: String| {
-            let failures = {
-                let mut view = me.inner.view.lock().expect("view lock");
-                let f = view.failures.entry(key.clone()).or_insert(0);
-                *f += 1;
-                *f
-            };
-            let delay = backoff(me.inner.opts.backoff, failures, nag(spec));
-            tracing::info!(need = %key, from = %spec.from, error = %error, retry_in = ?delay, "request failed");
-            me.record_reason(key, error);
-            me.schedule(key, Some(delay));
-        };
-        if self.superseded(key) {
-            // Changed while in flight: this outcome is about the old request.
-            self.schedule(key, Some(Duration::ZERO));
-            return;
-        }
-        let reply = match outcome {
-            Err(_) => return transport_failure(self, "timeout".into()),
-            Ok(Err(e)) => return transport_failure(self, e),
-            Ok(Ok(r)) => r,
-        };
-        // Busy or over its share: it said when to come back; that is when it is asked,
-        // with a little spread so a fleet does not come back in step.
-        if matches!(reply.status, 429 | 503) {
-            if let Some(after) = reply.retry_after {
-                let after = after.min(spec.nag_seconds).max(1);
-                let wait = Duration::from_secs(after)
-                    + Duration::from_millis(rand::random::<u64>() % 1000);
-                tracing::debug!(need = %key, from = %spec.from, status = reply.status, retry_in = ?wait, "provider asked to come back later");
-                self.record_reason(
-                    key,
-                    format!("provider busy ({}); asking again in {after}s", reply.status),
-                );
-                self.schedule(key, Some(wait));
-                return;
-            }
-        }
-        if reply.status >= 500 {
-            return transport_failure(self, format!("provider answered {}", reply.status));
-        }
-        self.inner
-            .view
-            .lock()
-            .expect("view lock")
-            .failures
-            .remove(key);
-        match reply.status {
-            202 => {
-                tracing::debug!(need = %key, from = %spec.from, "request accepted");
-                self.update_lazy(key, |st| {
-                    st.sent_sha256 = Some(resolved_hash);
-                    if matches!(st.phase, Phase::Failed | Phase::Waiting) {
-                        st.phase = Phase::Pending;
-                        st.since = sent_at;
-                    }
-                    if st.phase == Phase::Pending {
-                        st.last_error = None;
-                    }
-                    true
-                });
-                self.schedule(key, Some(jittered(nag(spec))));
-            }
-            200..=299 if reply.verified() => {
-                // An rpc-mode capability answers at once: treat the body as a callback.
-                self.update_lazy(key, |st| {
-                    st.sent_sha256 = Some(resolved_hash);
-                    true
-                });
-                if let Err(e) = self.deliver(key, &spec.from, &reply.body).await {
-                    tracing::warn!(need = %key, error = %e, "rpc reply not recorded; asking again");
-                    self.schedule(key, Some(self.inner.opts.backoff));
-                }
-            }
-            200..=299 => {
-                self.set_phase(
-                    key,
-                    Phase::Failed,
-                    Some(format!(
-                        "response signature not verified ({:?})",
-                        reply.auth
-                    )),
-                );
-                self.schedule(key, Some(jittered(nag(spec))));
-            }
-            status => {
-                let detail = serde_json::from_slice::<fort_core::wire::ErrorBody>(&reply.body)
-                    .ok()
-                    .and_then(|b| b.message.or(Some(b.error)))
-                    .unwrap_or_default();
-                let mut error = format!(
-                    "provider answered {status}: {}",
-                    detail.chars().take(200).collect::<String>()
-                );
-                if let Some(server) = reply.server_time {
-                    error = format!("clock skew: provider time {server}, ours {}", unix_now());
-                }
-                tracing::warn!(need = %key, from = %spec.from, %error, "request refused");
-                self.set_phase(key, Phase::Failed, Some(error));
-                self.schedule(key, Some(jittered(nag(spec))));
-            }
-        }
-    }
-
-    /// Records why asking did not work, keeping the phase (a transport failure leaves a
-    /// satisfied need satisfied and a pending one pending).
-    fn record_reason(&self, key: &NeedKey, reason: String) {
-        self.update_lazy(key, |st| {
-            // What is running out stays in the reason: an operator reading "cannot
-            // connect" must still learn that the credential expires (or has).
-            let reason = match (st.phase, st.expires_at) {
-                (Phase::Expired, Some(at)) => format!("expired at {at}; {reason}"),
-                (Phase::Expiring, Some(at)) => format!("expires at {at}; {reason}"),
-                _ => reason,
-            };
-            let changed = st.last_error.as_deref() != Some(reason.as_str());
-            st.last_error = Some(reason);
-            changed
-        });
     }
 
     /// Bookkeeping nobody waits on: `f` edits the need's state and says whether it changed.

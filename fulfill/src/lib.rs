@@ -8,6 +8,7 @@ pub mod expiry;
 pub mod files;
 mod fulfiller;
 mod preview;
+mod request;
 mod schedule;
 pub mod state;
 mod status;
