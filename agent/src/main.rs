@@ -170,8 +170,37 @@ fn print_admin(reply: Result<serde_json::Value, String>) -> ExitCode {
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    tune_allocator();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+        .block_on(agent_main())
+}
+
+/// Keeps the agent's resident memory close to what it uses (measured with `fort-bench
+/// burst` at 50,000 entries: peak RSS 152–157 MB with glibc's defaults, 105–121 MB with
+/// these, at the same CPU). By default glibc raises its mmap threshold each time a large
+/// block is freed, so the next large buffers (handler input and output, a snapshot, a
+/// batch) come from the heap and fragment it, and it keeps up to eight arenas per core,
+/// each holding freed memory of its own. A fixed 1 MiB threshold returns large buffers to
+/// the kernel when they are freed, and two arenas are plenty for two worker threads.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn tune_allocator() {
+    // SAFETY: mallopt only sets allocator parameters; it is called before any other
+    // thread exists. A refused setting (returns 0) leaves glibc's default in place.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_allocator() {}
+
+async fn agent_main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve { config } => {
