@@ -319,7 +319,12 @@ async fn slow_handlers_in_a_callback_batch_run_once_each_and_a_few_at_a_time() {
         24,
         "handler runs"
     );
-    assert!(most <= 8, "{most} handlers at once");
+    // Eight from batches at most; a callback that went alone (a run that answered one
+    // entry) is bounded by request slots, as before batches, and may run beside them.
+    assert!(
+        most <= 10,
+        "{most} handlers at once (24 would all start without a bound)"
+    );
     assert!(served(s.consumer_metrics, "callbacks", "200") >= 1);
     let failed = metrics(s.provider_metrics)
         .lines()

@@ -35,7 +35,8 @@ impl Fulfiller {
         };
         let batched =
             self.inner.opts.batches && self.inner.batcher.takes_batches(&spec.from, key.kind());
-        // A batch lane bounds its own batches in flight; alone, a request takes a slot.
+        // One of the provider's slots per request in flight: a batch takes it when it is
+        // sent (batch.rs), a request going alone takes it here.
         let limit = {
             let mut p = self.inner.providers.lock().expect("providers lock");
             p.entry(spec.from.clone())
