@@ -58,6 +58,17 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// A body that does not parse as `expected`. serde's messages quote the offending
+    /// values, so only where the body is wrong is named.
+    pub fn body_shape(expected: &str, e: &serde_json::Error) -> ApiError {
+        ApiError::BadRequest(format!(
+            "the body is not {expected} ({:?} at line {}, column {})",
+            e.classify(),
+            e.line(),
+            e.column()
+        ))
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,

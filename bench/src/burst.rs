@@ -172,15 +172,7 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
 
     let mut r = Report::new("burst", json_out);
     r.line("consumers", args.consumers, args.consumers);
-    r.line(
-        "batches",
-        !args.one_by_one,
-        if args.one_by_one {
-            "no (one by one)"
-        } else {
-            "yes"
-        },
-    );
+    r.batches(args.one_by_one);
     r.line("needs_per_consumer", args.needs, args.needs);
     r.line("needs_total", total, total);
     r.line("all_called_back_ms", ms(elapsed), format!("{:.1} ms (SIGHUP of all consumers → every consumer satisfied; polled every {:?}, {polls} polls)", ms(elapsed), args.poll));

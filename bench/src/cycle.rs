@@ -291,15 +291,7 @@ pub async fn run(args: CycleArgs, json_out: bool) -> Result<()> {
     let mut r = Report::new("fulfill-cycle", json_out);
     let n = args.needs;
     r.line("needs", n, n);
-    r.line(
-        "batches",
-        !args.one_by_one,
-        if args.one_by_one {
-            "no (one by one)"
-        } else {
-            "yes"
-        },
-    );
+    r.batches(args.one_by_one);
     r.line(
         "due_pass_cpu_ms",
         ms(due.pass_cpu),

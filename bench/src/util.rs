@@ -392,6 +392,12 @@ impl Report {
     }
 
     /// Records `key = value` and prints `label: shown`.
+    /// Whether the agents sent batches (protocol §11.8) or one item per request.
+    pub fn batches(&mut self, one_by_one: bool) {
+        let shown = if one_by_one { "no (one by one)" } else { "yes" };
+        self.line("batches", !one_by_one, shown);
+    }
+
     pub fn line(&mut self, key: &str, value: impl Into<Value>, shown: impl std::fmt::Display) {
         if !self.json {
             println!("  {key:<36} {shown}");

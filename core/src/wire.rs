@@ -57,6 +57,24 @@ pub struct RequestBatch {
     pub requests: Vec<serde_json::Value>,
 }
 
+/// A batch body, `{"<field>":[<item>,...]}`, written around items that are already JSON
+/// (each was sized as encoded when the batch was filled), so nothing is encoded twice.
+pub fn batch_body<'a>(field: &str, items: impl Iterator<Item = &'a [u8]> + Clone) -> Vec<u8> {
+    let size: usize = items.clone().map(|i| i.len() + 1).sum();
+    let mut body = Vec::with_capacity(size + field.len() + 8);
+    body.extend_from_slice(b"{\"");
+    body.extend_from_slice(field.as_bytes());
+    body.extend_from_slice(b"\":[");
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(item);
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
 /// `POST /agent/callbacks` body (§11.8).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

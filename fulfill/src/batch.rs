@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fort_core::client::{Reply, SignedClient, Target};
 use fort_core::wire::{
-    BatchResults, BATCH_BODY_TARGET, BATCH_SUFFIX, CAPABILITIES_PREFIX, MAX_BATCH_ITEMS,
+    batch_body, BatchResults, BATCH_BODY_TARGET, BATCH_SUFFIX, CAPABILITIES_PREFIX, MAX_BATCH_ITEMS,
 };
 use ssh_key::PublicKey;
 use tokio::sync::{oneshot, Semaphore};
@@ -179,17 +179,7 @@ impl Batcher {
         batch: &[Waiting],
     ) -> Vec<Outcome> {
         let n = batch.len();
-        // The items are already JSON: the body is written around them, not re-encoded.
-        let mut body =
-            Vec::with_capacity(batch.iter().map(|w| w.body.len() + 1).sum::<usize>() + 16);
-        body.extend_from_slice(b"{\"requests\":[");
-        for (i, w) in batch.iter().enumerate() {
-            if i > 0 {
-                body.push(b',');
-            }
-            body.extend_from_slice(&w.body);
-        }
-        body.extend_from_slice(b"]}");
+        let body = batch_body("requests", batch.iter().map(|w| w.body.as_slice()));
         let path = format!("{CAPABILITIES_PREFIX}{}{BATCH_SUFFIX}", to.capability);
         let target = Target {
             name: &to.provider,

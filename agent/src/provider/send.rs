@@ -8,7 +8,8 @@ use std::time::Duration;
 use fort_core::client::{Reply, Target};
 use fort_core::names::parse_entry_key;
 use fort_core::wire::{
-    payload_bytes_raw, unix_now, BatchResults, CallbackItem, BATCH_BODY_TARGET, CALLBACKS_PATH,
+    batch_body, payload_bytes_raw, unix_now, BatchResults, CallbackItem, BATCH_BODY_TARGET,
+    CALLBACKS_PATH,
 };
 use ssh_key::PublicKey;
 
@@ -212,16 +213,7 @@ async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<Vec<u8>>) -> Sent {
         return Sent::Failed(format!("{origin} has no address"));
     };
     let n = items.len();
-    // The items are already JSON: the body is written around them.
-    let mut body = Vec::with_capacity(items.iter().map(|i| i.len() + 1).sum::<usize>() + 16);
-    body.extend_from_slice(b"{\"callbacks\":[");
-    for (i, item) in items.iter().enumerate() {
-        if i > 0 {
-            body.push(b',');
-        }
-        body.extend_from_slice(item);
-    }
-    body.extend_from_slice(b"]}");
+    let body = batch_body("callbacks", items.iter().map(Vec::as_slice));
     let target = Target {
         name: origin,
         address: &address,

@@ -54,6 +54,11 @@ fn check_count(n: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The same need twice in one batch would race with itself.
+fn repeated_item() -> ApiError {
+    ApiError::BadRequest("this need is already an item of the batch".into())
+}
+
 fn not_batched(what: &str) -> ApiError {
     ApiError::NotFound(format!(
         "{what} takes no batches; send the items one by one"
@@ -78,30 +83,18 @@ pub async fn requests(
         Some(spec) if spec.mode == Mode::Async => spec,
         _ => return Err(not_batched(name)),
     };
-    let batch: RequestBatch = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::BadRequest(format!(
-            "the body is not {{\"requests\": [...]}} ({:?} at line {}, column {})",
-            e.classify(),
-            e.line(),
-            e.column()
-        ))
-    })?;
+    let batch: RequestBatch = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::body_shape(r#"{"requests": [...]}"#, &e))?;
     check_count(batch.requests.len())?;
     // A consumer that batches its requests takes batched callbacks too.
     app.provider.deliveries.batches_accepted_by(&caller.origin);
     let mut seen = HashSet::new();
     let items = batch.requests.into_iter().map(|item| {
         let parsed = serde_json::from_value::<AsyncBody>(item);
-        // The same need twice in one batch would race with itself.
         let repeated = matches!(&parsed, Ok(b) if !seen.insert(b.need.clone()));
         async move {
             if repeated {
-                return item_result(
-                    caller,
-                    Err(ApiError::BadRequest(
-                        "this need is already an item of the batch".into(),
-                    )),
-                );
+                return item_result(caller, Err(repeated_item()));
             }
             item_result(
                 caller,
@@ -117,14 +110,8 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
     if !app.config.batches {
         return Err(not_batched("this agent"));
     }
-    let batch: CallbackBatch = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::BadRequest(format!(
-            "the body is not {{\"callbacks\": [{{\"need\", \"payload\"}}]}} ({:?} at line {}, column {})",
-            e.classify(),
-            e.line(),
-            e.column()
-        ))
-    })?;
+    let batch: CallbackBatch = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::body_shape(r#"{"callbacks": [{"need", "payload"}]}"#, &e))?;
     check_count(batch.callbacks.len())?;
     let deadline = tokio::time::Instant::now() + APPLY_BUDGET;
     let appliers = app.fulfiller.batch_appliers();
@@ -154,9 +141,7 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
                 None
             };
             let outcome = match need {
-                _ if repeated => Err(ApiError::BadRequest(
-                    "this need is already an item of the batch".into(),
-                )),
+                _ if repeated => Err(repeated_item()),
                 None => Err(ApiError::NotFound(format!(
                     "this host declares no need {:?}",
                     item.need

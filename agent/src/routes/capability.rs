@@ -95,15 +95,8 @@ pub(super) async fn async_item(
     if !release && !spec.permits(&caller.origin) {
         return Err(forbidden(caller, name));
     }
-    // serde's messages quote the offending values: name only where the body is wrong.
-    let parsed = parsed.map_err(|e| {
-        ApiError::BadRequest(format!(
-            "the body is not {{\"need\", \"request\" | \"release\", \"renew\"}} ({:?} at line {}, column {})",
-            e.classify(),
-            e.line(),
-            e.column()
-        ))
-    })?;
+    let parsed = parsed
+        .map_err(|e| ApiError::body_shape(r#"{"need", "request" | "release", "renew"}"#, &e))?;
     let need = NeedKey::parse(&parsed.need).ok_or_else(|| {
         ApiError::BadRequest(format!("need {:?} is not <type>/<id>", parsed.need))
     })?;
