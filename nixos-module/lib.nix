@@ -22,6 +22,7 @@ let
     mapAttrsToList
     nameValuePair
     optional
+    optionalAttrs
     optionals
     recursiveUpdate
     unique
@@ -431,7 +432,10 @@ rec {
       };
       request_schema =
         if c.interface == null then null else interface.requestSchema (interface.optionsOf c.interface);
-    }) capabilities;
+    }
+    # Only when given, so capabilities without arguments ship the same bytes as before.
+    // optionalAttrs (c.args != [ ]) { inherit (c) args; }
+    ) capabilities;
 
   # docs/protocol.md §11.7: what the agent reports as manifest_sha256, from the exact
   # bytes installed (the files are these strings, written by pkgs.writeText).

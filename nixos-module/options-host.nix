@@ -213,6 +213,20 @@ let
           type = types.path;
           description = "Provider handler (docs/protocol.md §9 for async mode, §6.2 for rpc). Runs as the agent's user.";
         };
+        args = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          example = [
+            "acme"
+            "--config"
+            "/etc/fort/handlers/ssl-cert.json"
+          ];
+          description = ''
+            Arguments the handler is started with, so one program can serve several
+            capabilities (`fort-handler <capability> --config FILE`). At most 64, each at
+            most 4096 bytes.
+          '';
+        };
         mode = mkOption {
           type = types.enum [
             "async"

@@ -24,10 +24,13 @@ rustPlatform.buildRustPackage {
   };
   cargoLock.lockFile = ../Cargo.lock;
 
-  # Both binaries live in the fort-agent crate.
+  # `fort-agent` and `fort` live in the fort-agent crate; `fort-handler` (the capability
+  # handlers) in fort-handlers.
   cargoBuildFlags = [
     "--package"
     "fort-agent"
+    "--package"
+    "fort-handlers"
   ];
   # The test suite starts agents on loopback and runs the module evaluation test; it runs
   # in CI (`cargo test`), not in every package build.

@@ -1,14 +1,37 @@
-//! Built-in operator rpc handlers (`journal`, `systemd`): strict parameter checking and
-//! the exact command line they run. The example capability handlers used by the demo
-//! and the tests live in `handlers/examples/` as short scripts users can copy.
+//! fort's capability handlers: each drives one real server (an ACME CA, an SSH CA, nginx,
+//! PostgreSQL, a DNS primary, an OpenID provider) for every entry of its capability, as
+//! docs/handlers.md's contract says: all entries in, one answer per entry out, decided per
+//! entry, cleaning up only what it created. One binary serves them all:
+//! `fort-handler <capability> --config FILE`.
 
-pub mod examples;
-pub mod journal;
-pub mod systemd;
+pub mod common;
 
-/// A bad parameter, reported to the caller as 400.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{0}")]
-pub struct ParamError(pub String);
+use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
 
-pub use fort_core::names::is_unit_name;
+pub use common::{Answer, Entry, Output, Trigger};
+
+/// A run's future: the output, or an error that fails the whole run (a backend that is
+/// down must not revoke anything).
+pub type RunFuture<'a> = Pin<Box<dyn Future<Output = anyhow::Result<Output>> + 'a>>;
+
+/// One capability the binary serves.
+pub struct Capability {
+    /// The subcommand: `fort-handler <name>`.
+    pub name: &'static str,
+    /// One line for `--help`.
+    pub about: &'static str,
+    /// Validates the config file (and the files it names) without touching the server.
+    pub check: fn(&Path) -> anyhow::Result<()>,
+    /// Reconciles every entry.
+    pub run: for<'a> fn(&'a Path, Vec<Entry>, Trigger) -> RunFuture<'a>,
+}
+
+/// Every capability, in `--help` order.
+pub const CAPABILITIES: &[Capability] = &[];
+
+/// The capability named `name`.
+pub fn capability(name: &str) -> Option<&'static Capability> {
+    CAPABILITIES.iter().find(|c| c.name == name)
+}

@@ -115,10 +115,7 @@ impl Fleet {
             root.join(SYSTEMCTL_LOG).display().to_string().replace('\'', r"'\''")
         );
         let demo_scripts = [("systemctl-recorder", recorder.as_str())];
-        for (name, text) in fort_handlers::examples::EXAMPLES
-            .iter()
-            .chain(&demo_scripts)
-        {
+        for (name, text) in super::examples::EXAMPLES.iter().chain(&demo_scripts) {
             let path = scripts.join(name);
             std::fs::write(&path, text)?;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;

@@ -5,6 +5,7 @@
 //! and the files the example handlers write, and fails the demo when it does not hold, so
 //! the demo doubles as an end-to-end test in CI.
 
+mod examples;
 mod fleet;
 mod steps;
 

@@ -125,6 +125,7 @@ impl Worker {
         record.entries = input.len();
         let stdin = serde_json::to_vec(&input).expect("input serialises");
         let mut spec_run = RunSpec::new(&spec.handler, stdin, app.config.handler_timeout)
+            .args(spec.args.iter().cloned())
             .env("FORT_HOST", app.config.host.clone())
             .env("FORT_CAPABILITY", self.capability.clone())
             .env("FORT_TRIGGER", trigger.as_str())

@@ -172,6 +172,7 @@ async fn rpc(
     let request = json_body(&body)?;
     check_request(spec, &request, "body")?;
     let run_spec = RunSpec::new(&spec.handler, body.to_vec(), app.config.handler_timeout)
+        .args(spec.args.iter().cloned())
         .env("FORT_HOST", app.config.host.clone())
         .env("FORT_CAPABILITY", name.to_owned())
         .env("FORT_TRIGGER", "request")

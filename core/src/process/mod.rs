@@ -157,6 +157,11 @@ impl RunSpec {
         self
     }
 
+    pub fn args(mut self, args: impl IntoIterator<Item = String>) -> RunSpec {
+        self.args.extend(args);
+        self
+    }
+
     pub fn cwd(mut self, dir: impl AsRef<Path>) -> RunSpec {
         self.cwd = dir.as_ref().to_path_buf();
         self

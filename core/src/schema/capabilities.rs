@@ -34,6 +34,10 @@ pub struct Triggers {
 #[serde(deny_unknown_fields)]
 pub struct CapabilitySpec {
     pub handler: PathBuf,
+    /// Arguments the handler is started with (one program serving several capabilities:
+    /// `fort-handler acme --config FILE`). Omitted when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
     pub mode: Mode,
     /// Pass each entry's last response back to the handler.
     #[serde(rename = "cacheResponse", default)]
@@ -173,6 +177,10 @@ pub fn capabilities_from_bytes(
     validate_capabilities(file, raw, registry)
 }
 
+/// Bounds on `args`: a command line, not a data channel.
+const MAX_ARGS: usize = 64;
+const MAX_ARG_BYTES: usize = 4096;
+
 pub fn validate_capabilities(
     file: &Path,
     caps: Capabilities,
@@ -202,6 +210,19 @@ pub fn validate_capabilities(
                 return Err(bad(format!("caller {who:?}: {id:?} is not a need id")));
             }
         }
+        if cap.args.len() > MAX_ARGS {
+            return Err(bad(format!("more than {MAX_ARGS} args")));
+        }
+        if let Some(arg) = cap
+            .args
+            .iter()
+            .find(|a| a.len() > MAX_ARG_BYTES || a.contains('\0'))
+        {
+            let shown: String = arg.chars().take(40).collect();
+            return Err(bad(format!(
+                "arg {shown:?}… is longer than {MAX_ARG_BYTES} bytes or holds a NUL"
+            )));
+        }
         for unit in &cap.triggers.systemd {
             if !is_unit_name(unit) {
                 return Err(bad(format!("trigger {unit:?} is not a unit name")));
@@ -225,6 +246,30 @@ mod tests {
 
     fn registry() -> Registry {
         Registry::from_bytes(Path::new("h"), hosts_json().as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn args_are_bounded() {
+        let parse = |args: serde_json::Value| {
+            let caps: Capabilities = serde_json::from_value(serde_json::json!(
+                {"acme": {"handler": "/x", "mode": "async", "args": args}}
+            ))
+            .unwrap();
+            validate_capabilities(Path::new("c"), caps, &registry())
+        };
+        let ok = parse(serde_json::json!([
+            "acme",
+            "--config",
+            "/etc/fort/acme.json"
+        ]))
+        .unwrap();
+        assert_eq!(ok["acme"].args.len(), 3);
+        assert!(parse(serde_json::json!(vec!["a"; 65])).is_err());
+        assert!(parse(serde_json::json!(["a\u{0}b"])).is_err());
+        assert!(parse(serde_json::json!(["x".repeat(4097)])).is_err());
+        // Empty args are left out when written back: the bytes of older files stay.
+        let text = serde_json::to_string(&parse(serde_json::json!([])).unwrap()).unwrap();
+        assert!(!text.contains("args"), "{text}");
     }
 
     #[test]

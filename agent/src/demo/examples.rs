@@ -6,26 +6,21 @@
 pub const EXAMPLES: &[(&str, &str)] = &[
     (
         "oidc-provider.sh",
-        include_str!("../examples/oidc-provider.sh"),
+        include_str!("../../../handlers/examples/oidc-provider.sh"),
     ),
     (
         "cert-provider.sh",
-        include_str!("../examples/cert-provider.sh"),
+        include_str!("../../../handlers/examples/cert-provider.sh"),
     ),
     (
         "proxy-provider.sh",
-        include_str!("../examples/proxy-provider.sh"),
+        include_str!("../../../handlers/examples/proxy-provider.sh"),
     ),
     (
         "store-payload.sh",
-        include_str!("../examples/store-payload.sh"),
+        include_str!("../../../handlers/examples/store-payload.sh"),
     ),
 ];
-
-/// The text of the example handler `name`, if there is one.
-pub fn example(name: &str) -> Option<&'static str> {
-    EXAMPLES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
-}
 
 #[cfg(test)]
 mod tests {
@@ -38,7 +33,5 @@ mod tests {
             assert!(text.starts_with("#!/bin/sh\n# "), "{name}");
             assert!(text.contains("NixOS"), "{name} says how to use it");
         }
-        assert!(example("store-payload.sh").is_some());
-        assert!(example("nope.sh").is_none());
     }
 }

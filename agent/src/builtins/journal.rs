@@ -6,7 +6,7 @@ use std::time::Duration;
 use fort_core::process::RunSpec;
 use serde::Deserialize;
 
-use crate::{is_unit_name, ParamError};
+use super::{is_unit_name, ParamError};
 
 pub const MAX_LINES: u32 = 1000;
 

@@ -13,6 +13,16 @@ use crate::app::App;
 use crate::auth::{json_body, Caller};
 use crate::error::{ApiError, Reply};
 
+mod journal;
+mod systemd;
+
+/// A bad parameter of `journal` or `systemd`, reported to the caller as 400.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0}")]
+pub struct ParamError(pub String);
+
+use fort_core::names::is_unit_name;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Builtin {
     Status,
@@ -76,7 +86,7 @@ pub async fn handle(
             &json!({"needs": app.fulfiller.declared()}),
         )),
         Builtin::Journal => {
-            let spec = fort_handlers::journal::command(&params, app.config.handler_timeout)
+            let spec = journal::command(&params, app.config.handler_timeout)
                 .map_err(|e| ApiError::BadRequest(e.0))?;
             let out = run(&spec).await;
             let out = out.map(|mut ok| {
@@ -88,9 +98,8 @@ pub async fn handle(
             crate::routes::run_output(app, "journal", out)
         }
         Builtin::Systemd => {
-            let (action, spec) =
-                fort_handlers::systemd::command(&params, app.config.handler_timeout)
-                    .map_err(|e| ApiError::BadRequest(e.0))?;
+            let (action, spec) = systemd::command(&params, app.config.handler_timeout)
+                .map_err(|e| ApiError::BadRequest(e.0))?;
             tracing::info!(origin = %caller.origin, ?action, "systemd action requested");
             match run(&spec).await {
                 Ok(ok) => Ok(Reply::json(
@@ -99,7 +108,7 @@ pub async fn handle(
                 )),
                 // `systemctl status` exits 3 for an inactive unit: that is an answer, not a failure.
                 Err(fort_core::process::RunError::Exit { code, stdout, .. })
-                    if action == fort_handlers::systemd::Action::Status =>
+                    if action == systemd::Action::Status =>
                 {
                     Ok(Reply::json(
                         StatusCode::OK,

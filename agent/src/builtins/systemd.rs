@@ -5,7 +5,7 @@ use std::time::Duration;
 use fort_core::process::RunSpec;
 use serde::Deserialize;
 
-use crate::{is_unit_name, ParamError};
+use super::{is_unit_name, ParamError};
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]

@@ -1,0 +1,111 @@
+//! `fort-handler <capability> --config FILE`: the async provider handler of one capability
+//! (docs/handlers.md). Reads every entry on stdin, answers on stdout, logs on stderr;
+//! exits non-zero when the run must change nothing (a backend that is down).
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use fort_handlers::{capability, common, CAPABILITIES};
+
+#[derive(Parser)]
+#[command(
+    name = "fort-handler",
+    version = fort_core::VERSION,
+    about = "fort's capability handlers, run by fort-agent over every entry of a capability",
+    after_help = after_help()
+)]
+struct Cli {
+    /// The capability this run serves (see the list below).
+    capability: String,
+    /// The capability's config (JSON; the NixOS module writes it).
+    #[arg(long)]
+    config: PathBuf,
+    /// Validate the config and the files it names, then exit; nothing is contacted.
+    #[arg(long)]
+    check: bool,
+}
+
+fn after_help() -> String {
+    let mut text = String::from("Capabilities:\n");
+    for c in CAPABILITIES {
+        text.push_str(&format!("  {:<12} {}\n", c.name, c.about));
+    }
+    text
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .with_target(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FORT_HANDLER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let Some(cap) = capability(&cli.capability) else {
+        eprintln!(
+            "fort-handler: no capability {:?}; known: {}",
+            cli.capability,
+            CAPABILITIES
+                .iter()
+                .map(|c| c.name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        return ExitCode::from(2);
+    };
+    if cli.check {
+        return match (cap.check)(&cli.config) {
+            Ok(()) => {
+                println!("{}: {} is valid", cap.name, cli.config.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fort-handler {}: {e:#}", cap.name);
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let mut input = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut input) {
+        eprintln!("fort-handler {}: cannot read stdin: {e}", cap.name);
+        return ExitCode::FAILURE;
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("fort-handler: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let entries = common::parse_input(&input)?;
+        (cap.run)(&cli.config, entries, common::Trigger::from_env()).await
+    });
+    match result {
+        Ok(output) => {
+            let text = output.to_json().to_string();
+            let mut stdout = std::io::stdout().lock();
+            if stdout
+                .write_all(text.as_bytes())
+                .and_then(|()| stdout.flush())
+                .is_err()
+            {
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("fort-handler {}: {e:#}", cap.name);
+            ExitCode::FAILURE
+        }
+    }
+}
