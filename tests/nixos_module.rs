@@ -1,7 +1,8 @@
 //! The NixOS module, evaluated with the real nixpkgs `lib` (set `NIXPKGS_LIB`): its
 //! generated files match the expected JSON and pass `fort-agent check`; agents loading
-//! them report the manifest hashes the module computed; docs/options.md matches the
-//! option declarations; and every `.nix` file in the repo parses. Skips (through
+//! them report the manifest hashes the module computed; the units and files the systemd
+//! lane installs are what it renders; docs/options.md matches the option declarations;
+//! and every `.nix` file in the repo parses. Skips (through
 //! `fort_tests::skip`) when nixpkgs lib or Nix is absent.
 
 use std::path::{Path, PathBuf};
@@ -59,6 +60,19 @@ fn options_reference_is_current() {
             cmd.arg("--check");
         })
     {
+        assert!(passed, "{text}");
+    }
+}
+
+#[test]
+fn lane_units_are_what_the_module_renders() {
+    // The systemd lane (tests/systemd) installs the committed trees, so it runs where
+    // there is no nixpkgs lib; here they are rendered again and compared.
+    if let Some((passed, text)) = run_script(
+        "lane_units_are_what_the_module_renders",
+        "lane/render.sh",
+        |_| {},
+    ) {
         assert!(passed, "{text}");
     }
 }

@@ -65,6 +65,10 @@ in
       generate = name: value: drv name { inherit value; };
     };
     coreutils = drv "coreutils-9.5" { };
+    findutils = drv "findutils-4.10.0" { };
+    gnugrep = drv "gnugrep-3.11" { };
+    gnused = drv "gnused-4.9" { };
+    jq = drv "jq-1.7.1" { };
     systemd = drv "systemd-257" { };
     fort = drv "fort-0.1.0" { };
     callPackage = _: _: fort;

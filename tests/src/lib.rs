@@ -13,6 +13,8 @@ use fort_core::client::{ClientOptions, Reply, SignedClient, Target};
 use fort_core::sign::Signer;
 use serde_json::{json, Value};
 
+pub mod lane;
+
 /// The path of a workspace binary (`fort-agent`, `fort`), built by cargo for the tests.
 pub fn bin(name: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(format!(

@@ -1,0 +1,124 @@
+# The fleet of the booted-systemd lane, as lib.mkFleet arguments: two hosts that share
+# one loopback, each in its own container.
+#   forge: provides `secret` (async) under strictSandbox, triggered at start
+#          (initialize) and by lane-source.service (triggers.systemd)
+#   app:   needs secret/wiki (a credential of the DynamicUser service wiki) and
+#          secret/multi-{a,b,c} (three needs that restart multi.service and reload
+#          reloader.service); generation 2 adds secret/later
+# The consumer services themselves (wiki, multi, reloader, lane-source) are the lane's
+# own units, as a package would ship them; the fleet only adds to them, as a NixOS host
+# adds to a package's units.
+#
+# appUser: the user app's agent runs as ("root", or "fort" for the unprivileged agent).
+# generation: 2 is the next deployment of the same fleet (one more need).
+{
+  appUser ? "root",
+  generation ? 1,
+}:
+let
+  keys = ../keys;
+  pub = name: builtins.head (builtins.match "([^\n]*)\n*" (builtins.readFile (keys + "/${name}.pub")));
+  # Files given to the agent's own user when it is not root (it cannot chown).
+  owned = if appUser == "root" then { } else { owner = appUser; group = appUser; };
+  token = {
+    pointer = "/token";
+  } // owned;
+in
+{
+  shared = [
+    {
+      fort.cluster.hosts = {
+        forge = {
+          address = "https://127.0.0.1:7770";
+          publicKeys = [ (pub "forge") ];
+        };
+        app = {
+          address = "https://127.0.0.2:7770";
+          publicKeys = [ (pub "app") ];
+        };
+      };
+      services.fort-agent = {
+        enable = true;
+        # Installed by the lane (mode 0400, root): the agent reads it through
+        # LoadCredential=, also when it runs as another user.
+        hostKeyFile = "/etc/lane/host_key";
+      };
+    }
+  ];
+
+  hosts.forge.modules = [
+    (
+      { pkgs, ... }:
+      {
+        services.fort-agent = {
+          listen = "127.0.0.1:7770";
+          strictSandbox = true;
+          readWritePaths = [ "/var/lib/lane-provider" ];
+        };
+        # Shipped by the lane as a unit of its own; fort adds OnSuccess= to it.
+        systemd.services.lane-source.description = "lane: a oneshot whose success triggers secret";
+        fort.host.capabilities.secret = {
+          # Every entry gets {"token": "<generation> <entry key>"}, the generation being
+          # what /etc/lane/generation holds ("1" without it). Each run notes its trigger
+          # and tries to write inside readWritePaths and outside of it.
+          handler = pkgs.writeShellScript "lane-secret" ''
+            set -u
+            dir=/var/lib/lane-provider
+            echo "$FORT_TRIGGER" >>"$dir/triggers"
+            for probe in "$dir/probe" /var/lib/lane-outside/probe /etc/lane-probe; do
+              if { echo written >"$probe"; } 2>>"$dir/probes"; then echo "$probe: written" >>"$dir/probes"; fi
+            done
+            generation=$(cat /etc/lane/generation 2>/dev/null || echo 1)
+            exec ${pkgs.jq}/bin/jq -c --arg g "$generation" 'with_entries(.value = {token: "\($g) \(.key)"})'
+          '';
+          triggers.initialize = true;
+          triggers.systemd = [ "lane-source.service" ];
+          description = "Tokens for the lane's consumer";
+        };
+      }
+    )
+  ];
+
+  hosts.app.modules = [
+    {
+      services.fort-agent = {
+        listen = "127.0.0.2:7770";
+        user = appUser;
+      };
+      fort.host.needs.secret =
+        {
+          wiki.from = "forge";
+          wiki.files.token = token // {
+            credentialFor = [ "wiki.service" ];
+          };
+        }
+        // builtins.listToAttrs (
+          map (id: {
+            name = "multi-${id}";
+            value = {
+              from = "forge";
+              files.token = token;
+              restartUnits = [ "multi.service" ];
+              reloadUnits = [ "reloader.service" ];
+            };
+          }) [ "a" "b" "c" ]
+        )
+        // (
+          if generation >= 2 then
+            {
+              later.from = "forge";
+              later.files.token = token;
+            }
+          else
+            { }
+        );
+      # The lane's own units; started at boot (wiki is skipped until its credential is
+      # there).
+      systemd.services = {
+        wiki.wantedBy = [ "multi-user.target" ];
+        multi.wantedBy = [ "multi-user.target" ];
+        reloader.wantedBy = [ "multi-user.target" ];
+      };
+    }
+  ];
+}

@@ -1,0 +1,146 @@
+//! Delivered files and the units that use them, under systemd: credentials of a
+//! DynamicUser service, restarts and reloads once per change, none for an unchanged
+//! redelivery, a reboot, and an agent that does not run as root.
+
+use std::collections::BTreeMap;
+
+use crate::fleet::{self, Lane, NEEDS, QUIET, SOON};
+
+#[test]
+fn dynamic_user_reads_its_secret_through_credential_for() {
+    let Some(lane) = Lane::boot(
+        "dynamic_user_reads_its_secret_through_credential_for",
+        "app",
+    ) else {
+        return;
+    };
+    let app = &lane.app;
+    app.wait_for_unit("wiki.service", SOON);
+    assert_eq!(app.prop("wiki.service", "DynamicUser"), "yes");
+    app.wait_until("wiki noted what it could read", SOON, || {
+        app.exec(&["test", "-s", "/run/wiki/direct"])
+            .status
+            .success()
+    });
+    assert_eq!(app.succeed("cat /run/wiki/token"), "1 app:secret/wiki");
+    let direct = app.succeed("cat /run/wiki/direct");
+    assert!(
+        direct.contains("Permission denied") && direct.contains("exit 1"),
+        "wiki read the delivered file itself: {direct}"
+    );
+    assert_eq!(
+        app.succeed("stat -c '%U %a' /run/fort/needs/secret/wiki/token"),
+        "root 400\n"
+    );
+}
+
+/// Waits for the first delivery's round of restarts to be over, then counts.
+fn settled(lane: &Lane) {
+    lane.wait_satisfied();
+    for unit in ["wiki.service", "multi.service", "reloader.service"] {
+        lane.app.wait_for_unit(unit, SOON);
+    }
+    std::thread::sleep(QUIET);
+}
+
+#[test]
+fn needs_changed_together_restart_their_unit_once() {
+    let Some(lane) = Lane::boot("needs_changed_together_restart_their_unit_once", "app") else {
+        return;
+    };
+    settled(&lane);
+    let app = &lane.app;
+    let (starts, invocation) = (
+        app.starts("multi.service"),
+        app.prop("multi.service", "InvocationID"),
+    );
+    // Three needs that name multi.service change in one run of forge's handler.
+    lane.rotate(2);
+    for n in ["secret/multi-a", "secret/multi-b", "secret/multi-c"] {
+        lane.wait_token(n, 2);
+    }
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        app.starts("multi.service"),
+        starts + 1,
+        "{}",
+        app.journal("multi.service", 20)
+    );
+    let after = app.show(
+        "multi.service",
+        &["InvocationID", "NRestarts", "ActiveState"],
+    );
+    assert_ne!(after["InvocationID"], invocation);
+    assert_eq!(
+        after["NRestarts"], "0",
+        "no restart of systemd's own (Restart=)"
+    );
+    assert_eq!(after["ActiveState"], "active");
+}
+
+#[test]
+fn reload_units_are_reloaded() {
+    let Some(lane) = Lane::boot("reload_units_are_reloaded", "app") else {
+        return;
+    };
+    settled(&lane);
+    let app = &lane.app;
+    let (reloads, starts, pid) = (
+        app.reloads("reloader.service"),
+        app.starts("reloader.service"),
+        app.prop("reloader.service", "MainPID"),
+    );
+    lane.rotate(2);
+    for n in ["secret/multi-a", "secret/multi-b", "secret/multi-c"] {
+        lane.wait_token(n, 2);
+    }
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        app.reloads("reloader.service"),
+        reloads + 1,
+        "{}",
+        app.journal("reloader.service", 20)
+    );
+    assert_eq!(
+        app.starts("reloader.service"),
+        starts,
+        "reloaded, not restarted"
+    );
+    assert_eq!(app.prop("reloader.service", "MainPID"), pid);
+}
+
+#[test]
+fn unchanged_redelivery_restarts_nothing() {
+    let Some(lane) = Lane::boot("unchanged_redelivery_restarts_nothing", "app") else {
+        return;
+    };
+    settled(&lane);
+    let app = &lane.app;
+    let counts = || {
+        (
+            app.starts("wiki.service"),
+            app.starts("multi.service"),
+            app.reloads("reloader.service"),
+            app.succeed("stat -c '%n %i %Y' /run/fort/needs/secret/*/token"),
+        )
+    };
+    let before = counts();
+    let received: BTreeMap<&str, u64> = NEEDS
+        .iter()
+        .map(|n| (*n, fleet::need(app, n)["received"].as_u64().unwrap_or(0)))
+        .collect();
+    // forge's capability has triggers.initialize: at its start it calls every entry
+    // back with the response it holds, unchanged.
+    lane.forge.succeed("systemctl restart fort-agent.service");
+    app.wait_until("every need received its payload again", SOON, || {
+        NEEDS
+            .iter()
+            .all(|n| fleet::need(app, n)["received"].as_u64() > Some(received[n]))
+    });
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        counts(),
+        before,
+        "an unchanged payload restarted or rewrote something"
+    );
+}

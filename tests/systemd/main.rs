@@ -1,0 +1,10 @@
+//! fort under a real, booted systemd (the systemd lane, `fort_tests::lane`): the units
+//! and /etc/fort files the NixOS module renders, installed in Debian containers booted
+//! with systemd-nspawn, and what systemd reports about them. Skips (through
+//! `fort_tests::skip`) where the lane cannot run: not root, no systemd-nspawn or
+//! mmdebstrap, no Debian registry for the first build of the root.
+
+mod agent;
+mod delivery;
+mod fleet;
+mod units;
