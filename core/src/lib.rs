@@ -9,6 +9,7 @@ pub mod process;
 pub mod schema;
 pub mod sign;
 pub mod store;
+pub mod text;
 pub mod tls;
 pub mod wire;
 
