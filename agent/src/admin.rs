@@ -18,16 +18,28 @@ use crate::provider::Trigger;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase", deny_unknown_fields)]
 pub enum AdminRequest {
-    Status,
+    /// The status document; with `entries`, every provider entry too (hashes only).
+    Status {
+        #[serde(default)]
+        entries: bool,
+    },
     /// Needs per state and entries per capability, without the rows: cheap enough to
     /// poll often, however many needs and entries there are.
     Counts,
     Trigger {
         capability: String,
+        /// One entry key: it is called back after the run, and `force` hides only its
+        /// cached response.
+        #[serde(default)]
+        entry: Option<String>,
         #[serde(default)]
         force: bool,
         #[serde(default)]
         reason: Option<String>,
+    },
+    /// Ask the need's provider again now.
+    Ask {
+        need: String,
     },
     Gc {
         #[serde(default)]
@@ -129,7 +141,25 @@ async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
 
 async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
     match req {
-        AdminRequest::Status => json!({"ok": true, "status": crate::builtins::status(app)}),
+        AdminRequest::Status { entries } => {
+            let entries = if entries {
+                crate::builtins::Entries::Shown
+            } else {
+                crate::builtins::Entries::NotAsked
+            };
+            json!({"ok": true, "status": crate::builtins::status(app, entries)})
+        }
+        AdminRequest::Ask { need } => {
+            let Some(key) = fort_core::names::NeedKey::parse(&need) else {
+                return json!({"ok": false, "error": format!("{need:?} is not a need key <type>/<id>")});
+            };
+            match app.fulfiller.ask_now(&key) {
+                Some(row) => json!({"ok": true, "ask": crate::rotate::ask_reply(&row)}),
+                None => {
+                    json!({"ok": false, "error": format!("{} declares no need {key}", app.config.host)})
+                }
+            }
+        }
         AdminRequest::Counts => {
             let needs: serde_json::Map<String, Value> = app
                 .fulfiller
@@ -171,17 +201,10 @@ async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
         }
         AdminRequest::Trigger {
             capability,
+            entry,
             force,
             reason,
         } => {
-            let loaded = app.loaded.load_full();
-            match loaded.capabilities.get(&capability) {
-                Some(c) if c.mode == fort_core::schema::Mode::Async => {}
-                Some(_) => {
-                    return json!({"ok": false, "error": format!("{capability} is an rpc capability; nothing to trigger")})
-                }
-                None => return json!({"ok": false, "error": format!("no capability {capability}")}),
-            }
             let trigger = match reason.as_deref() {
                 Some("systemd") => Trigger::Systemd,
                 None | Some("manual") => Trigger::Manual,
@@ -189,25 +212,72 @@ async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
                     return json!({"ok": false, "error": format!("unknown reason {other:?} (manual, systemd)")})
                 }
             };
-            let rx = app
-                .provider
-                .enqueue(app, &capability, trigger, false, force);
-            match rx.await {
-                Ok(record) => json!({"ok": record.ok, "run": record, "error": record.error}),
-                Err(_) => json!({"ok": false, "error": "agent is shutting down"}),
+            let ask = crate::provider::trigger::TriggerAsk {
+                capability,
+                entry,
+                force,
+                trigger,
+            };
+            match app.provider.trigger(app, ask).await {
+                Ok(outcome) => json!({
+                    "ok": outcome.run.ok,
+                    "run": outcome.run,
+                    "error": outcome.run.error,
+                    "trigger": outcome,
+                }),
+                Err(e) => json!({"ok": false, "error": e.to_string()}),
             }
         }
     }
 }
 
+/// Why the admin socket at `path` could not be reached, and what to do about it.
+fn unreachable(path: &Path, e: &std::io::Error) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let shown = path.display();
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied => {
+            // The socket (or, when it cannot be looked at, its directory) says whose it is.
+            let owner = std::fs::metadata(path)
+                .or_else(|_| std::fs::metadata(path.parent().unwrap_or(Path::new("/"))))
+                .map(|m| m.uid())
+                .ok();
+            let who = match owner {
+                Some(0) | None => "root".to_owned(),
+                Some(uid) => format!("the user with uid {uid} (the agent's user)"),
+            };
+            let me = real_uid();
+            format!(
+                "permission denied on the admin socket {shown}: only {who} may use it (mode 0600; you are uid {me}). Run this command as {who} (e.g. with sudo); from elsewhere, `fort status HOST` asks the agent over the network as a principal"
+            )
+        }
+        std::io::ErrorKind::NotFound => format!(
+            "no admin socket at {shown}: fort-agent is not running (systemctl status fort-agent), or its agent.toml names another admin_socket (pass that file with --config)"
+        ),
+        std::io::ErrorKind::ConnectionRefused => format!(
+            "nothing answers on the admin socket {shown}: fort-agent is not running (the socket is left from an earlier run; systemctl status fort-agent)"
+        ),
+        _ => format!("cannot reach the agent at {shown}: {e}"),
+    }
+}
+
+/// This process's real user id (from /proc, to need no unsafe call).
+fn real_uid() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
+        })
+        .unwrap_or_else(|| "?".to_owned())
+}
+
 /// Client side: send one request, read one reply.
 pub async fn call(path: &Path, req: &AdminRequest) -> Result<Value, String> {
-    let stream = UnixStream::connect(path).await.map_err(|e| {
-        format!(
-            "cannot reach the agent at {}: {e} (is fort-agent running?)",
-            path.display()
-        )
-    })?;
+    let stream = UnixStream::connect(path)
+        .await
+        .map_err(|e| unreachable(path, &e))?;
     let (read, mut write) = stream.into_split();
     let mut line = serde_json::to_vec(req).expect("request serialises");
     line.push(b'\n');

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod nonce;
 pub mod plan;
 pub mod provider;
+pub mod rotate;
 pub mod routes;
 pub mod server;
 

@@ -138,7 +138,13 @@ impl Loaded {
             Some(f) => schema::capabilities_from_bytes(&f.path, &f.bytes, &registry)?,
             None => Capabilities::new(),
         };
-        for who in config.access.journal.iter().chain(&config.access.systemd) {
+        let access = &config.access;
+        for who in access
+            .journal
+            .iter()
+            .chain(&access.systemd)
+            .chain(&access.trigger)
+        {
             if registry.get(who).is_none() {
                 return Err(LoadError::Invalid(format!(
                     "[access] names {who:?}, which is not in {}",

@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent ask oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -65,12 +65,13 @@ enum Command {
         #[arg(long, value_name = "HOST", requires = "needs")]
         consumer: Option<String>,
     },
-    /// Show this host's needs and provider entries (from the running agent).
+    /// Show this host's needs, capabilities and provider entries (from the running agent).
     Status {
         /// The running agent's config: where its admin socket is.
         #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
-        /// Print the raw JSON instead of a table.
+        /// Print the agent's reply as JSON ({"ok", "status"}: the status document, its
+        /// `entries` shaped as provider-state.json's, hashes instead of payloads).
         #[arg(long)]
         json: bool,
     },
@@ -78,12 +79,31 @@ enum Command {
     Trigger {
         /// A capability this host serves.
         capability: String,
-        /// Pass no cached responses: regenerate everything.
+        /// One entry, `<consumer>:<capability>/<need id>` (`fort-agent status` lists
+        /// them): its consumer is called back after the run, changed or not.
+        #[arg(long, value_name = "KEY")]
+        entry: Option<String>,
+        /// Pass no cached responses, so the handler issues new ones: with --entry, that
+        /// entry's alone (the others keep theirs); without, every entry's.
         #[arg(long)]
         force: bool,
         /// Why: `manual` (default) or `systemd` (set by the NixOS module's units).
         #[arg(long)]
         reason: Option<String>,
+        /// Print the agent's reply as JSON.
+        #[arg(long)]
+        json: bool,
+        /// The running agent's config: where its admin socket is.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
+        config: PathBuf,
+    },
+    /// Ask one need's provider again now, whatever the need's state.
+    Ask {
+        /// A need this host declares, `<type>/<id>`.
+        need: String,
+        /// Print the agent's reply as JSON.
+        #[arg(long)]
+        json: bool,
         /// The running agent's config: where its admin socket is.
         #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
@@ -93,6 +113,9 @@ enum Command {
         /// Decide and print, but remove nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Print the agent's reply as JSON.
+        #[arg(long)]
+        json: bool,
         /// The running agent's config: where its admin socket is.
         #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
@@ -125,6 +148,9 @@ enum Command {
     },
     /// Re-read hosts.json, needs.json and capabilities.json (same as SIGHUP).
     Reload {
+        /// Print the agent's reply as JSON.
+        #[arg(long)]
+        json: bool,
         /// The running agent's config: where its admin socket is.
         #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
@@ -153,15 +179,33 @@ async fn admin_call(
     admin::call(&cfg.admin_socket, &req).await
 }
 
-fn print_admin(reply: Result<serde_json::Value, String>) -> ExitCode {
+/// The host name the config gives, for messages.
+fn host_of(config: &std::path::Path) -> String {
+    Config::load(config).map_or_else(|_| "this host".to_owned(), |c| c.host)
+}
+
+/// Prints the agent's reply: as JSON with `json`, else as `text` renders it (an error
+/// the agent reports goes to stderr). Exits 0 only when the agent says `ok`.
+fn print_admin(
+    reply: Result<serde_json::Value, String>,
+    json: bool,
+    text: impl FnOnce(&serde_json::Value) -> String,
+) -> ExitCode {
     match reply {
         Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            if v["ok"].as_bool() == Some(true) {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
+            let ok = v["ok"].as_bool() == Some(true);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else if ok || !v["run"].is_null() {
+                print!("{}", text(&v));
             }
+            if !ok {
+                if let Some(e) = v["error"].as_str() {
+                    eprintln!("fort-agent: {}", fort_core::text::printable(e, 1000));
+                }
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("fort-agent: {e}");
@@ -284,36 +328,52 @@ async fn agent_main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Status { config, json } => {
-            let reply = admin_call(&config, AdminRequest::Status).await;
-            match (reply, json) {
-                (Ok(v), false) => {
-                    print!("{}", fort_agent::cli::status_table(&v["status"]));
-                    ExitCode::SUCCESS
-                }
-                (r, _) => print_admin(r),
-            }
-        }
+        Command::Status { config, json } => print_admin(
+            admin_call(&config, AdminRequest::Status { entries: true }).await,
+            json,
+            |v| fort_agent::cli::status_table(&v["status"]),
+        ),
         Command::Trigger {
             capability,
+            entry,
             force,
             reason,
+            json,
+            config,
+        } => {
+            let req = AdminRequest::Trigger {
+                capability,
+                entry,
+                force,
+                reason,
+            };
+            let host = host_of(&config);
+            print_admin(admin_call(&config, req).await, json, |v| {
+                fort_agent::cli::trigger_text(&host, &v["trigger"])
+            })
+        }
+        Command::Ask { need, json, config } => {
+            let host = host_of(&config);
+            print_admin(
+                admin_call(&config, AdminRequest::Ask { need }).await,
+                json,
+                |v| fort_agent::cli::ask_text(&host, &v["ask"]),
+            )
+        }
+        Command::Gc {
+            dry_run,
+            json,
             config,
         } => print_admin(
-            admin_call(
-                &config,
-                AdminRequest::Trigger {
-                    capability,
-                    force,
-                    reason,
-                },
-            )
-            .await,
+            admin_call(&config, AdminRequest::Gc { dry_run }).await,
+            json,
+            |v| fort_agent::cli::gc_text(&v["report"]),
         ),
-        Command::Gc { dry_run, config } => {
-            print_admin(admin_call(&config, AdminRequest::Gc { dry_run }).await)
-        }
-        Command::Reload { config } => print_admin(admin_call(&config, AdminRequest::Reload).await),
+        Command::Reload { json, config } => print_admin(
+            admin_call(&config, AdminRequest::Reload).await,
+            json,
+            |_| "reloaded hosts.json, needs.json and capabilities.json\n".to_owned(),
+        ),
         Command::Plan {
             config,
             new_config,

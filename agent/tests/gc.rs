@@ -29,7 +29,7 @@ fn allow_everyone(f: &mut Fleet) {
 }
 
 fn sweep(f: &Fleet) -> Value {
-    let (ok, out) = f.admin("p", &["gc"]);
+    let (ok, out) = f.admin("p", &["gc", "--json"]);
     assert!(ok, "{out}");
     serde_json::from_str::<Value>(&out).unwrap()["report"].clone()
 }

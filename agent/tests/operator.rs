@@ -76,15 +76,19 @@ async fn builtins_and_their_access() {
         assert_eq!(message, json!(want));
     }
     // `fort` prints it.
-    let (code, out, _) = fort(&f, "viewer", &["journal", "p", "x.service"]);
+    let (code, out, err) = fort(&f, "viewer", &["journal", "p", "x.service"]);
     assert_eq!(code, 2);
-    let message = serde_json::from_str::<Value>(&out).unwrap()["message"].clone();
-    assert!(
-        message
-            .as_str()
-            .unwrap()
-            .contains("add \"viewer\" to [access] journal"),
+    assert_eq!(
+        err.trim_end(),
+        "fort: HTTP 403: viewer may not call journal on p: add \"viewer\" to [access] journal in its agent.toml (NixOS: services.fort-agent.settings.access.journal)",
         "{out}"
+    );
+    // --json prints the reply as it came.
+    let (code, out, _) = fort(&f, "viewer", &["journal", "p", "x.service", "--json"]);
+    assert_eq!(code, 2);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["error"],
+        "forbidden"
     );
     // Parameters are checked before anything runs.
     for body in [
@@ -223,4 +227,140 @@ async fn metrics_count_requests_failures_and_handler_runs() {
         text.contains("fort_requests_total{endpoint=\"journal\",status=\"403\"}"),
         "{text}"
     );
+}
+
+/// `fort` with its own key and registry file, bypassing the harness's defaults.
+fn fort_with(
+    key: &std::path::Path,
+    hosts: &std::path::Path,
+    args: &[&str],
+) -> (i32, String, String) {
+    let out = std::process::Command::new(fort_tests::bin("fort"))
+        .args(["--origin", "ops", "--key"])
+        .arg(key)
+        .arg("--hosts")
+        .arg(hosts)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_point_at_the_cause() {
+    let mut f = fleet();
+    f.write_files();
+    f.start_host("p");
+    let hosts = f.host_dir("p").join("hosts.json");
+
+    // A mistyped host name: the close ones from hosts.json.
+    let (code, _, err) = fort(&f, "ops", &["status", "pp"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains(&format!(
+            "\"pp\" is not a host in {}; did you mean p?",
+            hosts.display()
+        )),
+        "{err}"
+    );
+    let (code, _, err) = fort(&f, "ops", &["pin", "dwon"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("did you mean down?"), "{err}");
+    let (code, _, err) = fort(&f, "ops", &["status", "viewer"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("\"viewer\" is a principal in"), "{err}");
+
+    // A key the agent does not list for the origin: which key, which origin, where.
+    let other = fort_core::sign::Signer::generate();
+    let key = f.dir.path().join("other.key");
+    fort_tests::write_key(&key, &other);
+    let (code, _, err) = fort_with(&key, &hosts, &["status", "p"]);
+    assert_eq!(code, 2, "{err}");
+    let fingerprint = other
+        .public_key()
+        .fingerprint(ssh_key::HashAlg::Sha256)
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "HTTP 401: p did not accept the signature of \"ops\" made with {} ({fingerprint}): check that its public half ({}.pub) is listed for \"ops\" in p's hosts.json (NixOS: fort.cluster.principals.ops.publicKeys)",
+            key.display(),
+            key.display()
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "{} here does not list it for \"ops\" either",
+            hosts.display()
+        )),
+        "{err}"
+    );
+    // Listed in the registry here but not on the host (not deployed yet): only the host.
+    let mut registry: Value = serde_json::from_slice(&std::fs::read(&hosts).unwrap()).unwrap();
+    registry["principals"]["ops"]["keys"] = json!([other.public_openssh()]);
+    let newer = f.dir.path().join("newer-hosts.json");
+    std::fs::write(&newer, serde_json::to_vec(&registry).unwrap()).unwrap();
+    let (code, _, err) = fort_with(&key, &newer, &["status", "p"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("and that p runs that configuration"), "{err}");
+    assert!(!err.contains("either"), "{err}");
+
+    // The admin socket, to a user who may not use it: who may.
+    if !is_root() {
+        fort_tests::skip(
+            "errors_point_at_the_cause (admin socket refused)",
+            "not root: cannot run fort-agent as another user",
+        );
+        return;
+    }
+    // The config is readable to everyone, as /etc/fort/agent.toml is; the socket is not.
+    use std::os::unix::fs::PermissionsExt;
+    for dir in [f.dir.path().to_owned(), f.host_dir("p")] {
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(fort_tests::bin("fort-agent"))
+        .args(["status", "--config"])
+        .arg(f.config_path("p"))
+        .output();
+    let Ok(out) = out else {
+        fort_tests::skip(
+            "errors_point_at_the_cause (admin socket refused)",
+            "setpriv (util-linux) is not installed",
+        );
+        return;
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    if err.contains("agent.toml")
+        && err.contains("ermission denied")
+        && !err.contains("admin socket")
+    {
+        fort_tests::skip(
+            "errors_point_at_the_cause (admin socket refused)",
+            "the test's config is not readable by nobody",
+        );
+        return;
+    }
+    assert!(!out.status.success());
+    assert!(
+        err.contains("permission denied on the admin socket")
+            && err.contains("only root may use it")
+            && err.contains("you are uid 65534"),
+        "{err}"
+    );
+    assert!(!err.contains("is fort-agent running"), "{err}");
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|v| v.split_whitespace().next().map(|u| u == "0"))
+            .unwrap_or(false)
+    })
 }

@@ -298,7 +298,7 @@ async fn a_broken_file_at_reload_keeps_the_old_configuration() {
         r#"{"web": {"handler": "/x", "mode": "async", "cacheRespons": true}}"#,
     )
     .unwrap();
-    let (ok, out) = f.admin("p", &["reload"]);
+    let (ok, out) = f.admin("p", &["reload", "--json"]);
     assert!(!ok);
     assert!(out.contains("cacheRespons"), "{out}");
     assert_eq!(

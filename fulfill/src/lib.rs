@@ -2,6 +2,7 @@
 //! fulfilment state, the nag scheduler that asks providers, and callback handling.
 //! One in-process owner keeps the state; callbacks and the scheduler both go through it.
 
+mod ask;
 mod batch;
 mod deliver;
 pub mod expiry;

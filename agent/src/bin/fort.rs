@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use fort_agent::cli::{
-    fleet, fleet_graph, fleet_json, fleet_table, judge, load_expected, pins, status_table,
-    Identity, Session, EXIT_FAIL,
+    ask_text, fleet, fleet_graph, fleet_json, fleet_table, journal_lines, judge, load_expected,
+    pins, status_table, trigger_text, Identity, Session, EXIT_FAIL,
 };
 
 #[derive(Parser)]
@@ -17,7 +17,7 @@ use fort_agent::cli::{
     about = "Operator CLI for a fort fleet: signed calls to any host"
 )]
 #[command(
-    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
+    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort ask app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
 )]
 struct Cli {
     /// Private key to sign with (unencrypted OpenSSH ed25519). Default:
@@ -64,6 +64,36 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run a capability's handler on a provider now, for every entry or for one (the
+    /// principal must be in the host's [access] trigger). Prints the run once it is over.
+    Trigger {
+        /// The provider: a host in hosts.json.
+        host: String,
+        /// An async capability the host serves.
+        capability: String,
+        /// One entry, `<consumer>:<capability>/<need id>` (`fort status HOST` lists
+        /// them): its consumer is called back after the run, changed or not.
+        #[arg(long, value_name = "KEY")]
+        entry: Option<String>,
+        /// Leave cached responses out of the handler's input, so it issues new ones:
+        /// with --entry, that entry's alone (the others keep theirs).
+        #[arg(long)]
+        force: bool,
+        /// Print the reply as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Have a consumer ask its provider again for one need now, whatever its state (the
+    /// principal must be in the host's [access] trigger).
+    Ask {
+        /// The consumer: a host in hosts.json.
+        host: String,
+        /// One of its needs, `<type>/<id>` (`fort status HOST` lists them).
+        need: String,
+        /// Print the reply as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// A unit's journal on a host (the principal must be in the host's [access] journal).
     Journal {
         /// A host in hosts.json.
@@ -80,6 +110,9 @@ enum Command {
         /// Only entries at or before this time, as journalctl reads it.
         #[arg(long, value_name = "TIME")]
         until: Option<String>,
+        /// Print the reply as JSON ({"lines": [...]}) instead of the lines.
+        #[arg(long)]
+        json: bool,
     },
     /// Print the TLS pin of a host's key(s) for `curl --pinnedpubkey` (one per line).
     Pin {
@@ -147,7 +180,8 @@ async fn main() -> ExitCode {
         }
     };
     let pretty = std::io::stdout().is_terminal();
-    let (host, capability, body) = match cli.command {
+    // What to call, and how to show a verified reply when not as JSON.
+    let (host, capability, body, render): (String, String, String, Render) = match cli.command {
         Command::Pin { .. } => unreachable!("answered above"),
         Command::Fleet {
             json,
@@ -193,13 +227,35 @@ async fn main() -> ExitCode {
                 }
                 Some(b) => b.to_owned(),
             };
-            (host, capability, body)
+            (host, capability, body, Render::Json)
         }
         Command::Status { host, json } => {
-            if !json {
-                return status(&session, &host).await;
+            let render = if json { Render::Json } else { Render::Status };
+            (
+                host,
+                "status".to_owned(),
+                r#"{"entries":true}"#.to_owned(),
+                render,
+            )
+        }
+        Command::Trigger {
+            host,
+            capability,
+            entry,
+            force,
+            json,
+        } => {
+            let mut p = serde_json::json!({"capability": capability, "force": force});
+            if let Some(e) = entry {
+                p["entry"] = e.into();
             }
-            (host, "status".to_owned(), "{}".to_owned())
+            let render = if json { Render::Json } else { Render::Trigger };
+            (host, "trigger".to_owned(), p.to_string(), render)
+        }
+        Command::Ask { host, need, json } => {
+            let render = if json { Render::Json } else { Render::Ask };
+            let p = serde_json::json!({ "need": need });
+            (host, "ask".to_owned(), p.to_string(), render)
         }
         Command::Journal {
             host,
@@ -207,6 +263,7 @@ async fn main() -> ExitCode {
             lines,
             since,
             until,
+            json,
         } => {
             let mut p = serde_json::json!({"unit": unit, "lines": lines});
             if let Some(s) = since {
@@ -215,61 +272,67 @@ async fn main() -> ExitCode {
             if let Some(u) = until {
                 p["until"] = u.into();
             }
-            (host, "journal".to_owned(), p.to_string())
+            let render = if json { Render::Json } else { Render::Journal };
+            (host, "journal".to_owned(), p.to_string(), render)
         }
     };
     if serde_json::from_str::<serde::de::IgnoredAny>(&body).is_err() {
         eprintln!("fort: the request body is not JSON");
         return ExitCode::from(EXIT_FAIL);
     }
-    match session.call(&host, &capability, body.into_bytes()).await {
-        Ok(reply) => {
-            let (code, out, note) = judge(&reply, pretty);
-            if !out.is_empty() {
-                println!("{}", out.trim_end());
-            }
-            if let Some(n) = note {
-                eprintln!("fort: {n}");
-            }
-            ExitCode::from(code)
-        }
-        Err((code, e)) => {
-            eprintln!("fort: {e}");
-            ExitCode::from(code)
-        }
-    }
-}
-
-/// `fort status HOST` as a table; refusals and failures are reported as for `fort call`.
-async fn status(session: &Session, host: &str) -> ExitCode {
-    let reply = match session.call(host, "status", b"{}".to_vec()).await {
-        Ok(r) => r,
+    let reply = match session.call(&host, &capability, body.into_bytes()).await {
+        Ok(reply) => reply,
         Err((code, e)) => {
             eprintln!("fort: {e}");
             return ExitCode::from(code);
         }
     };
-    let (code, out, note) = judge(&reply, false);
-    let parsed = serde_json::from_str::<serde_json::Value>(&out);
-    match (code, parsed) {
-        (0, Ok(v)) => {
-            print!("{}", status_table(&v));
-            ExitCode::SUCCESS
+    let (code, out, note) = judge(&reply, pretty, &host, &session.signing);
+    let parsed = serde_json::from_str::<serde_json::Value>(&out).ok();
+    let text = match (code, &render, &parsed) {
+        (0, Render::Status, Some(v)) => Some(status_table(v)),
+        (0, Render::Trigger, Some(v)) => Some(trigger_text(&host, v)),
+        (0, Render::Ask, Some(v)) => Some(ask_text(&host, v)),
+        (0, Render::Journal, Some(v)) => journal_lines(v),
+        _ => None,
+    };
+    let mut code = code;
+    match text {
+        Some(t) => print!("{t}"),
+        None if code == 0 && !matches!(render, Render::Json) => {
+            // A verified 2xx this command cannot read: say so rather than guess.
+            println!("{}", out.trim_end());
+            eprintln!("fort: the {capability} reply from {host} is not what this fort reads");
+            code = EXIT_FAIL;
         }
-        (code, parsed) => {
+        // A refusal's message is in the note below; the body is for --json and `call`.
+        None if note.is_some() && !matches!(render, Render::Json) => {}
+        None => {
             if !out.is_empty() {
                 println!("{}", out.trim_end());
             }
-            if let Some(n) = note {
-                eprintln!("fort: {n}");
-            }
-            if code == 0 {
-                if let Err(e) = parsed {
-                    eprintln!("fort: the status reply is not JSON: {e}");
-                }
-                return ExitCode::from(EXIT_FAIL);
-            }
-            ExitCode::from(code)
         }
     }
+    if let Some(n) = note {
+        eprintln!("fort: {n}");
+    }
+    // A trigger whose run failed changed nothing: not a success.
+    if code == 0
+        && matches!(render, Render::Trigger | Render::Json)
+        && capability == "trigger"
+        && parsed.as_ref().is_some_and(|v| v["run"]["ok"] == false)
+    {
+        code = EXIT_FAIL;
+    }
+    ExitCode::from(code)
+}
+
+/// How a verified reply is shown.
+enum Render {
+    /// As it came (pretty on a terminal): `fort call` and every `--json`.
+    Json,
+    Status,
+    Trigger,
+    Ask,
+    Journal,
 }

@@ -1,5 +1,6 @@
 //! Capabilities every agent serves itself (§5a): `status`, `manifest` and `needs` to every
-//! known caller; `journal` and `systemd` only to the principals listed in `[access]`.
+//! known caller; `journal`, `systemd`, `trigger` and `ask` only to the principals listed
+//! in `[access]`.
 
 use std::sync::Arc;
 
@@ -30,6 +31,8 @@ pub enum Builtin {
     Needs,
     Journal,
     Systemd,
+    Trigger,
+    Ask,
 }
 
 impl Builtin {
@@ -40,6 +43,8 @@ impl Builtin {
             "needs" => Builtin::Needs,
             "journal" => Builtin::Journal,
             "systemd" => Builtin::Systemd,
+            "trigger" => Builtin::Trigger,
+            "ask" => Builtin::Ask,
             _ => return None,
         })
     }
@@ -51,35 +56,62 @@ pub async fn handle(
     which: Builtin,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
+    let access = &app.config.access;
     let operator_list = match which {
-        Builtin::Journal => Some(&app.config.access.journal),
-        Builtin::Systemd => Some(&app.config.access.systemd),
+        Builtin::Journal => Some((&access.journal, "journal")),
+        Builtin::Systemd => Some((&access.systemd, "systemd")),
+        Builtin::Trigger | Builtin::Ask => Some((&access.trigger, "trigger")),
         _ => None,
     };
-    if let Some(list) = operator_list {
-        let key = if which == Builtin::Journal {
-            "journal"
-        } else {
-            "systemd"
-        };
+    let name = match which {
+        Builtin::Ask => "ask",
+        _ => operator_list.map_or("", |(_, key)| key),
+    };
+    if let Some((list, key)) = operator_list {
         if caller.kind != PeerKind::Principal {
             return Err(ApiError::Forbidden(format!(
-                "{key} is for principals (operators); hosts never get it"
+                "{name} is for principals (operators); hosts never get it"
             )));
         }
         if !list.contains(&caller.origin) {
             // The operator reading this is the one who can fix it: name the key.
             return Err(ApiError::Forbidden(format!(
-                "{origin} may not call {key} on {host}: add \"{origin}\" to [access] {key} in its agent.toml (NixOS: services.fort-agent.settings.access.{key})",
+                "{origin} may not call {name} on {host}: {grant}",
                 origin = caller.origin,
                 host = app.config.host,
+                grant = grant(&caller.origin, key),
             )));
         }
     }
     // Permission before parsing (§3 step 8: 403 before 400).
     let params = json_body(&body)?;
     match which {
-        Builtin::Status => Ok(Reply::json(StatusCode::OK, &status(app))),
+        Builtin::Status => {
+            let entries = match params.get("entries") {
+                Some(Value::Bool(true)) => {
+                    if caller.kind == PeerKind::Principal && access.trigger.contains(&caller.origin)
+                    {
+                        Entries::Shown
+                    } else {
+                        Entries::Withheld(format!(
+                            "{origin} may not see the entries of {host}: {grant}",
+                            origin = caller.origin,
+                            host = app.config.host,
+                            grant = if caller.kind == PeerKind::Principal {
+                                grant(&caller.origin, "trigger")
+                            } else {
+                                "entries are for principals (operators); hosts never see them"
+                                    .to_owned()
+                            },
+                        ))
+                    }
+                }
+                _ => Entries::NotAsked,
+            };
+            Ok(Reply::json(StatusCode::OK, &status(app, entries)))
+        }
+        Builtin::Trigger => crate::rotate::trigger(app, caller, &params).await,
+        Builtin::Ask => crate::rotate::ask(app, caller, &params),
         Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
         Builtin::Needs => Ok(Reply::json(
             StatusCode::OK,
@@ -121,15 +153,30 @@ pub async fn handle(
     }
 }
 
+/// How to be granted `key` of `[access]`, for the operator who was refused.
+fn grant(origin: &str, key: &str) -> String {
+    format!("add \"{origin}\" to [access] {key} in its agent.toml (NixOS: services.fort-agent.settings.access.{key})")
+}
+
+/// Whether the status document lists the provider's entries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entries {
+    NotAsked,
+    Shown,
+    /// Asked for by a caller who may not see them: why, and what would grant it.
+    Withheld(String),
+}
+
 /// The `status` document: what this host needs, what it provides, how it is doing.
 /// Reasons are one line and never carry payload bytes or handler output (docs/protocol.md
-/// §11.7), so remote callers get the same document as the local admin socket.
-pub fn status(app: &Arc<App>) -> Value {
+/// §11.7), so remote callers get the same document as the local admin socket. Entries
+/// are listed by their hashes, never their requests or responses.
+pub fn status(app: &Arc<App>, entries: Entries) -> Value {
     let needs = app.fulfiller.status();
     let loaded = app.loaded.load_full();
     let satisfied = needs.iter().filter(|n| n.satisfied).count();
     let gc = app.last_gc.lock().expect("gc lock").clone();
-    json!({
+    let mut doc = json!({
         "host": app.config.host,
         "version": fort_core::VERSION,
         "uptime_seconds": app.started.elapsed().as_secs(),
@@ -151,7 +198,18 @@ pub fn status(app: &Arc<App>) -> Value {
         })),
         "nonces": app.nonces.len(),
         "memory": memory(app),
-    })
+    });
+    match entries {
+        Entries::NotAsked => {}
+        Entries::Shown => {
+            doc["entries"] = Value::Object(
+                app.provider
+                    .entries(|origin| loaded.registry.is_host(origin)),
+            );
+        }
+        Entries::Withheld(why) => doc["entries_withheld"] = json!(why),
+    }
+    doc
 }
 
 /// What the agent holds in memory, and per provider entry: entries are what grows with

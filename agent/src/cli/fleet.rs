@@ -8,7 +8,10 @@ use std::path::Path;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::table::need_state;
+use fort_core::text::printable;
+
+use super::human::span;
+use super::table::{last_run, need_state, peer_text, Table, TEXT_CELL};
 use super::Session;
 
 /// One host's row in `fort fleet`.
@@ -23,10 +26,7 @@ pub async fn fleet(session: &Session) -> Vec<FleetRow> {
     let hosts: Vec<String> = session.registry.hosts().map(|(n, _)| n.clone()).collect();
     let mut tasks = Vec::new();
     for host in hosts {
-        let s = Session {
-            registry: session.registry.clone(),
-            client: session.client.clone(),
-        };
+        let s = session.clone();
         tasks.push(tokio::spawn(async move {
             let status = match tokio::time::timeout(
                 std::time::Duration::from_secs(10),
@@ -174,21 +174,26 @@ fn short(hash: Option<&String>) -> &str {
 }
 
 pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
+    let now = fort_core::wire::unix_now();
     let mut out = String::new();
-    let manifest_header = if expected.is_some() { " MANIFEST" } else { "" };
-    let _ = writeln!(
-        out,
-        "{:<20} {:<10} {:>10} {:>8} {:>12}{manifest_header}",
-        "HOST", "REACHABLE", "NEEDS", "ENTRIES", "UNDELIVERED"
-    );
+    let mut columns = vec![
+        "HOST",
+        "REACHABLE",
+        "UP",
+        ">NEEDS",
+        ">ENTRIES",
+        ">UNDELIVERED",
+    ];
+    if expected.is_some() {
+        columns.push("MANIFEST");
+    }
+    columns.push("ERROR");
+    let mut table = Table::new(&columns);
     let mut needs = Vec::new();
+    let mut runs = Vec::new();
     let mut drift = Vec::new();
     for r in rows {
         let checked = expected.map(|e| check(r, e));
-        let manifest = checked
-            .as_ref()
-            .map(|c| format!(" {}", c.state.column()))
-            .unwrap_or_default();
         if let Some(c) = &checked {
             match c.state {
                 ManifestState::Drift => drift.push(format!(
@@ -205,51 +210,89 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
                 ManifestState::Ok | ManifestState::Unreachable => {}
             }
         }
-        match &r.status {
+        let mut cells = match &r.status {
             Ok(s) => {
                 let caps = s["provider"]["capabilities"].as_object();
                 let sum = |field: &str| -> u64 {
                     caps.map_or(0, |c| {
-                        c.values().map(|v| v[field].as_u64().unwrap_or(0)).sum()
+                        c.values()
+                            .map(|v| v[field].as_u64().unwrap_or(0))
+                            .fold(0, u64::saturating_add)
                     })
                 };
-                let _ = writeln!(
-                    out,
-                    "{:<20} {:<10} {:>10} {:>8} {:>12}{manifest}",
-                    r.host,
-                    "yes",
-                    format!("{}/{}", s["needs"]["satisfied"], s["needs"]["total"]),
-                    sum("entries"),
-                    sum("undelivered")
-                );
-                for n in s["needs"]["items"].as_array().into_iter().flatten() {
-                    let state = need_state(n);
-                    if state != "satisfied" {
-                        needs.push(format!(
-                            "  {}:{} from {}: {state}: {}",
+                for (name, c) in caps.into_iter().flatten() {
+                    let last = &c["last_run"];
+                    if !last.is_null() && last["ok"] != true {
+                        runs.push(format!(
+                            "  {}:{} {}",
                             r.host,
-                            n["need"].as_str().unwrap_or(""),
-                            n["from"].as_str().unwrap_or(""),
-                            n["reason"].as_str().unwrap_or("no answer yet")
+                            printable(name, 64),
+                            last_run(last, now)
                         ));
                     }
                 }
+                for n in s["needs"]["items"].as_array().into_iter().flatten() {
+                    let state = need_state(n);
+                    if state != "satisfied" {
+                        let reason = peer_text(&n["reason"]);
+                        needs.push(format!(
+                            "  {}:{} from {}: {}: {}",
+                            r.host,
+                            peer_text(&n["need"]),
+                            peer_text(&n["from"]),
+                            printable(state, 20),
+                            if reason.is_empty() {
+                                "no answer yet".to_owned()
+                            } else {
+                                reason
+                            }
+                        ));
+                    }
+                }
+                vec![
+                    r.host.clone(),
+                    "yes".to_owned(),
+                    s["uptime_seconds"].as_u64().map_or("?".into(), span),
+                    format!(
+                        "{}/{}",
+                        s["needs"]["satisfied"].as_u64().unwrap_or(0),
+                        s["needs"]["total"].as_u64().unwrap_or(0)
+                    ),
+                    sum("entries").to_string(),
+                    sum("undelivered").to_string(),
+                ]
             }
-            Err(e) => {
-                let _ = writeln!(
-                    out,
-                    "{:<20} {:<10} {:>10} {:>8} {:>12}{manifest}   {e}",
-                    r.host, "NO", "-", "-", "-"
-                );
-            }
+            Err(_) => vec![
+                r.host.clone(),
+                "NO".to_owned(),
+                "-".to_owned(),
+                "-".to_owned(),
+                "-".to_owned(),
+                "-".to_owned(),
+            ],
+        };
+        if let Some(c) = &checked {
+            cells.push(c.state.column().to_owned());
         }
+        cells.push(match &r.status {
+            Ok(_) => String::new(),
+            Err(e) => printable(e, TEXT_CELL),
+        });
+        table.row(cells);
     }
+    table.render(&mut out);
     if !needs.is_empty() {
         let _ = writeln!(
             out,
             "\nUNSATISFIED NEEDS (host:need from provider: state: reason)"
         );
         for n in needs {
+            let _ = writeln!(out, "{n}");
+        }
+    }
+    if !runs.is_empty() {
+        let _ = writeln!(out, "\nFAILED HANDLER RUNS (host:capability last run)");
+        for n in runs {
             let _ = writeln!(out, "{n}");
         }
     }

@@ -1,21 +1,77 @@
-//! The status document of one host as a table (`fort status`, `fort-agent status`).
+//! The status document of one host as tables (`fort status`, `fort-agent status`), and
+//! the column layout every table of the CLIs shares.
 
 use std::fmt::Write;
 
+use fort_core::text::printable;
 use serde_json::Value;
 
-/// `in 5s`, `12s ago`, or `-`.
-pub(crate) fn fmt_age(ts: Option<u64>) -> String {
-    match ts {
-        Some(t) => {
-            let now = fort_core::wire::unix_now();
-            if t >= now {
-                format!("in {}s", t - now)
-            } else {
-                format!("{}s ago", now - t)
+use super::human::{due, relative, short_hash, span};
+
+/// The longest a reason or error from a peer or a handler is shown in a table cell.
+pub(crate) const TEXT_CELL: usize = 200;
+
+/// Text that came from another host or a handler, as one printable, bounded cell.
+pub(crate) fn peer_text(v: &Value) -> String {
+    v.as_str()
+        .map(|s| printable(s, TEXT_CELL))
+        .unwrap_or_default()
+}
+
+/// Columns sized to their widest cell; numbers right-aligned; the last column is not
+/// padded, so a long reason does not push the others apart.
+pub(crate) struct Table {
+    header: Vec<&'static str>,
+    right: Vec<bool>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// `columns`: names; a name starting with `>` is right-aligned (the `>` is dropped).
+    pub fn new(columns: &[&'static str]) -> Table {
+        Table {
+            header: columns.iter().map(|c| c.trim_start_matches('>')).collect(),
+            right: columns.iter().map(|c| c.starts_with('>')).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    pub fn render(&self, out: &mut String) {
+        let n = self.header.len();
+        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        for r in &self.rows {
+            for (w, c) in widths.iter_mut().zip(r) {
+                *w = (*w).max(c.chars().count());
             }
         }
-        None => "-".into(),
+        let header: Vec<String> = self.header.iter().map(|h| h.to_string()).collect();
+        for cells in std::iter::once(&header).chain(&self.rows) {
+            let mut line = String::new();
+            for (i, cell) in cells.iter().enumerate().take(n) {
+                let pad = widths[i].saturating_sub(cell.chars().count());
+                if i > 0 {
+                    line.push_str("  ");
+                }
+                if self.right[i] {
+                    line.extend(std::iter::repeat_n(' ', pad));
+                    line.push_str(cell);
+                } else {
+                    line.push_str(cell);
+                    if i + 1 < n {
+                        line.extend(std::iter::repeat_n(' ', pad));
+                    }
+                }
+            }
+            let _ = writeln!(out, "{}", line.trim_end());
+        }
     }
 }
 
@@ -30,79 +86,169 @@ pub(crate) fn need_state(n: &Value) -> &str {
         })
 }
 
-/// One host's status: its needs with their state, then what it provides.
+fn num(v: &Value) -> String {
+    v.as_u64().unwrap_or(0).to_string()
+}
+
+/// `1 entry`, `3 entries`.
+pub(crate) fn count(v: &Value, one: &str, many: &str) -> String {
+    match v.as_u64().unwrap_or(0) {
+        1 => format!("1 {one}"),
+        n => format!("{n} {many}"),
+    }
+}
+
+/// How a capability's last handler run went, in one cell.
+pub(crate) fn last_run(last: &Value, now: u64) -> String {
+    if last.is_null() {
+        return "-".to_owned();
+    }
+    let outcome = match last["error"].as_str() {
+        Some(e) => format!("FAILED: {}", printable(e, TEXT_CELL)),
+        None if last["ok"] == false => "FAILED".to_owned(),
+        None => format!(
+            "ok, {}, {}",
+            count(&last["entries"], "entry", "entries"),
+            count(&last["callbacks"], "callback", "callbacks")
+        ),
+    };
+    format!(
+        "{} ({}, {} ms): {outcome}",
+        relative(last["at"].as_u64(), now),
+        last["trigger"].as_str().unwrap_or("?"),
+        num(&last["duration_ms"]),
+    )
+}
+
+/// One provider entry's delivery, in one word or two.
+fn entry_state(e: &Value, now: u64) -> String {
+    let mut state = if let Some(t) = e["absent_since"].as_u64() {
+        format!("absent {}", span(now.saturating_sub(t)))
+    } else if e["awaiting_response"] == true {
+        "asked".to_owned()
+    } else if e["principal"] == true {
+        "principal".to_owned()
+    } else if e["undelivered"] == true {
+        match e["delivery"]["attempts"].as_u64().unwrap_or(0) {
+            0 => "undelivered".to_owned(),
+            n => format!("undelivered ({n} tries)"),
+        }
+    } else if e["response_hash"].is_null() {
+        "no response".to_owned()
+    } else {
+        "delivered".to_owned()
+    };
+    if e["renew"] == true {
+        state.push_str(", renew");
+    }
+    state
+}
+
+/// One host's status: its needs with their state, what it provides, and its entries
+/// when the document carries them.
 pub fn status_table(status: &Value) -> String {
+    let now = fort_core::wire::unix_now();
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "host {}  version {}  up {}s  manifest {}",
-        status["host"].as_str().unwrap_or("?"),
-        status["version"].as_str().unwrap_or("?"),
-        status["uptime_seconds"],
-        status["manifest_sha256"]
-            .as_str()
-            .map_or("-", |h| h.get(..12).unwrap_or(h))
+        "host {}  version {}  up {}  manifest {}",
+        peer_text(&status["host"]),
+        peer_text(&status["version"]),
+        status["uptime_seconds"].as_u64().map_or("?".into(), span),
+        short_hash(status["manifest_sha256"].as_str()),
     );
-    let _ = writeln!(
-        out,
-        "\nNEEDS ({}/{} satisfied)",
-        status["needs"]["satisfied"], status["needs"]["total"]
-    );
-    let _ = writeln!(
-        out,
-        "{:<28} {:<12} {:<10} {:<10} {:<10} {:>8} {:<10} REASON",
-        "NEED", "FROM", "STATE", "SINCE", "EXPIRES", "ATTEMPTS", "NEXT"
-    );
-    for n in status["needs"]["items"].as_array().into_iter().flatten() {
+    let items = status["needs"]["items"].as_array();
+    if items.is_none_or(|i| i.is_empty()) {
+        let _ = writeln!(out, "\nNEEDS: none declared");
+    } else {
         let _ = writeln!(
             out,
-            "{:<28} {:<12} {:<10} {:<10} {:<10} {:>8} {:<10} {}",
-            n["need"].as_str().unwrap_or(""),
-            n["from"].as_str().unwrap_or(""),
-            need_state(n),
-            fmt_age(n["since"].as_u64().or(n["satisfied_at"].as_u64())),
-            fmt_age(n["expires_at"].as_u64()),
-            n["attempts"].as_u64().unwrap_or(0),
-            fmt_age(n["next_request"].as_u64()),
-            n["reason"].as_str().unwrap_or("")
+            "\nNEEDS ({} of {} satisfied)",
+            num(&status["needs"]["satisfied"]),
+            num(&status["needs"]["total"])
         );
+        let mut t = Table::new(&[
+            "NEED",
+            "FROM",
+            "STATE",
+            "SINCE",
+            "EXPIRES",
+            ">ATTEMPTS",
+            "NEXT",
+            "REASON",
+        ]);
+        for n in items.into_iter().flatten() {
+            t.row(vec![
+                peer_text(&n["need"]),
+                peer_text(&n["from"]),
+                printable(need_state(n), 20),
+                relative(n["since"].as_u64().or(n["satisfied_at"].as_u64()), now),
+                relative(n["expires_at"].as_u64(), now),
+                num(&n["attempts"]),
+                due(n["next_request"].as_u64(), now),
+                peer_text(&n["reason"]),
+            ]);
+        }
+        t.render(&mut out);
     }
-    if let Some(caps) = status["provider"]["capabilities"].as_object() {
-        if !caps.is_empty() {
-            let _ = writeln!(out, "\nCAPABILITIES");
+    let caps = status["provider"]["capabilities"].as_object();
+    if let Some(caps) = caps.filter(|c| !c.is_empty()) {
+        let _ = writeln!(out, "\nCAPABILITIES");
+        let mut t = Table::new(&[
+            "CAPABILITY",
+            ">ENTRIES",
+            ">UNDELIVERED",
+            ">RUNS",
+            "LAST RUN",
+        ]);
+        for (name, c) in caps {
+            t.row(vec![
+                printable(name, 64),
+                num(&c["entries"]),
+                num(&c["undelivered"]),
+                num(&c["handler_runs"]),
+                last_run(&c["last_run"], now),
+            ]);
+        }
+        t.render(&mut out);
+    }
+    if let Some(entries) = status["entries"].as_object() {
+        let undelivered = entries
+            .values()
+            .filter(|e| e["undelivered"] == true)
+            .count();
+        if entries.is_empty() {
+            let _ = writeln!(out, "\nENTRIES: none");
+        } else {
             let _ = writeln!(
                 out,
-                "{:<20} {:>8} {:>12} {:>6} LAST RUN",
-                "CAPABILITY", "ENTRIES", "UNDELIVERED", "RUNS"
+                "\nENTRIES ({}, {undelivered} undelivered)",
+                entries.len()
             );
-            for (name, c) in caps {
-                let last = &c["last_run"];
-                let last = if last.is_null() {
-                    "-".to_owned()
-                } else {
-                    format!(
-                        "{} {} {}ms{}",
-                        fmt_age(last["at"].as_u64()),
-                        last["trigger"].as_str().unwrap_or(""),
-                        last["duration_ms"],
-                        last["error"]
-                            .as_str()
-                            .map(|e| format!(" FAILED: {e}"))
-                            .unwrap_or_default()
-                    )
-                };
-                // serde_json::Value ignores width: pad the numbers as numbers.
-                let num = |k: &str| c[k].as_u64().unwrap_or(0);
-                let _ = writeln!(
-                    out,
-                    "{:<20} {:>8} {:>12} {:>6} {}",
-                    name,
-                    num("entries"),
-                    num("undelivered"),
-                    num("handler_runs"),
-                    last
-                );
+            let mut t = Table::new(&[
+                "ENTRY",
+                "RESPONSE",
+                "REQUESTED",
+                "DELIVERED",
+                "STATE",
+                "LAST ERROR",
+            ]);
+            for (key, e) in entries {
+                let d = &e["delivery"];
+                t.row(vec![
+                    printable(key, 200),
+                    short_hash(e["response_hash"].as_str()),
+                    relative(e["requested_at"].as_u64(), now),
+                    relative(d["delivered_at"].as_u64(), now),
+                    entry_state(e, now),
+                    peer_text(&d["last_error"]),
+                ]);
             }
+            t.render(&mut out);
+        }
+    } else if let Some(why) = status["entries_withheld"].as_str() {
+        if caps.is_some_and(|c| !c.is_empty()) {
+            let _ = writeln!(out, "\nENTRIES: not shown: {}", printable(why, 400));
         }
     }
     out

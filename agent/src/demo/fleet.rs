@@ -72,6 +72,7 @@ const AGENT_TOML_EXTRA: &str = r#"handler_timeout = "30s"
 [access]
 journal = ["ops"]
 systemd = ["ops"]
+trigger = ["ops"]
 
 [callbacks]
 backoff = "500ms"
@@ -302,7 +303,11 @@ impl Fleet {
         h.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if self.admin(name, &AdminRequest::Status).await.is_ok() {
+            if self
+                .admin(name, &AdminRequest::Status { entries: false })
+                .await
+                .is_ok()
+            {
                 return Ok(pid);
             }
             let h = self.host_mut(name);
@@ -338,7 +343,10 @@ impl Fleet {
     }
 
     pub async fn status(&self, name: &str) -> anyhow::Result<Value> {
-        Ok(self.admin(name, &AdminRequest::Status).await?["status"].take())
+        Ok(self
+            .admin(name, &AdminRequest::Status { entries: false })
+            .await?["status"]
+            .take())
     }
 
     /// The last lines of every agent's log, for a failure report.

@@ -437,6 +437,12 @@ fn print_commands(fleet: &Fleet, temporary: bool) {
     );
     println!("  {} fleet", sh_quote(&fort));
     println!("  {} status app", sh_quote(&fort));
+    println!("  {} status forge", sh_quote(&fort));
+    println!(
+        "  {} trigger forge oidc --entry app:oidc/wiki --force",
+        sh_quote(&fort)
+    );
+    println!("  {} ask app ssl-cert/api", sh_quote(&fort));
     println!(
         "  {} status --config {}",
         sh_quote(&exe),

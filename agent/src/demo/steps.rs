@@ -150,6 +150,7 @@ pub(super) async fn rotation(fleet: &Fleet) -> anyhow::Result<String> {
             "forge",
             &AdminRequest::Trigger {
                 capability: "ssl-cert".into(),
+                entry: None,
                 force: false,
                 reason: Some("systemd".into()),
             },
@@ -218,11 +219,12 @@ pub(super) async fn rotation(fleet: &Fleet) -> anyhow::Result<String> {
 pub(super) async fn reference(fleet: &Fleet) -> anyhow::Result<String> {
     println!("  app's proxy/wiki request carries {{\"$fort_ref\": \"oidc/wiki#/client_id\"}}: beacon's vhost");
     println!(
-        "  names the wiki's OIDC client. forge issues new OIDC clients (`fort-agent trigger oidc"
+        "  names the wiki's OIDC client. forge issues app's wiki a new client (`fort-agent trigger"
     );
     println!(
-        "  --force`); app gets the new client, restarts wiki.service, and sends proxy/wiki again."
+        "  oidc --entry app:oidc/wiki --force`); app gets it, restarts wiki.service, and sends"
     );
+    println!("  proxy/wiki again.");
     let vhost = fleet.examples_dir("beacon").join("vhosts/app@wiki.conf");
     let client_line = || {
         std::fs::read_to_string(&vhost)
@@ -249,6 +251,7 @@ pub(super) async fn reference(fleet: &Fleet) -> anyhow::Result<String> {
             "forge",
             &AdminRequest::Trigger {
                 capability: "oidc".into(),
+                entry: Some("app:oidc/wiki".into()),
                 force: true,
                 reason: None,
             },

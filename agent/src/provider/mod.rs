@@ -5,6 +5,7 @@ pub mod callbacks;
 pub mod gc;
 mod send;
 pub mod state;
+pub mod trigger;
 mod worker;
 
 use std::collections::HashMap;
@@ -74,6 +75,8 @@ struct Pending {
     trigger: Option<Trigger>,
     callback_all: bool,
     force: bool,
+    /// Entries whose cached response alone is left out of the next run's input.
+    force_entries: std::collections::BTreeSet<String>,
     waiters: Vec<oneshot::Sender<RunRecord>>,
 }
 
@@ -189,6 +192,20 @@ impl Provider {
         callback_all: bool,
         force: bool,
     ) -> oneshot::Receiver<RunRecord> {
+        self.enqueue_forced(app, capability, trigger, callback_all, force, None)
+    }
+
+    /// As [`Provider::enqueue`], and with `force_entry`, that entry's cached response
+    /// is left out of the run's input (the others are passed as usual).
+    pub(crate) fn enqueue_forced(
+        &self,
+        app: &Arc<App>,
+        capability: &str,
+        trigger: Trigger,
+        callback_all: bool,
+        force: bool,
+        force_entry: Option<String>,
+    ) -> oneshot::Receiver<RunRecord> {
         let slot = self.slot(app, capability);
         let (tx, rx) = oneshot::channel();
         {
@@ -200,6 +217,7 @@ impl Provider {
             });
             p.callback_all |= callback_all;
             p.force |= force;
+            p.force_entries.extend(force_entry);
             p.waiters.push(tx);
         }
         slot.wake.notify_one();
@@ -240,6 +258,20 @@ impl Provider {
             }
         });
         out
+    }
+
+    /// Every entry as the status document lists it, by entry key (docs/protocol.md §5a).
+    /// `is_host` tells host origins from principals.
+    pub fn entries(&self, is_host: impl Fn(&str) -> bool) -> serde_json::Map<String, Value> {
+        self.store.read(|entries| {
+            entries
+                .iter()
+                .map(|(key, entry)| {
+                    let principal = !key.split_once(':').is_some_and(|(o, _)| is_host(o));
+                    (key.clone(), entry.view(key, principal))
+                })
+                .collect()
+        })
     }
 
     /// Per capability: entries, undelivered, runs, last run.

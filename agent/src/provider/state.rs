@@ -99,6 +99,35 @@ impl Entry {
     }
 }
 
+impl Entry {
+    /// The entry as the status document lists it (docs/protocol.md §5a): the state file's
+    /// fields with the request and the response replaced by their SHA-256, so that it
+    /// never carries a credential; the delivery error made printable.
+    pub fn view(&self, key: &str, principal: bool) -> Value {
+        let (origin, need) = key.split_once(':').unwrap_or(("", key));
+        let d = &self.delivery;
+        serde_json::json!({
+            "origin": origin,
+            "need": need,
+            "principal": principal,
+            "request_hash": sha256_hex(self.request.get().as_bytes()),
+            "response_hash": self.current_hash(),
+            "created_at": self.created_at,
+            "requested_at": self.requested_at,
+            "absent_since": self.absent_since,
+            "awaiting_response": self.awaiting_response,
+            "renew": self.renew,
+            "undelivered": !principal && self.undelivered(),
+            "delivery": {
+                "delivered_hash": d.delivered_hash,
+                "delivered_at": d.delivered_at,
+                "last_error": d.last_error.as_deref().map(|e| fort_core::text::printable(e, 200)),
+                "attempts": d.attempts,
+            },
+        })
+    }
+}
+
 /// Splits `origin:type/id` into its capability; entries of unknown shape are skipped.
 pub fn capability_of(key: &str) -> Option<&str> {
     let (_, need) = key.split_once(':')?;

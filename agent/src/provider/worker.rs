@@ -113,7 +113,10 @@ impl Worker {
                 .map(|(k, e)| {
                     let item = InputItem {
                         request: e.request.clone(),
-                        response: e.response.clone().filter(|_| pass_cached),
+                        response: e
+                            .response
+                            .clone()
+                            .filter(|_| pass_cached && !pending.force_entries.contains(k)),
                         renew: e.renew,
                         current: e.response.clone(),
                         awaiting: e.awaiting_response,

@@ -21,7 +21,9 @@ pub use hosts::{
 pub use needs::{load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs};
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
-pub const BUILTIN_CAPABILITIES: [&str; 5] = ["status", "manifest", "needs", "journal", "systemd"];
+pub const BUILTIN_CAPABILITIES: [&str; 7] = [
+    "status", "manifest", "needs", "journal", "systemd", "trigger", "ask",
+];
 
 /// A configuration file that cannot be used, with enough context to fix it.
 #[derive(Debug, thiserror::Error)]
