@@ -94,6 +94,13 @@
         # is the file for `fort fleet --expect FILE` (hosts running something else).
         inherit (fleetLib) fleetManifest;
 
+        # A check of the whole fleet's generated files, building no system: each host's
+        # files as its own build checks them, one registry for all, every consumer's
+        # requests against its providers' schemas and callers (fort-agent check --fleet):
+        #   checks.x86_64-linux.fort-fleet = fort.lib.fleetCheck {
+        #     pkgs = nixpkgs.legacyPackages.x86_64-linux; nodes = self.nixosConfigurations; };
+        inherit (fleetLib) fleetCheck;
+
         # Interfaces of the capabilities the example handlers (handlers/examples) serve:
         # oidc, ssl-cert, proxy.
         interfaces = import ./nixos-module/interfaces;

@@ -63,6 +63,56 @@ rec {
     in
     nodes;
 
+  # fleetCheck { pkgs, nodes, package ? <the hosts' fort package> }: a derivation that
+  # checks every fort host's generated files together, building no system: each host's
+  # files as its own build checks them, one registry for all, and every consumer's
+  # requests against each provider's request schemas and callers
+  # (`fort-agent check --fleet`). Its output is the report. In a flake:
+  #   checks.x86_64-linux.fort-fleet = fort.lib.fleetCheck {
+  #     pkgs = nixpkgs.legacyPackages.x86_64-linux; nodes = self.nixosConfigurations; };
+  fleetCheck =
+    {
+      pkgs,
+      nodes,
+      package ? null,
+    }:
+    let
+      fortHosts = lib.filter (c: c.services.fort-agent.enable or false) (
+        lib.attrValues (lib.mapAttrs (_: n: n.config or n) nodes)
+      );
+      fort =
+        if package != null then
+          package
+        else if fortHosts != [ ] then
+          (lib.head fortHosts).services.fort-agent.package
+        else
+          throw "lib.fleetCheck: no host in nodes runs fort (services.fort-agent.enable)";
+      skipHandlers = lib.any (c: c.fort.host.files.skipHandlers) fortHosts;
+      copyHost =
+        c:
+        let
+          name = c.services.fort-agent.hostName;
+          f = c.fort.host.files;
+        in
+        ''
+          mkdir fleet/${name}
+          cp ${f.hosts} fleet/${name}/hosts.json
+          cp ${f.needs} fleet/${name}/needs.json
+          cp ${f.capabilities} fleet/${name}/capabilities.json
+          cp ${f.checkConfig} fleet/${name}/agent.toml
+        '';
+    in
+    pkgs.runCommand "fort-fleet-check"
+      {
+        nativeBuildInputs = [ fort ];
+        preferLocalBuild = true;
+      }
+      ''
+        mkdir fleet
+        ${lib.concatMapStrings copyHost fortHosts}
+        fort-agent check --fleet fleet${lib.optionalString skipHandlers " --skip-handlers"} | tee $out
+      '';
+
   # { <fort host name> = <manifest sha256>; } for every host that runs an agent, from
   # evaluated hosts (`nixosConfigurations`, or a NixOS test's `nodes`): what each
   # agent should report as manifest_sha256 once it runs this configuration. Written out

@@ -41,6 +41,8 @@ rec {
     "needs"
     "journal"
     "systemd"
+    "trigger"
+    "ask"
   ];
 
   # docs/protocol.md §1, anchored by builtins.match.

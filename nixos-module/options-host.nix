@@ -315,6 +315,17 @@ in
         readOnly = true;
         description = "This host as the rest of the fleet sees it (read by lib.mkFleet).";
       };
+      files = mkOption {
+        type = types.attrsOf types.raw;
+        internal = true;
+        readOnly = true;
+        description = ''
+          The generated files as store paths: `hosts`, `needs`, `capabilities`, and
+          `checkConfig` (an agent.toml naming them, for `fort-agent check`), with
+          `skipHandlers` (a handler lies outside the store, so a build cannot check it).
+          Read by the flake's `lib.fleetCheck`.
+        '';
+      };
       manifestSha256 = mkOption {
         type = types.str;
         readOnly = true;

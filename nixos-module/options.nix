@@ -44,6 +44,16 @@ let
     };
   };
 
+  # services.fort-agent.settings.access.<built-in>: principals allowed it.
+  accessList =
+    what:
+    mkOption {
+      type = types.listOf types.str;
+      default = [ ];
+      example = [ "ops" ];
+      description = "Principals (names in `fort.cluster.principals`) allowed ${what}. Hosts never are.";
+    };
+
   settingsOf = description: mkOption {
     type = jsonObject;
     default = { };
@@ -257,7 +267,20 @@ in
     };
 
     settings = mkOption {
-      type = types.submodule { freeformType = settingsFormat.type; };
+      type = types.submodule {
+        freeformType = settingsFormat.type;
+        # Typed, so that they are documented here and checked against the principals.
+        options.access = {
+          journal = accessList "`journal`: a unit's journal (`fort journal HOST UNIT`)";
+          systemd = accessList "`systemd`: a unit's status, restart, start and stop (`fort call HOST systemd`)";
+          trigger = accessList (
+            "`trigger`: run one of this host's capabilities for every entry or one, with or "
+            + "without cached responses (`fort trigger HOST CAP --entry KEY --force`), and `ask`: "
+            + "have this host ask again for one need now (`fort ask HOST NEED`); and to see this "
+            + "host's provider entries in `fort status HOST`"
+          );
+        };
+      };
       default = { };
       example = lib.literalExpression ''
         {

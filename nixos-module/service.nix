@@ -147,6 +147,13 @@ in
         );
 
         fort.host.manifestSha256 = fortLib.manifestSha256 { inherit hostsText needsText capabilitiesText; };
+        fort.host.files = {
+          hosts = hostsFile;
+          needs = needsFile;
+          capabilities = capabilitiesFile;
+          checkConfig = checkConfigFile;
+          skipHandlers = !handlersInStore;
+        };
 
         environment.etc = {
           "fort/hosts.json".source = hostsFile;

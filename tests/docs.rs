@@ -69,3 +69,69 @@ fn every_relative_link_in_the_documents_exists() {
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
+
+#[test]
+fn the_readme_test_command_is_what_ci_runs_and_it_lists_what_was_skipped() {
+    let root = repo();
+    let readme = read(&root.join("README.md"));
+    let ci = read(&root.join(".ci/run"));
+    assert!(
+        readme.lines().any(|l| l.starts_with("scripts/test.sh ")),
+        "README.md does not give scripts/test.sh as its test command"
+    );
+    assert!(
+        ci.lines().any(|l| l.trim() == "scripts/test.sh"),
+        ".ci/run does not run the README's test command"
+    );
+    // The script, with a stand-in cargo that runs one test which skips a part of itself.
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let cargo = bin.join("cargo");
+    std::fs::write(
+        &cargo,
+        "#!/bin/sh\necho \"$*\" > \"$FORT_SKIPPED.args\"\necho 'some_test: nixpkgs lib not found; set NIXPKGS_LIB=/path' >> \"$FORT_SKIPPED\"\nexit 3\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&cargo, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let skipped = dir.path().join("skipped.txt");
+    let run = |args: &[&str]| {
+        std::process::Command::new(root.join("scripts/test.sh"))
+            .args(args)
+            .env(
+                "PATH",
+                format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+            )
+            .env("FORT_SKIPPED", &skipped)
+            .env_remove("NIXPKGS_LIB")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["-E", "test(x)"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "the tests' status is the script's"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("skipped.txt.args")).unwrap(),
+        "nextest run --workspace --locked -E test(x)\n"
+    );
+    assert!(
+        stdout.contains("Skipped: 1 part(s) of tests did not run here")
+            && stdout.contains("  SKIP some_test: nixpkgs lib not found; set NIXPKGS_LIB=/path")
+            && stdout.contains("NIXPKGS_LIB is not set"),
+        "{stdout}"
+    );
+    // Nothing skipped: it says so.
+    std::fs::write(&cargo, "#!/bin/sh\nexit 0\n").unwrap();
+    let out = run(&[]);
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("Skipped: none"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

@@ -80,16 +80,20 @@ fn lane_units_are_what_the_module_renders() {
 #[test]
 fn module_generates_the_expected_files_and_they_pass_check() {
     let out_dir = tempfile::tempdir().unwrap();
+    // The demo fleet as NixOS configuration (examples/demo-fleet).
+    let example_dir = tempfile::tempdir().unwrap();
     let Some((passed, text)) = run_script(
         "module_generates_the_expected_files_and_they_pass_check",
         "run.sh",
         |cmd| {
             cmd.env("OUT_DIR", out_dir.path());
+            cmd.env("EXAMPLE_OUT_DIR", example_dir.path());
         },
     ) else {
         return;
     };
     assert!(passed, "module evaluation failed:\n{text}");
+    let example = example_dir.path();
     let mut checked = 0;
     for host in std::fs::read_dir(out_dir.path()).unwrap() {
         let host = host.unwrap().path();
@@ -111,6 +115,61 @@ fn module_generates_the_expected_files_and_they_pass_check() {
         checked += 1;
     }
     assert_eq!(checked, 3, "three hosts generated");
+    // The whole fleet at once, as lib.fleetCheck runs it: each host, one registry, and
+    // every consumer against its providers' schemas and callers.
+    let fleet_check = |dir: &Path| {
+        let out = Command::new(fort_tests::bin("fort-agent"))
+            .args(["check", "--skip-handlers", "--fleet"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = fleet_check(out_dir.path());
+    assert!(ok, "{err}");
+    for pair in ["app → forge: ok", "app → beacon: ok", "beacon → forge: ok"] {
+        assert!(out.contains(pair), "{out}");
+    }
+    assert!(
+        out.ends_with("ok: 3 hosts, 3 consumer → provider pairs checked\n"),
+        "{out}"
+    );
+    // The demo fleet as NixOS configuration passes the same.
+    let (ok, out, err) = fleet_check(example);
+    assert!(ok, "examples/demo-fleet: {err}");
+    assert!(
+        out.contains("app → forge: ok: 4 requests fit forge's request schemas"),
+        "{out}"
+    );
+    assert!(out.contains("app → beacon: ok: 1 request fit"), "{out}");
+    // What the cross-host check catches that no single host's check can: a provider
+    // whose callers lack a consumer's need, and a request its schema refuses.
+    let forge_caps = example.join("forge/capabilities.json");
+    let caps = std::fs::read_to_string(&forge_caps).unwrap();
+    let mut v: Value = serde_json::from_str(&caps).unwrap();
+    v["oidc"]["callers"] = serde_json::json!({});
+    std::fs::write(&forge_caps, serde_json::to_vec(&v).unwrap()).unwrap();
+    let app_needs = example.join("app/needs.json");
+    let needs = std::fs::read_to_string(&app_needs).unwrap();
+    std::fs::write(
+        &app_needs,
+        needs.replacen("\"lifetime_seconds\":15", "\"lifetime_seconds\":5", 1),
+    )
+    .unwrap();
+    let (ok, _, err) = fleet_check(example);
+    assert!(!ok);
+    assert!(
+        err.contains("oidc/wiki: app is not among the callers of oidc for id wiki"),
+        "{err}"
+    );
+    assert!(
+        err.contains("ssl-cert/short: request at /lifetime_seconds"),
+        "{err}"
+    );
     // And check refuses a typo in a generated file.
     let forge = out_dir.path().join("forge");
     let caps = std::fs::read_to_string(forge.join("capabilities.json")).unwrap();

@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent ask oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent ask oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -64,6 +64,13 @@ enum Command {
         /// The consumer's host name: each need id must be among the callers (with --needs).
         #[arg(long, value_name = "HOST", requires = "needs")]
         consumer: Option<String>,
+        /// Instead of a config: a whole fleet's files, DIR/<host>/{agent.toml,hosts.json,
+        /// needs.json,capabilities.json} (the NixOS module's lib.fleetCheck builds it).
+        /// Each host is checked as its own build checks it (without its key), every
+        /// host must carry the same hosts.json, and every consumer's requests are held
+        /// against each provider's request schemas and callers.
+        #[arg(long, value_name = "DIR", conflicts_with_all = ["needs", "skip_key"])]
+        fleet: Option<PathBuf>,
     },
     /// Show this host's needs, capabilities and provider entries (from the running agent).
     Status {
@@ -278,6 +285,20 @@ async fn agent_main() -> ExitCode {
                 }
             }
         }
+        Command::Check {
+            fleet: Some(dir),
+            skip_handlers,
+            ..
+        } => match fort_agent::check_fleet::check_fleet(&dir, skip_handlers) {
+            Ok(summary) => {
+                println!("{summary}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fort-agent check: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Check {
             needs: Some(needs),
             capabilities: Some(capabilities),

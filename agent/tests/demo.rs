@@ -128,3 +128,71 @@ fn every_command_the_demo_prints_works() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The demo fleet shipped as NixOS configuration (examples/demo-fleet) evaluates, and
+/// asks for exactly what the demo asks for: the same needs from the same hosts with the
+/// same requests, plus only the interfaces' defaults the module fills in.
+#[test]
+fn the_demo_fleet_as_nixos_configuration_asks_what_the_demo_asks() {
+    const TEST: &str = "the_demo_fleet_as_nixos_configuration_asks_what_the_demo_asks";
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("bash")
+        .arg(repo.join("nixos-module/tests/example.sh"))
+        .output()
+        .expect("run bash");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(77) {
+        let why = stdout.trim().lines().last().unwrap_or("skipped");
+        skip(TEST, why.strip_prefix("SKIP: ").unwrap_or(why));
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "examples/demo-fleet does not evaluate:\n{stderr}"
+    );
+    let example: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let demo = fort_agent::demo::requests();
+    let schemas: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(repo.join("nixos-module/tests/expected/schemas.json")).unwrap(),
+    )
+    .unwrap();
+    let hosts = |v: &serde_json::Value| {
+        v.as_object()
+            .unwrap()
+            .iter()
+            .filter(|(_, needs)| !needs.as_object().unwrap().is_empty())
+            .map(|(h, _)| h.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(hosts(&example), hosts(&demo), "hosts with needs");
+    for (host, needs) in demo.as_object().unwrap() {
+        let shipped = example[host].as_object().unwrap();
+        let mut keys: Vec<&String> = shipped.keys().collect();
+        keys.sort();
+        let mut want: Vec<&String> = needs.as_object().unwrap().keys().collect();
+        want.sort();
+        assert_eq!(keys, want, "{host}'s needs");
+        for (need, request) in needs.as_object().unwrap() {
+            let got = shipped[need].as_object().unwrap();
+            let cap = need.split('/').next().unwrap();
+            for (field, value) in got {
+                match request.get(field) {
+                    Some(v) => assert_eq!(value, v, "{host} {need} {field}"),
+                    // Filled in by the module: the interface's default, nothing else.
+                    None => assert_eq!(
+                        Some(value),
+                        schemas["schemas"][cap]["properties"][field].get("default"),
+                        "{host} {need}: {field} is not in the demo's request"
+                    ),
+                }
+            }
+            for field in request.as_object().unwrap().keys() {
+                assert!(
+                    got.contains_key(field),
+                    "{host} {need}: {field} is not shipped"
+                );
+            }
+        }
+    }
+}

@@ -16,6 +16,17 @@ in
       example = "http://10.0.0.7:3000";
       description = "Where requests are forwarded.";
     };
+    sign_in_client = mkOption {
+      type = types.nullOr (types.strMatching "[A-Za-z0-9._-]{1,128}");
+      default = null;
+      example = lib.literalExpression ''config.fort.lib.ref "oidc/wiki" "/client_id"'';
+      description = ''
+        The OIDC client users sign in through before they reach the upstream, usually a
+        reference to the consumer's own `oidc` need's `client_id`, resolved by its agent
+        before sending (and sent again when it changes). `null`: no sign-in. (The
+        example handler names it in the virtual host.)
+      '';
+    };
     certificate = mkOption {
       type = types.nullOr types.str;
       default = null;

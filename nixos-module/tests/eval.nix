@@ -9,6 +9,8 @@
 #   warning is emitted.
 # mode = "flake": the same, but through flake.nix's lib.mkFleet, with a nixpkgs whose
 #   nixosSystem is the stubbed evaluation (so the flake's wiring is tested too).
+# mode = "example": the demo fleet shipped as NixOS configuration
+#   (examples/demo-fleet/fleet.nix) through flake.nix's lib.mkFleet, as "fleet" renders.
 # mode = "lib": the flake's lib without any host: the example interfaces rendered as
 #   Markdown and as JSON Schema, a schema covering every mapped option type, and refs.
 # mode = "broken", case = ./broken/<name>.nix: { expect; messages.<host> = [ failed
@@ -74,6 +76,11 @@ let
   renderFleet = nodes: {
     hosts = lib.mapAttrs render nodes;
     manifest = fleetLib.fleetManifest nodes;
+    # What lib.fleetCheck would build and run.
+    fleetCheck = (fleetLib.fleetCheck {
+      inherit (stubs) pkgs;
+      inherit nodes;
+    }).buildCommand;
   };
 
   good = import ./fleet.nix { };
@@ -88,6 +95,14 @@ let
       outputs = (import ../../flake.nix).outputs { self = outputs; inherit nixpkgs; };
     in
     outputs;
+
+  # The fort flake as a consumer's flake sees it: its lib, and its source as outPath
+  # (a path: read in place, never copied to the store).
+  example = import ../../examples/demo-fleet/fleet.nix {
+    fort = flake // {
+      outPath = ../..;
+    };
+  };
 
   # No host is evaluated here: interfaces are rendered from their modules alone.
   libOutputs = {
@@ -155,6 +170,8 @@ if mode == "fleet" then
   renderFleet (mkFleet good)
 else if mode == "flake" then
   renderFleet (flake.lib.mkFleet good)
+else if mode == "example" then
+  renderFleet (flake.lib.mkFleet example)
 else if mode == "lib" then
   libOutputs
 else if mode == "broken" then

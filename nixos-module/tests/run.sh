@@ -11,6 +11,7 @@
 # NIXPKGS_LIB: a nixpkgs checkout (the directory holding lib/) or its lib/ itself.
 # OUT_DIR:     if set, also write <host>/{hosts,needs,capabilities}.json (the bytes
 #              installed), <host>/agent.toml naming them, and manifest.json.
+# EXAMPLE_OUT_DIR: the same for examples/demo-fleet (without manifest.json).
 # UPDATE_EXPECTED=1: rewrite tests/expected from the current output (then read the diff).
 #
 # Exit status: 0 pass, 1 failure, 77 skipped (no nixpkgs lib, nix-instantiate or jq).
@@ -145,20 +146,48 @@ toml='
   def tables($prefix): to_entries[] | select((.value | type) == "object")
     | ($prefix + (.key | key)) as $p | "", "[\($p)]", (.value | scalars), (.value | tables($p + "."));
   scalars, tables("")'
-if [ -n "${OUT_DIR:-}" ]; then
-  for host in $hosts; do
-    dir=$(mkdir -p "$OUT_DIR/$host" && cd "$OUT_DIR/$host" && pwd)
+# write_hosts FLEET_JSON DIR: DIR/<host>/ for every host of an evaluated fleet.
+write_hosts() {
+  local host dir f
+  for host in $(jq -r '.hosts | keys[]' "$1"); do
+    dir=$(mkdir -p "$2/$host" && cd "$2/$host" && pwd)
     for f in hosts needs capabilities; do
-      jq -j --arg h "$host" --arg f "$f" '.hosts[$h].texts[$f]' "$work/fleet.json" >"$dir/$f.json"
+      jq -j --arg h "$host" --arg f "$f" '.hosts[$h].texts[$f]' "$1" >"$dir/$f.json"
     done
     jq -r --arg h "$host" --arg d "$dir" '.hosts[$h].agent
       | .hosts = "\($d)/hosts.json" | .needs = "\($d)/needs.json"
       | .capabilities = "\($d)/capabilities.json" | .host_key = "\($d)/host_key"
       | .state_dir = "\($d)/state" | .admin_socket = "\($d)/agent.sock"
-      | '"$toml" "$work/fleet.json" >"$dir/agent.toml"
+      | '"$toml" "$1" >"$dir/agent.toml"
   done
+}
+if [ -n "${OUT_DIR:-}" ]; then
+  write_hosts "$work/fleet.json" "$OUT_DIR"
   jq -S .manifest "$work/fleet.json" >"$OUT_DIR/manifest.json"
   echo "ok   wrote $(echo $hosts | wc -w) hosts' files and manifest.json to $OUT_DIR"
+fi
+
+# lib.fleetCheck: one `fort-agent check --fleet` over every host's files, as built.
+missing=$(jq -r '.fleetCheck as $c | (.hosts | keys[]) as $h
+  | ["mkdir fleet/\($h)", "fleet/\($h)/needs.json", "fleet/\($h)/agent.toml"][]
+  | select(. as $w | $c | contains($w) | not)' "$work/fleet.json")
+if [ -n "$missing" ] || ! jq -e '.fleetCheck | contains("fort-agent check --fleet fleet")' "$work/fleet.json" >/dev/null; then
+  fail "lib.fleetCheck does not copy every host's files and run fort-agent check --fleet:${missing:+ lacks $missing}"
+else
+  echo "ok   lib.fleetCheck runs fort-agent check --fleet over every host's files"
+fi
+
+# ------------------------------------------- the demo fleet as NixOS configuration
+# examples/demo-fleet: what `fort-agent demo` runs, through flake.nix's lib.mkFleet; no
+# assertion may fail and no warning show. EXAMPLE_OUT_DIR/<host>/ gets its files for
+# `fort-agent check --fleet` (tests/nixos_module.rs); example.sh prints its requests.
+if ! evaluate --argstr mode example >"$work/example.json" 2>"$work/example.err"; then
+  cat "$work/example.err"
+  fail "examples/demo-fleet does not evaluate"
+else
+  echo "ok   examples/demo-fleet evaluates: $(jq -r '.hosts | keys | join(", ")' "$work/example.json")"
+  [ -z "${EXAMPLE_OUT_DIR:-}" ] || write_hosts "$work/example.json" "$EXAMPLE_OUT_DIR"
+
 fi
 
 # ------------------------------------------------------------ broken fleets

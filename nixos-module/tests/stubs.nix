@@ -69,6 +69,7 @@ in
     gnugrep = drv "gnugrep-3.11" { };
     gnused = drv "gnused-4.9" { };
     jq = drv "jq-1.7.1" { };
+    openssl = drv "openssl-3.4.0" { };
     systemd = drv "systemd-257" { };
     fort = drv "fort-0.1.0" { };
     callPackage = _: _: fort;

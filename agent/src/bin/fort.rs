@@ -50,8 +50,8 @@ enum Command {
     Call {
         /// A host in hosts.json.
         host: String,
-        /// The capability to call: a built-in (status, manifest, needs, journal, systemd)
-        /// or one the host serves.
+        /// The capability to call: a built-in (status, manifest, needs, journal, systemd,
+        /// trigger, ask) or one the host serves.
         capability: String,
         /// The JSON request body; `-` reads it from stdin. Default: `{}`.
         body: Option<String>,

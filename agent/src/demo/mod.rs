@@ -89,7 +89,7 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
             ..need(
                 "oidc/wiki",
                 "forge",
-                json!({"client_name": "wiki", "redirect_uri": format!("https://{WIKI_DOMAIN}/oauth/callback")}),
+                json!({"client_name": "wiki", "redirect_uris": [format!("https://{WIKI_DOMAIN}/oauth/callback")]}),
             )
         },
         NeedDecl {
@@ -128,6 +128,21 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
         },
     ];
     (caps, needs)
+}
+
+/// What each demo host asks for: `{<consumer>: {<need>: <request>}}`, as written to its
+/// needs.json. examples/demo-fleet declares the same fleet for NixOS; a test holds the
+/// two together, and these requests against the shipped interfaces.
+pub fn requests() -> Value {
+    let (_, needs) = declarations();
+    let mut out = serde_json::Map::new();
+    for n in needs {
+        let host = out
+            .entry(n.consumer.to_owned())
+            .or_insert_with(|| json!({}));
+        host[n.key] = n.request;
+    }
+    Value::Object(out)
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
@@ -479,4 +494,41 @@ fn print_commands(fleet: &Fleet, temporary: bool) {
             ""
         }
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use fort_core::schema::RequestSchema;
+    use serde_json::Value;
+
+    /// Every request the demo sends fits the request schema its capability's shipped
+    /// interface becomes (nixos-module/interfaces, rendered into the module tests'
+    /// expected schemas.json, which the module evaluation test keeps current), so the
+    /// demo's scenario also evaluates as NixOS configuration.
+    #[test]
+    fn the_demo_asks_what_the_shipped_interfaces_accept() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../nixos-module/tests/expected/schemas.json"
+        );
+        let schemas: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let mut checked = 0;
+        for (host, needs) in super::requests().as_object().unwrap() {
+            for (need, request) in needs.as_object().unwrap() {
+                let cap = need.split('/').next().unwrap();
+                let schema = RequestSchema::compile(schemas["schemas"][cap].clone())
+                    .unwrap_or_else(|e| panic!("no schema for {cap}: {e}"));
+                // A reference is resolved before sending; the resolved value is checked
+                // by the provider. Here it stands for a value the schema accepts.
+                let mut resolved = request.clone();
+                if let Some(map) = resolved.as_object_mut() {
+                    map.retain(|_, v| !v.get("$fort_ref").is_some_and(Value::is_string));
+                }
+                let problems = schema.violations(&resolved);
+                assert!(problems.is_empty(), "{host} {need}: {problems:?}");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 5);
+    }
 }

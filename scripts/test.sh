@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every test of the workspace (cargo nextest run --workspace --locked, plus any arguments
+# given here), then what did not run and why. A test that cannot reach what it needs (a
+# server, a tool, the nixpkgs lib) passes the rest of itself and writes the part it
+# skipped to target/fort-skipped.txt; without this list such a run looks complete.
+#
+#   scripts/test.sh                      # everything
+#   scripts/test.sh -E 'test(rotate)'    # a filter, as nextest takes it
+#
+# Exit status: nextest's. The README gives this command and .ci/run runs it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# Where tests write what they skipped (tests/src/lib.rs, fort_tests::skip).
+export FORT_SKIPPED=${FORT_SKIPPED:-$PWD/target/fort-skipped.txt}
+skipped=$FORT_SKIPPED
+mkdir -p "$(dirname "$skipped")"
+rm -f "$skipped"
+cargo nextest run --workspace --locked "$@"
+status=$?
+
+echo
+if [ -s "$skipped" ]; then
+  echo "Skipped: $(sort -u "$skipped" | wc -l) part(s) of tests did not run here (the rest of each test passed):"
+  sort -u "$skipped" | sed 's/^/  SKIP /'
+  if [ -z "${NIXPKGS_LIB:-}" ]; then
+    echo "  (NIXPKGS_LIB is not set: the NixOS module tests need a nixpkgs checkout, e.g."
+    echo "   git clone --depth 1 https://github.com/nix-community/nixpkgs.lib ../nixpkgs-lib &&"
+    echo "   NIXPKGS_LIB=../nixpkgs-lib scripts/test.sh)"
+  fi
+else
+  echo "Skipped: none (every test ran in full)"
+fi
+exit "$status"
