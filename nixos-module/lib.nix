@@ -42,7 +42,7 @@ rec {
     "journal"
     "systemd"
     "trigger"
-    "ask"
+    "resend"
   ];
 
   # docs/protocol.md §1, anchored by builtins.match.

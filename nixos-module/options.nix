@@ -275,8 +275,8 @@ in
           systemd = accessList "`systemd`: a unit's status, restart, start and stop (`fort call HOST systemd`)";
           trigger = accessList (
             "`trigger`: run one of this host's capabilities for every entry or one, with or "
-            + "without cached responses (`fort trigger HOST CAP --entry KEY --force`), and `ask`: "
-            + "have this host ask again for one need now (`fort ask HOST NEED`); and to see this "
+            + "without cached responses (`fort trigger HOST CAP --entry KEY --force`), and `resend`: "
+            + "have this host send one need's request again now (`fort resend HOST NEED`); and to see this "
             + "host's provider entries in `fort status HOST`"
           );
         };

@@ -37,8 +37,8 @@ pub enum AdminRequest {
         #[serde(default)]
         reason: Option<String>,
     },
-    /// Ask the need's provider again now.
-    Ask {
+    /// Send the need's request to its provider again now.
+    Resend {
         need: String,
     },
     Gc {
@@ -149,12 +149,12 @@ async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
             };
             json!({"ok": true, "status": crate::builtins::status(app, entries)})
         }
-        AdminRequest::Ask { need } => {
+        AdminRequest::Resend { need } => {
             let Some(key) = fort_core::names::NeedKey::parse(&need) else {
                 return json!({"ok": false, "error": format!("{need:?} is not a need key <type>/<id>")});
             };
             match app.fulfiller.ask_now(&key) {
-                Some(row) => json!({"ok": true, "ask": crate::rotate::ask_reply(&row)}),
+                Some(row) => json!({"ok": true, "resend": crate::rotate::resend_reply(&row)}),
                 None => {
                     json!({"ok": false, "error": format!("{} declares no need {key}", app.config.host)})
                 }

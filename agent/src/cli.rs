@@ -22,7 +22,7 @@ pub use fleet::{
     FleetRow, ManifestCheck, ManifestState,
 };
 pub use graph::fleet_graph;
-pub use ops::{ask_text, gc_text, journal_lines, trigger_text};
+pub use ops::{gc_text, journal_lines, resend_text, trigger_text};
 pub use table::status_table;
 
 /// Where to find the registry and who to sign as.
@@ -206,7 +206,14 @@ pub fn judge(
         serde_json::from_slice::<Value>(&reply.body)
             .ok()
             .and_then(|v| serde_json::to_string_pretty(&v).ok())
-            .unwrap_or_else(|| String::from_utf8_lossy(&reply.body).into_owned())
+            // Not JSON: on a terminal, each line made printable (it came from a peer).
+            .unwrap_or_else(|| {
+                String::from_utf8_lossy(&reply.body)
+                    .lines()
+                    .map(|l| printable(l, 64 * 1024))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
     } else {
         String::from_utf8_lossy(&reply.body).into_owned()
     };

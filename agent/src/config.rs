@@ -104,7 +104,7 @@ pub struct Config {
     /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
     #[serde(default, deserialize_with = "addr::metrics_listen")]
     pub metrics_listen: Option<SocketAddr>,
-    /// Who may call the operator built-ins (`journal`, `systemd`, `trigger`, `ask`).
+    /// Who may call the operator built-ins (`journal`, `systemd`, `trigger`, `resend`).
     #[serde(default)]
     pub access: Access,
     /// Provider garbage collection.
@@ -128,7 +128,7 @@ pub struct Access {
     #[serde(default)]
     pub systemd: Vec<String>,
     /// Principals allowed `trigger` (run a capability's handler, for one entry or all)
-    /// and `ask` (have this host ask again for one need), and to see the provider's
+    /// and `resend` (have this host send one need's request again), and to see the provider's
     /// entries in `status`. Unset: nobody.
     #[serde(default)]
     pub trigger: Vec<String>,

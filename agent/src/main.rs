@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent ask oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent resend oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -104,8 +104,8 @@ enum Command {
         #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
     },
-    /// Ask one need's provider again now, whatever the need's state.
-    Ask {
+    /// Send one need's request to its provider again now, whatever the need's state.
+    Resend {
         /// A need this host declares, `<type>/<id>`.
         need: String,
         /// Print the agent's reply as JSON.
@@ -373,12 +373,12 @@ async fn agent_main() -> ExitCode {
                 fort_agent::cli::trigger_text(&host, &v["trigger"])
             })
         }
-        Command::Ask { need, json, config } => {
+        Command::Resend { need, json, config } => {
             let host = host_of(&config);
             print_admin(
-                admin_call(&config, AdminRequest::Ask { need }).await,
+                admin_call(&config, AdminRequest::Resend { need }).await,
                 json,
-                |v| fort_agent::cli::ask_text(&host, &v["ask"]),
+                |v| fort_agent::cli::resend_text(&host, &v["resend"]),
             )
         }
         Command::Gc {

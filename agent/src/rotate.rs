@@ -1,6 +1,6 @@
-//! `POST /agent/capabilities/trigger` and `/agent/capabilities/ask`, principals in
+//! `POST /agent/capabilities/trigger` and `/agent/capabilities/resend`, principals in
 //! `[access] trigger` only (docs/protocol.md §5a): rotate one entry at a provider, or have
-//! a consumer ask again for one need, from an operator's workstation.
+//! a consumer send one need's request again, from an operator's workstation.
 
 use std::sync::Arc;
 
@@ -68,7 +68,7 @@ pub async fn trigger(app: &Arc<App>, caller: &Caller, params: &Value) -> Result<
 }
 
 /// Plans the need's request at once and answers with its state now.
-pub fn ask(app: &Arc<App>, caller: &Caller, params: &Value) -> Result<Reply, ApiError> {
+pub fn resend(app: &Arc<App>, caller: &Caller, params: &Value) -> Result<Reply, ApiError> {
     let body: AskBody = parse(params, r#"{"need": "<type>/<id>"}"#)?;
     let key = NeedKey::parse(&body.need)
         .ok_or_else(|| ApiError::BadRequest("need is not a need key <type>/<id>".into()))?;
@@ -78,12 +78,12 @@ pub fn ask(app: &Arc<App>, caller: &Caller, params: &Value) -> Result<Reply, Api
             app.config.host
         )));
     };
-    tracing::info!(origin = %caller.origin, need = %key, "ask requested");
-    Ok(Reply::json(StatusCode::OK, &ask_reply(&row)))
+    tracing::info!(origin = %caller.origin, need = %key, "resend requested");
+    Ok(Reply::json(StatusCode::OK, &resend_reply(&row)))
 }
 
-/// The `ask` reply: the need as it stands once its request is planned.
-pub fn ask_reply(row: &fort_fulfill::NeedStatus) -> Value {
+/// The `resend` reply: the need as it stands once its request is planned.
+pub fn resend_reply(row: &fort_fulfill::NeedStatus) -> Value {
     json!({
         "need": row.need,
         "from": row.from,

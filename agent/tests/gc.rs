@@ -315,7 +315,7 @@ async fn a_sweep_during_100_requests_loses_none_and_resurrects_nothing() {
     let config = f.config_path("p");
     let sweeper = tokio::task::spawn_blocking(move || {
         std::process::Command::new(fort_tests::bin("fort-agent"))
-            .args(["gc", "--config"])
+            .args(["gc", "--json", "--config"])
             .arg(config)
             .output()
             .unwrap()

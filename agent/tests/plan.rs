@@ -534,5 +534,9 @@ async fn files_a_reload_would_refuse_are_refused_and_nothing_changes() {
     f.kill("c");
     let (ok, _, err) = run_plan(&f, "c", &[]);
     assert!(!ok);
-    assert!(err.contains("is fort-agent running?"), "{err}");
+    assert!(
+        err.contains("nothing answers on the admin socket")
+            && err.contains("fort-agent is not running"),
+        "{err}"
+    );
 }

@@ -2,7 +2,7 @@
 //! entry listed (over the admin socket and by `fort status`, hashes and never payloads,
 //! with the last delivery's error), one entry rotated while the others keep their
 //! responses (`fort trigger --entry --force`, `fort-agent trigger --entry`), and a
-//! consumer asked to ask again (`fort ask`, `fort-agent ask`). Who may do it: principals
+//! consumer asked to ask again (`fort resend`, `fort-agent resend`). Who may do it: principals
 //! in `[access] trigger`; others are told which setting grants it.
 
 use std::path::PathBuf;
@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 /// Provider `p` serves `cred` (cacheResponse): each entry without a response gets a new
 /// random secret. Consumers `c1` (cred/a, cred/b) and `c2` (cred/x) store every payload
-/// they receive in `<fleet>/store/<host>-<type>_<id>`. `ops` may trigger and ask;
+/// they receive in `<fleet>/store/<host>-<type>_<id>`. `ops` may trigger and resend;
 /// `viewer` is a principal without that access.
 fn fleet() -> Fleet {
     let mut f = Fleet::new();
@@ -388,7 +388,7 @@ async fn a_consumer_asked_to_ask_again() {
     // Unix seconds: let a second pass so a new request is told from the first.
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
-    let (code, out, err) = f.fort("ops", "c1", &["ask", "c1", "cred/a"]);
+    let (code, out, err) = f.fort("ops", "c1", &["resend", "c1", "cred/a"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, "c1 asks p for cred/a again now (state satisfied)\n");
     // c1 sent its request again, p answered it, c1 applied the same secret once more.
@@ -420,11 +420,11 @@ async fn a_consumer_asked_to_ask_again() {
     );
 
     // Locally, and as JSON.
-    let (ok, out) = f.admin("c1", &["ask", "cred/b", "--json"]);
+    let (ok, out) = f.admin("c1", &["resend", "cred/b", "--json"]);
     assert!(ok, "{out}");
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
-        v["ask"],
+        v["resend"],
         json!({"need": "cred/b", "from": "p", "state": "satisfied", "reason": null})
     );
     assert!(
@@ -434,24 +434,24 @@ async fn a_consumer_asked_to_ask_again() {
     );
 
     // Refusals.
-    let (code, _, err) = f.fort("ops", "c1", &["ask", "c1", "cred/nope"]);
+    let (code, _, err) = f.fort("ops", "c1", &["resend", "c1", "cred/nope"]);
     assert_eq!(code, 1);
     assert!(err.contains("c1 declares no need cred/nope"), "{err}");
-    let (code, _, err) = f.fort("viewer", "c1", &["ask", "c1", "cred/a"]);
+    let (code, _, err) = f.fort("viewer", "c1", &["resend", "c1", "cred/a"]);
     assert_eq!(code, 2);
     assert!(
-        err.contains("viewer may not call ask on c1: add \"viewer\" to [access] trigger"),
+        err.contains("viewer may not call resend on c1: add \"viewer\" to [access] trigger"),
         "{err}"
     );
     let r = f
         .post(
             "p",
             "c1",
-            "/agent/capabilities/ask",
+            "/agent/capabilities/resend",
             &json!({"need": "cred/a"}),
         )
         .await;
-    assert_eq!(r.status, 403, "hosts never ask");
-    let (ok, _) = f.admin("c1", &["ask", "cred/nope"]);
+    assert_eq!(r.status, 403, "hosts never resend");
+    let (ok, _) = f.admin("c1", &["resend", "cred/nope"]);
     assert!(!ok);
 }

@@ -1,4 +1,4 @@
-//! An operator's "ask again now" for one need (`fort-agent ask`, the `ask` built-in,
+//! An operator's "ask again now" for one need (`fort-agent resend`, the `resend` built-in,
 //! docs/protocol.md §5a).
 
 use std::time::Duration;

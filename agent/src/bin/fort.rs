@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use fort_agent::cli::{
-    ask_text, fleet, fleet_graph, fleet_json, fleet_table, journal_lines, judge, load_expected,
-    pins, status_table, trigger_text, Identity, Session, EXIT_FAIL,
+    fleet, fleet_graph, fleet_json, fleet_table, journal_lines, judge, load_expected, pins,
+    resend_text, status_table, trigger_text, Identity, Session, EXIT_FAIL,
 };
 
 #[derive(Parser)]
@@ -17,7 +17,7 @@ use fort_agent::cli::{
     about = "Operator CLI for a fort fleet: signed calls to any host"
 )]
 #[command(
-    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort ask app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
+    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort resend app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
 )]
 struct Cli {
     /// Private key to sign with (unencrypted OpenSSH ed25519). Default:
@@ -51,7 +51,7 @@ enum Command {
         /// A host in hosts.json.
         host: String,
         /// The capability to call: a built-in (status, manifest, needs, journal, systemd,
-        /// trigger, ask) or one the host serves.
+        /// trigger, resend) or one the host serves.
         capability: String,
         /// The JSON request body; `-` reads it from stdin. Default: `{}`.
         body: Option<String>,
@@ -83,9 +83,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Have a consumer ask its provider again for one need now, whatever its state (the
-    /// principal must be in the host's [access] trigger).
-    Ask {
+    /// Have a consumer send one need's request to its provider again now, whatever its
+    /// state (the principal must be in the host's [access] trigger).
+    Resend {
         /// The consumer: a host in hosts.json.
         host: String,
         /// One of its needs, `<type>/<id>` (`fort status HOST` lists them).
@@ -252,10 +252,10 @@ async fn main() -> ExitCode {
             let render = if json { Render::Json } else { Render::Trigger };
             (host, "trigger".to_owned(), p.to_string(), render)
         }
-        Command::Ask { host, need, json } => {
-            let render = if json { Render::Json } else { Render::Ask };
+        Command::Resend { host, need, json } => {
+            let render = if json { Render::Json } else { Render::Resend };
             let p = serde_json::json!({ "need": need });
-            (host, "ask".to_owned(), p.to_string(), render)
+            (host, "resend".to_owned(), p.to_string(), render)
         }
         Command::Journal {
             host,
@@ -292,7 +292,7 @@ async fn main() -> ExitCode {
     let text = match (code, &render, &parsed) {
         (0, Render::Status, Some(v)) => Some(status_table(v)),
         (0, Render::Trigger, Some(v)) => Some(trigger_text(&host, v)),
-        (0, Render::Ask, Some(v)) => Some(ask_text(&host, v)),
+        (0, Render::Resend, Some(v)) => Some(resend_text(&host, v)),
         (0, Render::Journal, Some(v)) => journal_lines(v),
         _ => None,
     };
@@ -333,6 +333,6 @@ enum Render {
     Json,
     Status,
     Trigger,
-    Ask,
+    Resend,
     Journal,
 }

@@ -1,5 +1,5 @@
 //! Capabilities every agent serves itself (§5a): `status`, `manifest` and `needs` to every
-//! known caller; `journal`, `systemd`, `trigger` and `ask` only to the principals listed
+//! known caller; `journal`, `systemd`, `trigger` and `resend` only to the principals listed
 //! in `[access]`.
 
 use std::sync::Arc;
@@ -32,7 +32,7 @@ pub enum Builtin {
     Journal,
     Systemd,
     Trigger,
-    Ask,
+    Resend,
 }
 
 impl Builtin {
@@ -44,7 +44,7 @@ impl Builtin {
             "journal" => Builtin::Journal,
             "systemd" => Builtin::Systemd,
             "trigger" => Builtin::Trigger,
-            "ask" => Builtin::Ask,
+            "resend" => Builtin::Resend,
             _ => return None,
         })
     }
@@ -60,11 +60,11 @@ pub async fn handle(
     let operator_list = match which {
         Builtin::Journal => Some((&access.journal, "journal")),
         Builtin::Systemd => Some((&access.systemd, "systemd")),
-        Builtin::Trigger | Builtin::Ask => Some((&access.trigger, "trigger")),
+        Builtin::Trigger | Builtin::Resend => Some((&access.trigger, "trigger")),
         _ => None,
     };
     let name = match which {
-        Builtin::Ask => "ask",
+        Builtin::Resend => "resend",
         _ => operator_list.map_or("", |(_, key)| key),
     };
     if let Some((list, key)) = operator_list {
@@ -111,7 +111,7 @@ pub async fn handle(
             Ok(Reply::json(StatusCode::OK, &status(app, entries)))
         }
         Builtin::Trigger => crate::rotate::trigger(app, caller, &params).await,
-        Builtin::Ask => crate::rotate::ask(app, caller, &params),
+        Builtin::Resend => crate::rotate::resend(app, caller, &params),
         Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
         Builtin::Needs => Ok(Reply::json(
             StatusCode::OK,

@@ -187,7 +187,9 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
     if expected.is_some() {
         columns.push("MANIFEST");
     }
-    columns.push("ERROR");
+    // Why a host did not answer, unlabelled: the rows that answered end with the
+    // columns above.
+    columns.push("");
     let mut table = Table::new(&columns);
     let mut needs = Vec::new();
     let mut runs = Vec::new();

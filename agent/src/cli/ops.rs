@@ -1,4 +1,4 @@
-//! Lines for people from the replies of operator commands: a trigger's run, an ask, a GC
+//! Lines for people from the replies of operator commands: a trigger's run, a resend, a GC
 //! sweep, a reload, a journal.
 
 use std::fmt::Write;
@@ -49,8 +49,8 @@ pub fn trigger_text(host: &str, t: &Value) -> String {
     out
 }
 
-/// `ask`: the need as it stands once its request is planned.
-pub fn ask_text(host: &str, a: &Value) -> String {
+/// `resend`: the need as it stands once its request is planned.
+pub fn resend_text(host: &str, a: &Value) -> String {
     let reason = peer_text(&a["reason"]);
     format!(
         "{host} asks {} for {} again now (state {}{})\n",

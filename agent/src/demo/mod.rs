@@ -457,7 +457,7 @@ fn print_commands(fleet: &Fleet, temporary: bool) {
         "  {} trigger forge oidc --entry app:oidc/wiki --force",
         sh_quote(&fort)
     );
-    println!("  {} ask app ssl-cert/api", sh_quote(&fort));
+    println!("  {} resend app ssl-cert/api", sh_quote(&fort));
     println!(
         "  {} status --config {}",
         sh_quote(&exe),

@@ -22,7 +22,7 @@ pub use needs::{load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
 pub const BUILTIN_CAPABILITIES: [&str; 7] = [
-    "status", "manifest", "needs", "journal", "systemd", "trigger", "ask",
+    "status", "manifest", "needs", "journal", "systemd", "trigger", "resend",
 ];
 
 /// A configuration file that cannot be used, with enough context to fix it.
