@@ -7,7 +7,7 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/78ba79abf75cb12afaed8c63909ebd7a-fort-agent-checked.toml \
+      --new-config /nix/store/0cb0422ac81984657b51d37153132c1e-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
       --needs /nix/store/bd8ff07b55d4ced48ea021b8b5bca122-fort-needs.json \
       --capabilities /nix/store/763ef4a72447ac917a12e6feeec6ff03-fort-capabilities.json ||

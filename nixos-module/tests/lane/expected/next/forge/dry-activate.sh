@@ -7,7 +7,7 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/a44c06b345c5834eb6090bfec36484c5-fort-agent-checked.toml \
+      --new-config /nix/store/977d6cb57d94e2b500d7066bc77919d0-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
       --needs /nix/store/bd8ff07b55d4ced48ea021b8b5bca122-fort-needs.json \
       --capabilities /nix/store/beed35b872eaa42f9f9e2afabe31a77c-fort-capabilities.json ||
