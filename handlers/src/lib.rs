@@ -5,6 +5,8 @@
 //! `fort-handler <capability> --config FILE`.
 
 pub mod common;
+pub mod dns;
+pub mod dns_record;
 
 use std::future::Future;
 use std::path::Path;
@@ -29,7 +31,7 @@ pub struct Capability {
 }
 
 /// Every capability, in `--help` order.
-pub const CAPABILITIES: &[Capability] = &[];
+pub const CAPABILITIES: &[Capability] = &[dns_record::CAPABILITY];
 
 /// The capability named `name`.
 pub fn capability(name: &str) -> Option<&'static Capability> {

@@ -2,6 +2,8 @@
 //! its own 127.0.0.x address and free port, generated SSH key, state directory and config,
 //! and is killed on drop.
 
+pub mod dns;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
