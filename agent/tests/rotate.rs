@@ -247,7 +247,7 @@ async fn one_entry_rotated_while_the_others_keep_their_responses() {
         &["trigger", "p", "cred", "--entry", "c1:cred/a", "--force"],
     );
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.starts_with("p: cred handler run "), "{out}");
+    assert!(out.starts_with("p: cred handler ran (manual, "), "{out}");
     let old = &hashes["c1:cred/a"]["response_hash"].as_str().unwrap()[..12];
     assert!(
         out.contains(&format!("c1:cred/a: new response ({old} → ")),

@@ -7,12 +7,11 @@ use fort_core::text::printable;
 use serde_json::Value;
 
 use super::human::short_hash;
-use super::table::{last_run, peer_text, Table, TEXT_CELL};
+use super::table::{count, peer_text, run_outcome, Table, TEXT_CELL};
 
 /// `trigger` (the built-in's reply, or the admin socket's `trigger` field): the run, and
 /// what became of the entry asked about.
 pub fn trigger_text(host: &str, t: &Value) -> String {
-    let now = fort_core::wire::unix_now();
     let mut out = String::new();
     let cap = peer_text(&t["capability"]);
     let forced = if t["force"] == true {
@@ -25,8 +24,8 @@ pub fn trigger_text(host: &str, t: &Value) -> String {
     };
     let _ = writeln!(
         out,
-        "{host}: {cap} handler run {}{forced}",
-        last_run(&t["run"], now)
+        "{host}: {cap} handler ran {}{forced}",
+        run_outcome(&t["run"])
     );
     if let Some(entry) = t["entry"].as_str() {
         let entry = printable(entry, TEXT_CELL);
@@ -71,11 +70,11 @@ pub fn gc_text(r: &Value) -> String {
     let dry = r["dry_run"] == true;
     let _ = writeln!(
         out,
-        "GC sweep{}: asked {} hosts in {} ms; {} entries {}, {} absent within the grace period, {} kept without proof",
+        "GC sweep{}: asked {} in {} ms; {} {}, {} absent within the grace period, {} kept without proof",
         if dry { " (dry run: nothing removed)" } else { "" },
-        r["origins_asked"].as_u64().unwrap_or(0),
+        count(&r["origins_asked"], "host", "hosts"),
         r["duration_ms"].as_u64().unwrap_or(0),
-        r["removed"].as_array().map_or(0, Vec::len),
+        count(&r["removed"].as_array().map_or(0, Vec::len).into(), "entry", "entries"),
         if dry { "would be removed" } else { "removed" },
         r["pending_grace"].as_array().map_or(0, Vec::len),
         r["kept_no_proof"].as_array().map_or(0, Vec::len),

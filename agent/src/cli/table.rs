@@ -103,6 +103,15 @@ pub(crate) fn last_run(last: &Value, now: u64) -> String {
     if last.is_null() {
         return "-".to_owned();
     }
+    format!(
+        "{} {}",
+        relative(last["at"].as_u64(), now),
+        run_outcome(last)
+    )
+}
+
+/// A handler run without when it was: `(manual, 212 ms): ok, 3 entries, 1 callback`.
+pub(crate) fn run_outcome(last: &Value) -> String {
     let outcome = match last["error"].as_str() {
         Some(e) => format!("FAILED: {}", printable(e, TEXT_CELL)),
         None if last["ok"] == false => "FAILED".to_owned(),
@@ -113,8 +122,7 @@ pub(crate) fn last_run(last: &Value, now: u64) -> String {
         ),
     };
     format!(
-        "{} ({}, {} ms): {outcome}",
-        relative(last["at"].as_u64(), now),
+        "({}, {} ms): {outcome}",
         last["trigger"].as_str().unwrap_or("?"),
         num(&last["duration_ms"]),
     )
@@ -131,6 +139,7 @@ fn entry_state(e: &Value, now: u64) -> String {
     } else if e["undelivered"] == true {
         match e["delivery"]["attempts"].as_u64().unwrap_or(0) {
             0 => "undelivered".to_owned(),
+            1 => "undelivered (1 try)".to_owned(),
             n => format!("undelivered ({n} tries)"),
         }
     } else if e["response_hash"].is_null() {
@@ -212,7 +221,11 @@ pub fn status_table(status: &Value) -> String {
         }
         t.render(&mut out);
     }
-    if let Some(entries) = status["entries"].as_object() {
+    let serves = caps.is_some_and(|c| !c.is_empty());
+    if let Some(entries) = status["entries"]
+        .as_object()
+        .filter(|e| serves || !e.is_empty())
+    {
         let undelivered = entries
             .values()
             .filter(|e| e["undelivered"] == true)
@@ -247,9 +260,73 @@ pub fn status_table(status: &Value) -> String {
             t.render(&mut out);
         }
     } else if let Some(why) = status["entries_withheld"].as_str() {
-        if caps.is_some_and(|c| !c.is_empty()) {
+        if serves {
             let _ = writeln!(out, "\nENTRIES: not shown: {}", printable(why, 400));
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    /// What another host wrote (a reason, a delivery error, a need name) reaches the
+    /// terminal with its escape sequences written out, never as instructions.
+    #[test]
+    fn peer_text_cannot_drive_the_terminal() {
+        let now = fort_core::wire::unix_now();
+        let evil = "denied\u{1b}[2K\r\u{1b}]52;c;ZXZpbA==\u{7}\u{9b}31m satisfied";
+        let status = json!({
+            "host": "p\u{1b}[1A", "version": "0.1.0", "uptime_seconds": 90061,
+            "needs": {"total": 1, "satisfied": 0, "items": [{
+                "need": "web/x\u{1b}[2J", "from": "p", "state": "failed", "reason": evil,
+                "since": now - 180, "expires_at": now + 2_591_975, "attempts": 2,
+                "next_request": now - 5,
+            }]},
+            "provider": {"capabilities": {"web": {"entries": 1, "undelivered": 1,
+                "handler_runs": 1, "last_run": {"at": now, "trigger": "request",
+                "duration_ms": 5, "ok": false, "error": evil}}}},
+            "entries": {"c:web/x": {"origin": "c", "need": "web/x", "principal": false,
+                "response_hash": "ab".repeat(32), "requested_at": now, "undelivered": true,
+                "awaiting_response": false, "renew": false, "absent_since": null,
+                "delivery": {"delivered_at": null, "attempts": 3, "last_error": evil}}},
+        });
+        let table = super::status_table(&status);
+        for c in ['\u{1b}', '\u{7}', '\r', '\u{9b}'] {
+            assert!(!table.contains(c), "{c:?} reached the table:\n{table}");
+        }
+        assert!(
+            table.contains("denied\\u{1b}[2K\\r\\u{1b}]52;c;ZXZpbA==\\u{7}\\u{9b}31m satisfied")
+        );
+        assert!(table.contains("up 1d 1h"), "{table}");
+        assert!(table.contains(" 3m ago "), "{table}");
+        assert!(table.contains(" in 29d 23h "), "{table}");
+        // A request planned in the past is due now, never "in 0s".
+        assert!(!table.contains("in 0s"), "{table}");
+        assert!(table.contains("undelivered (3 tries)"), "{table}");
+        // The fleet view: the same reason under the table, and an unreachable host's error.
+        let rows = vec![
+            crate::cli::FleetRow {
+                host: "p".into(),
+                status: Ok(status),
+            },
+            crate::cli::FleetRow {
+                host: "q".into(),
+                status: Err(format!("cannot connect: {evil}")),
+            },
+        ];
+        let fleet = crate::cli::fleet_table(&rows, None);
+        for c in ['\u{1b}', '\u{7}', '\r', '\u{9b}'] {
+            assert!(
+                !fleet.contains(c),
+                "{c:?} reached the fleet table:\n{fleet}"
+            );
+        }
+        assert!(
+            fleet.contains("p:web/x\\u{1b}[2J from p: failed: denied\\u{1b}"),
+            "{fleet}"
+        );
+        assert!(fleet.contains("FAILED HANDLER RUNS"), "{fleet}");
+    }
 }
