@@ -79,8 +79,9 @@ async fn needs_due_together_travel_in_batches_both_ways() {
     let batches = served(s.provider_metrics, "batch", "200");
     let alone = served(s.provider_metrics, "cred", "202");
     assert!(batches >= 2, "{batches} batches of requests");
-    // The first to come due may go alone, before the others join its lane.
-    assert!(alone < 5, "{alone} requests sent alone");
+    // The first to come due may go alone, before the others join its lane, and on a busy
+    // machine a few stragglers do too; unbatched, all 300 would.
+    assert!(alone < 30, "{alone} requests sent alone");
     assert!(batches < 30, "{batches} batches for 300 requests");
     // The callbacks came back mostly batched: far fewer callback requests than needs.
     let batched = served(s.consumer_metrics, "callbacks", "200");
