@@ -1,7 +1,9 @@
 //! The agent's shared state (`Arc<App>` through axum's `State`), its start-up, reload and
 //! the set of background tasks it owns.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -133,7 +135,6 @@ impl App {
         let share = (self.config.max_concurrent_requests / 8).max(8);
         self.origin_slots
             .lock()
-            .expect("slots lock")
             .entry(origin.to_owned())
             .or_insert_with(|| Arc::new(Semaphore::new(share)))
             .clone()

@@ -13,7 +13,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use tokio_util::sync::CancellationToken;
 
@@ -117,7 +119,7 @@ impl Budgets {
     /// Admits one connection from `ip`, or says why not. The permit gives it back on drop.
     pub fn connect(self: &Arc<Self>, ip: IpAddr) -> Result<ConnectionPermit, Refusal> {
         let key = AddressKey::of(ip);
-        let mut table = self.table.lock().expect("budget lock");
+        let mut table = self.table.lock();
         if let Some(a) = table.by_address.get(&key) {
             if a.connections >= self.max_connections_per_address
                 || a.unverified.len() >= self.max_unverified_per_address
@@ -160,7 +162,7 @@ impl Budgets {
     /// Reserves `bytes` more of body buffer for a request from `ip` whose signature is
     /// not yet checked. `false` when the global or the address's share is taken.
     fn reserve(&self, key: AddressKey, bytes: usize) -> bool {
-        let mut table = self.table.lock().expect("budget lock");
+        let mut table = self.table.lock();
         if table.body_bytes + bytes > self.max_body_bytes {
             return false;
         }
@@ -176,7 +178,7 @@ impl Budgets {
     }
 
     fn release_bytes(&self, key: AddressKey, bytes: usize) {
-        let mut table = self.table.lock().expect("budget lock");
+        let mut table = self.table.lock();
         if let Some(e) = table.by_address.get_mut(&key) {
             e.body_bytes -= bytes;
         }
@@ -184,7 +186,7 @@ impl Budgets {
     }
 
     fn release_connection(&self, key: AddressKey, id: u64) {
-        let mut table = self.table.lock().expect("budget lock");
+        let mut table = self.table.lock();
         let gone = table.by_address.get_mut(&key).is_some_and(|e| {
             e.unverified.remove(&id);
             e.connections -= 1;
@@ -198,7 +200,7 @@ impl Budgets {
     }
 
     fn prove(&self, key: AddressKey, id: u64) {
-        let mut table = self.table.lock().expect("budget lock");
+        let mut table = self.table.lock();
         if let Some(e) = table.by_address.get_mut(&key) {
             e.unverified.remove(&id);
         }

@@ -3,8 +3,8 @@
 //! written and the rest only counted, then summarised in one line. A flood of 100,000
 //! unsigned requests costs a few dozen log lines; the metrics still count every one.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -42,7 +42,7 @@ impl Quiet {
     fn log(&self, level: Level, class: &'static str, message: &str) {
         let now = Instant::now();
         let summary = {
-            let mut windows = self.windows.lock().expect("quiet lock");
+            let mut windows = self.windows.lock();
             let w = windows.entry(class).or_insert(Window {
                 started: now,
                 logged: 0,
@@ -78,7 +78,7 @@ impl Quiet {
         let now = Instant::now();
         let mut done = Vec::new();
         {
-            let mut windows = self.windows.lock().expect("quiet lock");
+            let mut windows = self.windows.lock();
             windows.retain(|class, w| {
                 let over = now.duration_since(w.started) >= INTERVAL;
                 if over && w.suppressed > 0 {

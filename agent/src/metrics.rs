@@ -1,9 +1,9 @@
 //! Counters for the optional Prometheus endpoint. Labelled counters live in one small
 //! map each; the hot path touches one mutex for a few nanoseconds.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
 
 #[derive(Default)]
 pub struct Counter(Mutex<BTreeMap<Vec<(&'static str, String)>, f64>>);
@@ -11,12 +11,7 @@ pub struct Counter(Mutex<BTreeMap<Vec<(&'static str, String)>, f64>>);
 impl Counter {
     pub fn add(&self, labels: &[(&'static str, &str)], v: f64) {
         let key = labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
-        *self
-            .0
-            .lock()
-            .expect("metrics lock")
-            .entry(key)
-            .or_insert(0.0) += v;
+        *self.0.lock().entry(key).or_insert(0.0) += v;
     }
 
     pub fn inc(&self, labels: &[(&'static str, &str)]) {
@@ -25,7 +20,7 @@ impl Counter {
 
     fn render(&self, name: &str, help: &str, kind: &str, out: &mut String) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, v) in self.0.lock().expect("metrics lock").iter() {
+        for (labels, v) in self.0.lock().iter() {
             let l: Vec<String> = labels
                 .iter()
                 .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))

@@ -7,13 +7,13 @@
 //! replays of requests it accepted before the restart. The journal is rotated every two
 //! windows; by then everything in the older file has expired.
 
+use parking_lot::Mutex;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum NonceCheck {
@@ -179,7 +179,7 @@ impl NonceStore {
         if timestamp + self.window < now {
             return NonceCheck::Replay;
         }
-        let mut inner = self.inner.lock().expect("nonce lock");
+        let mut inner = self.inner.lock();
         let id = inner.origin_id(origin);
         inner.expire(id, now);
         if now > inner.last_sweep {
@@ -222,7 +222,7 @@ impl NonceStore {
     }
 
     pub fn len(&self) -> usize {
-        self.inner.lock().expect("nonce lock").seen.len()
+        self.inner.lock().seen.len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -189,7 +191,7 @@ impl SignedClient {
 
     /// Peers with a connection pool now (for tests and status).
     pub fn pooled_peers(&self) -> usize {
-        self.inner.peers.lock().expect("peers lock").len()
+        self.inner.peers.lock().len()
     }
 
     fn builder(&self) -> reqwest::ClientBuilder {
@@ -234,7 +236,7 @@ impl SignedClient {
                 .filter_map(|k| k.key_data().ed25519().map(|e| e.0))
                 .collect(),
         };
-        let mut peers = self.inner.peers.lock().expect("peers lock");
+        let mut peers = self.inner.peers.lock();
         if let Some(p) = peers.get_mut(&key) {
             p.last_used = Instant::now();
             return Ok(p.http.clone());

@@ -243,15 +243,16 @@ pub fn verify(signature_b64: &str, keys: &[PublicKey], msg: &[u8]) -> Result<(),
 /// Decompressed keys of the known peers (the registry bounds them; the cache is dropped
 /// whole if it ever grows past that bound).
 fn verifying_key(raw: [u8; 32]) -> Option<ed25519_dalek::VerifyingKey> {
+    use parking_lot::Mutex;
     use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
+    use std::sync::OnceLock;
     static CACHE: OnceLock<Mutex<HashMap<[u8; 32], ed25519_dalek::VerifyingKey>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    if let Some(k) = cache.lock().expect("key cache").get(&raw) {
+    if let Some(k) = cache.lock().get(&raw) {
         return Some(*k);
     }
     let key = ed25519_dalek::VerifyingKey::from_bytes(&raw).ok()?;
-    let mut map = cache.lock().expect("key cache");
+    let mut map = cache.lock();
     if map.len() > 8192 {
         map.clear();
     }

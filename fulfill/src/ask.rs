@@ -16,7 +16,7 @@ impl Fulfiller {
     /// when this host does not declare it.
     pub fn ask_now(&self, key: &NeedKey) -> Option<NeedStatus> {
         {
-            let mut view = self.inner.view.lock().expect("view lock");
+            let mut view = self.inner.view.lock();
             if !view.needs.contains_key(key) {
                 return None;
             }

@@ -12,7 +12,9 @@
 //! smaller body limit) is sent that capability's needs one by one for [`REFUSAL_MEMORY`].
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -75,7 +77,7 @@ pub(crate) struct Batcher {
 impl Batcher {
     /// Whether requests to this provider's capability go in batches now.
     pub fn takes_batches(&self, provider: &str, capability: &str) -> bool {
-        let mut refused = self.refused.lock().expect("refused lanes");
+        let mut refused = self.refused.lock();
         let key = (provider.to_owned(), capability.to_owned());
         match refused.get(&key) {
             Some(until) if *until > Instant::now() => false,
@@ -100,7 +102,7 @@ impl Batcher {
         let (reply, outcome) = oneshot::channel();
         let lane_key = (to.provider.clone(), to.capability.clone());
         let start_sender = {
-            let mut lanes = self.lanes.lock().expect("batch lanes");
+            let mut lanes = self.lanes.lock();
             let lane = lanes.entry(lane_key).or_default();
             lane.waiting.push_back(Waiting { body, reply });
             let start = lane.senders < SENDERS_PER_LANE;
@@ -125,7 +127,7 @@ impl Batcher {
             // Needs that came due in the same scheduler pass join this batch.
             tokio::task::yield_now().await;
             let batch = {
-                let mut lanes = self.lanes.lock().expect("batch lanes");
+                let mut lanes = self.lanes.lock();
                 let Some(lane) = lanes.get_mut(&lane_key) else {
                     return;
                 };
@@ -198,7 +200,7 @@ impl Batcher {
         // 404: no batches here; 413: this provider's body limit is smaller than a batch.
         if matches!(reply.status, 404 | 413) {
             tracing::info!(provider = %to.provider, capability = %to.capability, status = reply.status, "provider takes no batched requests; sending them one by one");
-            self.refused.lock().expect("refused lanes").insert(
+            self.refused.lock().insert(
                 (to.provider.clone(), to.capability.clone()),
                 Instant::now() + REFUSAL_MEMORY,
             );

@@ -27,7 +27,7 @@ impl Fulfiller {
     ) -> Result<bool, DeliverError> {
         let spec = self.spec(key).ok_or(DeliverError::UnknownNeed)?;
         let lock = {
-            let mut locks = self.inner.need_locks.lock().expect("locks lock");
+            let mut locks = self.inner.need_locks.lock();
             locks.entry(key.clone()).or_default().clone()
         };
         // One run per need at a time. A provider sending callbacks faster than the
@@ -56,7 +56,7 @@ impl Fulfiller {
                     .await?;
                 tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
                 let failures = {
-                    let mut view = self.inner.view.lock().expect("view lock");
+                    let mut view = self.inner.view.lock();
                     let f = view.failures_mut(key);
                     *f += 1;
                     *f
@@ -71,13 +71,7 @@ impl Fulfiller {
             Ok(written) => {
                 let now = unix_now();
                 let expires_at = crate::expiry::expiry(payload);
-                let keep_payload = self
-                    .inner
-                    .view
-                    .lock()
-                    .expect("view lock")
-                    .referenced
-                    .contains(key);
+                let keep_payload = self.inner.view.lock().referenced.contains(key);
                 let key_s = key.to_string();
                 let state = self
                     .inner
@@ -117,11 +111,7 @@ impl Fulfiller {
                 let Some(state) = state else {
                     return Err(DeliverError::UnknownNeed);
                 };
-                self.inner
-                    .view
-                    .lock()
-                    .expect("view lock")
-                    .clear_failures(key);
+                self.inner.view.lock().clear_failures(key);
                 tracing::info!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, files_changed = written.changed, state = state.phase.as_str(), "payload applied");
                 if written.changed {
                     self.inner
@@ -182,7 +172,7 @@ impl Fulfiller {
     /// Plans what comes after a payload. The payload may answer an older request (the
     /// protocol cannot say which); a request changed since must still go out at once.
     fn after(&self, key: &NeedKey, _spec: &fort_core::schema::NeedSpec, next: Option<Duration>) {
-        let superseded = self.inner.view.lock().expect("view lock").is_unsent(key);
+        let superseded = self.inner.view.lock().is_unsent(key);
         if superseded {
             self.schedule(key, Some(Duration::ZERO));
         } else {

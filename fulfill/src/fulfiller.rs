@@ -4,7 +4,9 @@
 //! (asking lives in `request.rs` and `batch.rs`, the payload side in `deliver.rs`).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use fort_core::canonical::sha256_hex;
@@ -247,7 +249,7 @@ impl Fulfiller {
         self.inner.store.wait(ticket).await?;
         let states = self.inner.store.read(|s| s.clone());
         {
-            let mut view = self.inner.view.lock().expect("view lock");
+            let mut view = self.inner.view.lock();
             let at = Instant::now();
             view.due.clear();
             for (key, spec) in &needs {
@@ -338,18 +340,12 @@ impl Fulfiller {
 
     /// Sorted keys of the needs declared now (`/agent/needs`).
     pub fn declared(&self) -> Vec<String> {
-        let view = self.inner.view.lock().expect("view lock");
+        let view = self.inner.view.lock();
         view.needs.keys().map(|k| k.to_string()).collect()
     }
 
     pub fn spec(&self, need: &NeedKey) -> Option<NeedSpec> {
-        self.inner
-            .view
-            .lock()
-            .expect("view lock")
-            .needs
-            .get(need)
-            .cloned()
+        self.inner.view.lock().needs.get(need).cloned()
     }
 
     pub(crate) fn state(&self, key: &NeedKey) -> NeedState {
@@ -386,7 +382,7 @@ impl Fulfiller {
         let now = Instant::now();
         let mut start = Vec::new();
         let next = {
-            let mut view = self.inner.view.lock().expect("view lock");
+            let mut view = self.inner.view.lock();
             for key in view.due.take_due(now) {
                 if view.in_flight.contains(&key) {
                     view.deferred.insert(key);
@@ -402,7 +398,7 @@ impl Fulfiller {
             self.inner.tasks.spawn(async move {
                 me.attend(&key).await;
                 let again = {
-                    let mut view = me.inner.view.lock().expect("view lock");
+                    let mut view = me.inner.view.lock();
                     view.in_flight.remove(&key);
                     view.deferred.remove(&key)
                 };
@@ -419,7 +415,7 @@ impl Fulfiller {
     /// Plans the next request or check of `key` in `after` (`None`: nothing planned).
     /// An earlier plan wins: a reload may have made the need due at once meanwhile.
     pub(crate) fn schedule(&self, key: &NeedKey, after: Option<Duration>) {
-        let mut view = self.inner.view.lock().expect("view lock");
+        let mut view = self.inner.view.lock();
         match after {
             Some(d) => view.due.plan_earliest(key, Instant::now() + d),
             None => view.due.remove(key),
@@ -430,7 +426,7 @@ impl Fulfiller {
 
     /// Plans `key` exactly at `after` from now, replacing any plan.
     pub(crate) fn reschedule(&self, key: &NeedKey, after: Option<Duration>) {
-        let mut view = self.inner.view.lock().expect("view lock");
+        let mut view = self.inner.view.lock();
         match after {
             Some(d) => view.due.set(key, Instant::now() + d),
             None => view.due.remove(key),
@@ -445,7 +441,6 @@ impl Fulfiller {
             .inner
             .view
             .lock()
-            .expect("view lock")
             .dependents
             .get(key)
             .cloned()
@@ -494,12 +489,7 @@ impl Fulfiller {
 
     /// Whether a reload changed the need's request after this one was sent.
     pub(crate) fn superseded(&self, key: &NeedKey) -> bool {
-        self.inner
-            .view
-            .lock()
-            .expect("view lock")
-            .unsent
-            .contains(key)
+        self.inner.view.lock().unsent.contains(key)
     }
 
     /// Sets the phase (and `since` when it changes) and the reason, lazily.

@@ -94,7 +94,7 @@ fn differing(old: &NeedSpec, new: &NeedSpec) -> Vec<String> {
 impl Fulfiller {
     /// What installing `needs` would do: read-only, however often it is called.
     pub fn preview(&self, needs: &Needs) -> NeedsPreview {
-        let current = self.inner.view.lock().expect("view lock").needs.clone();
+        let current = self.inner.view.lock().needs.clone();
         let mut out = NeedsPreview::default();
         self.inner.store.read(|states| {
             for (key, st) in states {

@@ -26,7 +26,7 @@ impl Fulfiller {
     ) {
         let Some(spec) = self.spec(key) else { return };
         let spec = &spec;
-        let registry = self.inner.view.lock().expect("view lock").registry.clone();
+        let registry = self.inner.view.lock().registry.clone();
         let Some(peer) = registry.get(&spec.from) else {
             return;
         };
@@ -38,7 +38,7 @@ impl Fulfiller {
         // One of the provider's slots per request in flight: a batch takes it when it is
         // sent (batch.rs), a request going alone takes it here.
         let limit = {
-            let mut p = self.inner.providers.lock().expect("providers lock");
+            let mut p = self.inner.providers.lock();
             p.entry(spec.from.clone())
                 .or_insert_with(|| {
                     Arc::new(Semaphore::new(
@@ -57,12 +57,7 @@ impl Fulfiller {
             self.schedule(key, Some(Duration::ZERO));
             return;
         }
-        self.inner
-            .view
-            .lock()
-            .expect("view lock")
-            .unsent
-            .remove(key);
+        self.inner.view.lock().unsent.remove(key);
         let body = serde_json::to_vec(&AsyncBody {
             need: key.to_string(),
             request: Some(resolved),
@@ -122,7 +117,7 @@ impl Fulfiller {
         };
         let transport_failure = |me: &Self, error: String| {
             let failures = {
-                let mut view = me.inner.view.lock().expect("view lock");
+                let mut view = me.inner.view.lock();
                 let f = view.failures.entry(key.clone()).or_insert(0);
                 *f += 1;
                 *f
@@ -161,12 +156,7 @@ impl Fulfiller {
         if reply.status >= 500 {
             return transport_failure(self, format!("provider answered {}", reply.status));
         }
-        self.inner
-            .view
-            .lock()
-            .expect("view lock")
-            .failures
-            .remove(key);
+        self.inner.view.lock().failures.remove(key);
         match reply.status {
             202 => {
                 tracing::debug!(need = %key, from = %spec.from, "request accepted");

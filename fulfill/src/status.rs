@@ -35,7 +35,7 @@ impl Fulfiller {
     /// One row per declared need.
     pub fn status(&self) -> Vec<NeedStatus> {
         let (needs, due) = {
-            let view = self.inner.view.lock().expect("view lock");
+            let view = self.inner.view.lock();
             (view.needs.clone(), view.due.clone())
         };
         let now = tokio::time::Instant::now();

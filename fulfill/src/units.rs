@@ -8,7 +8,9 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use fort_core::process::{run, RunSpec};
@@ -71,7 +73,7 @@ impl Units {
             return;
         }
         {
-            let mut round = self.inner.round.lock().expect("round lock");
+            let mut round = self.inner.round.lock();
             round.restart.extend(restart.iter().cloned());
             round.reload.extend(reload.iter().cloned());
         }
@@ -105,7 +107,7 @@ impl Units {
                     break;
                 }
             }
-            let round = std::mem::take(&mut *self.inner.round.lock().expect("round lock"));
+            let round = std::mem::take(&mut *self.inner.round.lock());
             let reload: Vec<String> = round.reload.difference(&round.restart).cloned().collect();
             let restart: Vec<String> = round.restart.into_iter().collect();
             for (verb, units) in [("restart", restart), ("reload", reload)] {

@@ -175,7 +175,7 @@ pub fn status(app: &Arc<App>, entries: Entries) -> Value {
     let needs = app.fulfiller.status();
     let loaded = app.loaded.load_full();
     let satisfied = needs.iter().filter(|n| n.satisfied).count();
-    let gc = app.last_gc.lock().expect("gc lock").clone();
+    let gc = app.last_gc.lock().clone();
     let mut doc = json!({
         "host": app.config.host,
         "version": fort_core::VERSION,

@@ -10,7 +10,9 @@
 //! others' callbacks are not queued behind its timeouts.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use fort_core::names::parse_entry_key;
@@ -84,7 +86,7 @@ impl Deliveries {
         };
         let origin = origin.to_owned();
         {
-            let mut q = self.queue.lock().expect("delivery queue");
+            let mut q = self.queue.lock();
             if let Some(again) = q.in_flight.get_mut(&key) {
                 *again = Some(again.unwrap_or(false) | force);
                 return;
@@ -106,13 +108,13 @@ impl Deliveries {
 
     /// Deliveries queued or being sent.
     pub fn backlog(&self) -> usize {
-        let q = self.queue.lock().expect("delivery queue");
+        let q = self.queue.lock();
         q.queued.len() + q.in_flight.len()
     }
 
     /// A consumer takes batched callbacks from now on.
     pub fn batches_accepted_by(&self, origin: &str) {
-        let mut q = self.queue.lock().expect("delivery queue");
+        let mut q = self.queue.lock();
         if !q.batching.contains(origin) {
             q.batching.insert(origin.to_owned());
         }
@@ -120,17 +122,13 @@ impl Deliveries {
 
     /// A consumer answered a batch with `404`: it is sent one callback at a time.
     pub fn batches_refused_by(&self, origin: &str) {
-        self.queue
-            .lock()
-            .expect("delivery queue")
-            .batching
-            .remove(origin);
+        self.queue.lock().batching.remove(origin);
     }
 
     /// The next keys to send, from the next consumer in turn with room in its share: up
     /// to a batch for a consumer that takes batches, else one.
     fn next(&self) -> Option<(String, Vec<(String, bool)>)> {
-        let mut q = self.queue.lock().expect("delivery queue");
+        let mut q = self.queue.lock();
         for _ in 0..q.turn.len() {
             let origin = q.turn.pop_front()?;
             let share = self.per_consumer;
@@ -169,7 +167,7 @@ impl Deliveries {
     /// the attempts), if ever.
     fn done(&self, origin: &str, outcomes: Vec<(String, Option<Duration>)>) {
         let again: Vec<(String, bool)> = {
-            let mut q = self.queue.lock().expect("delivery queue");
+            let mut q = self.queue.lock();
             let gone = q.consumers.get_mut(origin).is_some_and(|c| {
                 c.active -= 1;
                 c.keys.is_empty() && c.active == 0
@@ -206,7 +204,7 @@ impl Deliveries {
     fn due_retries(&self) -> Option<Instant> {
         let now = Instant::now();
         let due: Vec<String> = {
-            let mut q = self.queue.lock().expect("delivery queue");
+            let mut q = self.queue.lock();
             let mut due = Vec::new();
             while let Some(((at, _), _)) = q.retries.first_key_value() {
                 if *at > now {
@@ -222,7 +220,6 @@ impl Deliveries {
         }
         self.queue
             .lock()
-            .expect("delivery queue")
             .retries
             .first_key_value()
             .map(|((at, _), _)| *at)

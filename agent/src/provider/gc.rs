@@ -267,7 +267,7 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
         app.provider.enqueue(app, &cap, Trigger::Gc, false, false);
     }
     report.duration_ms = started.elapsed().as_millis() as u64;
-    *app.last_gc.lock().expect("gc lock") = Some(report.clone());
+    *app.last_gc.lock() = Some(report.clone());
     report
 }
 

@@ -9,7 +9,9 @@ pub mod trigger;
 mod worker;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use fort_core::names::{entry_key, NeedKey};
 use fort_core::store::{PersistError, Store};
@@ -209,7 +211,7 @@ impl Provider {
         let slot = self.slot(app, capability);
         let (tx, rx) = oneshot::channel();
         {
-            let mut p = slot.pending.lock().expect("pending lock");
+            let mut p = slot.pending.lock();
             p.trigger = Some(match (p.trigger, trigger) {
                 (Some(Trigger::Request), _) | (_, Trigger::Request) => Trigger::Request,
                 (Some(old), Trigger::Gc) => old,
@@ -225,7 +227,7 @@ impl Provider {
     }
 
     fn slot(&self, app: &Arc<App>, capability: &str) -> Arc<WorkerSlot> {
-        let mut workers = self.workers.lock().expect("workers lock");
+        let mut workers = self.workers.lock();
         if let Some(slot) = workers.get(capability) {
             return slot.clone();
         }
@@ -241,7 +243,7 @@ impl Provider {
     }
 
     fn record_run(&self, capability: &str, record: RunRecord) {
-        let mut stats = self.stats.lock().expect("stats lock");
+        let mut stats = self.stats.lock();
         let s = stats.entry(capability.to_owned()).or_default();
         s.runs += 1;
         s.last = Some(record);
@@ -289,7 +291,7 @@ impl Provider {
                 }
             }
         });
-        let stats = self.stats.lock().expect("stats lock");
+        let stats = self.stats.lock();
         for cap in stats.keys() {
             per_cap.entry(cap.clone()).or_default();
         }

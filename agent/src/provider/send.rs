@@ -42,7 +42,6 @@ fn owed(app: &App, key: &str, force: bool) -> Option<Owed> {
         .deliveries
         .queue
         .lock()
-        .expect("delivery queue")
         .attempts
         .get(key)
         .copied()
@@ -251,13 +250,7 @@ fn acknowledged(app: &App, owed: &Owed) {
             c.put(key.to_owned(), e);
         }
     });
-    app.provider
-        .deliveries
-        .queue
-        .lock()
-        .expect("delivery queue")
-        .attempts
-        .remove(key);
+    app.provider.deliveries.queue.lock().attempts.remove(key);
     app.metrics.callbacks.inc(&[("outcome", "sent")]);
     tracing::info!(
         entry = %key,
@@ -285,12 +278,7 @@ fn failed(app: &App, owed: &Owed, error: &str) -> Option<Duration> {
             c.put(key.to_owned(), e);
         }
     });
-    let mut q = app
-        .provider
-        .deliveries
-        .queue
-        .lock()
-        .expect("delivery queue");
+    let mut q = app.provider.deliveries.queue.lock();
     if attempt < cfg.attempts.max(1) {
         q.attempts.insert(key.to_owned(), attempt);
         app.metrics.callbacks.inc(&[("outcome", "retried")]);

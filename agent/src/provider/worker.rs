@@ -65,7 +65,7 @@ impl Worker {
                 _ = tokio::time::sleep_until(earliest.into()) => {}
                 _ = self.app.shutdown.cancelled() => return,
             }
-            let pending = std::mem::take(&mut *self.slot.pending.lock().expect("pending lock"));
+            let pending = std::mem::take(&mut *self.slot.pending.lock());
             if pending.trigger.is_none() {
                 continue;
             }

@@ -290,7 +290,7 @@ pub async fn run(spec: &RunSpec) -> Result<Success, RunError> {
     // Registered before the read lock is released: a reaper (write lock) never sees a
     // leader it does not know.
     let (mut child, leader) = {
-        let _spawning = SPAWN_REAP.read().unwrap_or_else(|e| e.into_inner());
+        let _spawning = SPAWN_REAP.read();
         let child = cmd.spawn().map_err(|source| RunError::Spawn {
             program: spec.program.display().to_string(),
             source,

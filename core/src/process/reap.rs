@@ -50,7 +50,7 @@ pub fn reap_orphans() -> usize {
     let mut done = 0;
     let mut killed = Vec::new();
     {
-        let _reaping = SPAWN_REAP.write().unwrap_or_else(|e| e.into_inner());
+        let _reaping = SPAWN_REAP.write();
         // Read after taking the lock: every leader alive now is in it.
         let active = runs().clone();
         let leaders: HashSet<i32> = active.values().copied().collect();
@@ -127,7 +127,7 @@ pub(super) fn reap_adopted(mut pending: Vec<(i32, u64)>, patience: Duration) {
     let mut buf = Vec::with_capacity(512);
     loop {
         {
-            let _reaping = SPAWN_REAP.write().unwrap_or_else(|e| e.into_inner());
+            let _reaping = SPAWN_REAP.write();
             let leaders = registered_leaders();
             pending.retain(|&(pid, start)| match read_stat(pid, &mut buf) {
                 Some(p) if p.start == start && p.ppid == me && !leaders.contains(&pid) => {

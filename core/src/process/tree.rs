@@ -2,9 +2,9 @@
 //! membership rules (see "How the whole tree is found" in the `process` module
 //! documentation), pidfd-verified kills, and the registry of runs in flight.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
-use std::sync::{Mutex, RwLock};
 
 use super::{sys, RUN_ID_VAR};
 
@@ -25,8 +25,8 @@ static RUNS: Mutex<BTreeMap<String, i32>> = Mutex::new(BTreeMap::new());
 /// registered yet, and two reapers never race for the same pid.
 pub(super) static SPAWN_REAP: RwLock<()> = RwLock::new(());
 
-pub(super) fn runs() -> std::sync::MutexGuard<'static, BTreeMap<String, i32>> {
-    RUNS.lock().unwrap_or_else(|e| e.into_inner())
+pub(super) fn runs() -> parking_lot::MutexGuard<'static, BTreeMap<String, i32>> {
+    RUNS.lock()
 }
 
 pub(super) fn registered_leaders() -> HashSet<i32> {

@@ -20,7 +20,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -305,7 +307,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
 
     /// Reads the durable records.
     pub fn read<R>(&self, f: impl FnOnce(&BTreeMap<String, V>) -> R) -> R {
-        let guard = self.inner.state.lock().expect("state lock");
+        let guard = self.inner.state.lock();
         f(&guard.map)
     }
 
@@ -345,7 +347,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     }
 
     fn stage<R>(&self, f: impl FnOnce(&mut Changes<'_, V>) -> R) -> Result<(R, Ticket), Staged<R>> {
-        let mut st = self.inner.state.lock().expect("state lock");
+        let mut st = self.inner.state.lock();
         let (r, staged, read_pending) = {
             let mut ch = Changes {
                 base: &st.map,
@@ -413,7 +415,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     /// waiters get the error; memory keeps the last durable state.
     pub async fn flush_once(&self) -> Result<(), PersistError> {
         let mut writer = self.inner.writer.lock().await;
-        let batch = std::mem::take(&mut self.inner.state.lock().expect("state lock").batch);
+        let batch = std::mem::take(&mut self.inner.state.lock().batch);
         let Some(upto) = batch.last().map(|p| p.ticket) else {
             return Ok(());
         };
@@ -443,7 +445,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                     .disk_bytes
                     .store(writer.snapshot_bytes + writer.log_bytes, Ordering::Relaxed);
                 {
-                    let mut st = self.inner.state.lock().expect("state lock");
+                    let mut st = self.inner.state.lock();
                     for p in batch {
                         match p.value {
                             Some(v) => {
@@ -469,7 +471,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                 let message = e.to_string();
                 tracing::error!(file = %file, error = %message, "state write failed; the changes waiting for it are refused and memory keeps the last written state");
                 let (from, to) = {
-                    let mut st = self.inner.state.lock().expect("state lock");
+                    let mut st = self.inner.state.lock();
                     // Later changes were computed on top of the failed ones: they go too.
                     st.pending.clear();
                     st.batch.clear();
@@ -497,7 +499,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         // Under the state lock: the map now holds exactly what the logs up to this
         // generation hold; what is staged will go to the next log.
         let encoded = {
-            let st = self.inner.state.lock().expect("state lock");
+            let st = self.inner.state.lock();
             files::encode_snapshot(self.inner.field, next, &st.map)
         };
         let (dir, name, path) = (self.inner.dir.clone(), self.inner.name.clone(), self.path());
