@@ -4,7 +4,8 @@
 # Files: options.nix and options-host.nix (declarations), lib.nix and interface.nix (pure
 # generation), assertions.nix and assertions-needs.nix (what a user can get wrong),
 # service.nix (files, agent unit, firewall, users, dry-activate plan), delivery.nix
-# (payload files as other services' credentials), fleet.nix (mkFleet).
+# (payload files as other services' credentials), fleet.nix (mkFleet), capabilities/
+# (options of the capabilities fort-handler serves).
 {
   config,
   lib,
@@ -23,6 +24,7 @@ in
     ./assertions-needs.nix
     ./service.nix
     ./delivery.nix
+    ./capabilities/dns-record.nix
   ];
 
   config = {

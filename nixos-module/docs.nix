@@ -17,6 +17,9 @@ let
       modules = [
         ./options.nix
         ./options-host.nix
+        ./capabilities/dns-record.nix
+        # The capability modules add assertions, which only NixOS declares.
+        { options.assertions = lib.mkOption { internal = true; }; }
       ];
       specialArgs = { inherit pkgs; };
     })

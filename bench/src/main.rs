@@ -9,6 +9,7 @@ mod burst;
 mod converge;
 mod cycle;
 mod deliver;
+mod dns_record;
 mod gc;
 mod plan;
 mod schema;
@@ -38,6 +39,7 @@ use clap::{Parser, Subcommand};
   fort-bench converge --consumers 50 --needs 10
   fort-bench schema --requests 2000 --rounds 3
   fort-bench plan --needs 500 --entries 5000
+  fort-bench dns-record --create 500 --unchanged 10000
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -81,6 +83,9 @@ enum Cmd {
     /// `fort-agent plan` latency on a consumer with N needs and on a provider with M
     /// entries, and proof that planning writes nothing.
     Plan(plan::PlanArgs),
+    /// The dns-record handler against knotd and named: one run creating N records, and
+    /// runs over M unchanged entries with the primary stopped.
+    DnsRecord(dns_record::DnsRecordArgs),
 }
 
 fn main() -> ExitCode {
@@ -113,6 +118,7 @@ fn main() -> ExitCode {
             Cmd::Converge(a) => converge::run(a, json).await,
             Cmd::Schema(a) => schema::run(a, json).await,
             Cmd::Plan(a) => plan::run(a, json).await,
+            Cmd::DnsRecord(a) => dns_record::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -21,6 +21,7 @@ fn help_lists_every_benchmark() {
         "converge",
         "schema",
         "plan",
+        "dns-record",
     ] {
         assert!(
             text.lines()

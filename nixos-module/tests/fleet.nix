@@ -2,13 +2,15 @@
 # the example set (nixos-module/interfaces), fleet-wide.
 #   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup) and ssl-cert;
 #           handler environment; metrics
-#   beacon: provides proxy (async) and ping (rpc, its own interface); consumes oidc (two
+#   beacon: provides proxy (async), ping (rpc, its own interface) and dns-record
+#           (fort-handler dns-record through its options); consumes oidc (two
 #           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
 #           runs as user "fort" under strictSandbox; its port set through settings.listen
 #   app:    consumes oidc (instance wiki, by name and by tag) with two payload files, one
 #           a credential of the wiki service (which also reads the other's path);
 #           ssl-cert with a file, renewal and restart; proxy referring to the certificate
-#           and waiting for oidc
+#           and waiting for oidc; dns-record for its own address under a name beacon
+#           allows it
 # `extra.<host>` adds modules to a host (the broken fleets use it).
 {
   extra ? { },
@@ -129,6 +131,16 @@ in
           };
           fort.host.capabilities = {
             proxy.handler = pkgs.writeShellScript "proxy-vhosts" "exit 0";
+            dns-record.dnsRecord = {
+              zone = "example.org";
+              primary = "10.0.0.53";
+              key = {
+                name = "fort";
+                file = "/run/secrets/fort-tsig";
+              };
+              allow."*" = [ "{origin}.example.org" "*.{origin}.example.org" ];
+              defaultTtl = 600;
+            };
             ping = {
               handler = pkgs.writeShellScript "ping" "echo pong";
               mode = "rpc";
@@ -199,6 +211,12 @@ in
               reloadUnits = [ "nginx.service" ];
               handler = pkgs.writeShellScript "install-cert" "exit 0";
               check = pkgs.writeShellScript "cert-fresh" "exit 0";
+            };
+            # A record at app's own address (hosts.json), the record set kept as a file.
+            dns-record.www = {
+              from = "beacon";
+              request.name = "www.app.example.org";
+              files."record.json" = { };
             };
             # Side-effect only: satisfied when beacon answers OK. Sent once the
             # certificate it refers to is there, and after the OIDC client exists.

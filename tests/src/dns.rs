@@ -98,7 +98,7 @@ impl DnsServer {
                          control:\n  listen: \"{d}/knot.sock\"\n\
                          database:\n  storage: \"{d}/db\"\n\
                          key:\n  - id: {key_name}\n    algorithm: hmac-sha256\n    secret: {secret}\n\
-                         acl:\n  - id: fort-update\n    key: {key_name}\n    action: update\n\
+                         acl:\n  - id: fort-update\n    key: {key_name}\n    action: [update, transfer]\n\
                          zone:\n  - domain: {zone}\n    storage: \"{d}\"\n    file: \"{zone}.zone\"\n    acl: fort-update\n",
                         ip = addr.ip(),
                         port = addr.port(),
@@ -115,7 +115,7 @@ impl DnsServer {
                         "key \"{key_name}\" {{ algorithm hmac-sha256; secret \"{secret}\"; }};\n\
                          controls {{ }};\n\
                          options {{\n  directory \"{d}\";\n  pid-file \"{d}/named.pid\";\n  session-keyfile \"{d}/session.key\";\n  managed-keys-directory \"{d}\";\n  listen-on port {port} {{ {ip}; }};\n  listen-on-v6 {{ none; }};\n  recursion no;\n  notify no;\n  dnssec-validation no;\n}};\n\
-                         zone \"{zone}\" {{\n  type primary;\n  file \"{d}/{zone}.zone\";\n  update-policy {{ grant {key_name} zonesub ANY; }};\n}};\n",
+                         zone \"{zone}\" {{\n  type primary;\n  file \"{d}/{zone}.zone\";\n  update-policy {{ grant {key_name} zonesub ANY; }};\n  allow-transfer {{ key {key_name}; }};\n}};\n",
                         ip = addr.ip(),
                         port = addr.port(),
                     ),
@@ -225,6 +225,25 @@ impl DnsServer {
             .collect();
         out.sort();
         out
+    }
+
+    /// Every record of the zone (a transfer signed with the key), as `dig` prints them.
+    pub fn zone_records(&self) -> Vec<String> {
+        let out = Command::new(find_program("dig").expect("dig"))
+            .arg(format!("@{}", self.addr.ip()))
+            .args(["-p", &self.addr.port().to_string()])
+            .args([
+                "-y",
+                &format!("hmac-sha256:{}:{}", self.key_name, self.secret),
+            ])
+            .args(["+noall", "+answer", "+time=5", "AXFR", &self.zone])
+            .output()
+            .expect("run dig");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with(';'))
+            .map(str::to_owned)
+            .collect()
     }
 
     /// Runs `nsupdate` with `commands` (e.g. `update add x.zone. 300 A 192.0.2.9`), signed
