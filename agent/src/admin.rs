@@ -189,7 +189,16 @@ async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {
             // Parsing and comparing a large fleet's files takes a while: off the
             // runtime's threads.
             let app = app.clone();
-            match tokio::task::spawn_blocking(move || crate::plan::plan(&app, &req)).await {
+            // A plan holds the files it was given, parsed, several times over; the heap
+            // they took is handed back once it is answered, not kept by the allocator.
+            let planned = tokio::task::spawn_blocking(move || {
+                let plan = crate::plan::plan(&app, &req);
+                drop(req);
+                plan
+            })
+            .await;
+            crate::app::trim_heap();
+            match planned {
                 Ok(Ok(plan)) => json!({"ok": true, "plan": plan}),
                 Ok(Err(e)) => json!({"ok": false, "error": e}),
                 Err(e) => json!({"ok": false, "error": format!("plan failed: {e}")}),

@@ -32,6 +32,8 @@ pub struct App {
     pub loaded: ArcSwap<Loaded>,
     pub nonces: NonceStore,
     pub limiter: Arc<Semaphore>,
+    /// Request schema checks running at once (off the runtime's threads).
+    pub schema_checks: Arc<Semaphore>,
     /// Each origin's share of `limiter`, taken before it.
     origin_slots: Mutex<std::collections::HashMap<String, Arc<Semaphore>>>,
     /// Connections and unverified body bytes of the control plane, per peer address.
@@ -56,6 +58,9 @@ pub struct App {
     /// Requests served since start (for housekeeping: was there a burst to clean up?).
     pub served: std::sync::atomic::AtomicU64,
 }
+
+/// Schema checks at once: as many as cores, for what is CPU work only.
+const SCHEMA_CHECKS: usize = 4;
 
 /// Why the agent cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -118,7 +123,7 @@ async fn release_memory_when_idle(app: Arc<App>) {
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-fn trim_heap() {
+pub(crate) fn trim_heap() {
     // SAFETY: malloc_trim only returns free heap pages to the kernel.
     unsafe {
         libc::malloc_trim(0);
@@ -126,7 +131,7 @@ fn trim_heap() {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim_heap() {}
+pub(crate) fn trim_heap() {}
 
 impl App {
     /// The slots one origin may hold at once: an eighth of all, at least 8. Origins are
@@ -239,6 +244,7 @@ impl App {
         );
         let app = Arc::new(App {
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
+            schema_checks: Arc::new(Semaphore::new(SCHEMA_CHECKS)),
             origin_slots: Mutex::new(Default::default()),
             budgets,
             tls,

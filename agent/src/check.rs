@@ -109,6 +109,23 @@ pub fn check(config_path: &Path, options: CheckOptions) -> anyhow::Result<Checke
         check_own_key(&config, &loaded, &signer)?;
     }
     let mut warnings = Vec::new();
+    if !options.skip_handlers {
+        // On the host itself: a delivery directory another user could swap or fill. The
+        // agent never follows a symlink there, but such a user still decides what lies
+        // beside the secret; the path is worth moving.
+        for (key, spec) in &loaded.needs {
+            for f in &spec.files {
+                let owner = fort_fulfill::files::account_id(&f.owner, false).ok();
+                if let Some(why) = fort_fulfill::files::unsafe_parent(&f.path, owner) {
+                    warnings.push(format!(
+                        "need {:?}: file {}: unsafe directory: {why}",
+                        key.as_str(),
+                        f.path.display()
+                    ));
+                }
+            }
+        }
+    }
     if config.plaintext {
         warnings.push(
             "plaintext = true: requests and replies travel unencrypted over http:// (still signed); use it only where the network already encrypts, such as WireGuard".to_owned(),

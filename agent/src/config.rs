@@ -373,6 +373,19 @@ impl Config {
                 message: format!("host {:?} is not a valid host name", config.host),
             });
         }
+        if let Some((key, value)) = config
+            .durations()
+            .into_iter()
+            .find(|(_, d)| *d > MAX_DURATION)
+        {
+            return Err(ConfigError::Parse {
+                file,
+                message: format!(
+                    "{key} = {} is longer than a year; every duration is at most 365d",
+                    humantime::format_duration(value)
+                ),
+            });
+        }
         for name in config.handler_environment.keys() {
             let malformed = name.is_empty() || name.contains(['=', '\0']);
             if malformed || RESERVED_ENVIRONMENT.contains(&name.as_str()) {
@@ -390,6 +403,35 @@ impl Config {
             }
         }
         Ok(config)
+    }
+}
+
+/// The longest duration any key may hold: deadlines are computed from them, and a year
+/// is longer than any of them means.
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+impl Config {
+    /// Every duration key with its value, named as in agent.toml.
+    fn durations(&self) -> Vec<(&'static str, Duration)> {
+        vec![
+            ("clock_skew", self.clock_skew),
+            ("handler_timeout", self.handler_timeout),
+            ("header_read_timeout", self.header_read_timeout),
+            ("body_read_timeout", self.body_read_timeout),
+            ("gc.interval", self.gc.interval),
+            ("gc.jitter", self.gc.jitter),
+            ("gc.grace", self.gc.grace),
+            ("gc.principal_ttl", self.gc.principal_ttl),
+            ("gc.timeout", self.gc.timeout),
+            ("callbacks.backoff", self.callbacks.backoff),
+            (
+                "callbacks.redeliver_interval",
+                self.callbacks.redeliver_interval,
+            ),
+            ("callbacks.timeout", self.callbacks.timeout),
+            ("fulfill.backoff", self.fulfill.backoff),
+            ("fulfill.timeout", self.fulfill.timeout),
+        ]
     }
 }
 

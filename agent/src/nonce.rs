@@ -158,7 +158,9 @@ impl NonceStore {
         Ok(NonceStore {
             inner: Mutex::new(inner),
             capacity,
-            per_origin: per_origin.max(1),
+            // Never more than a fair share: with a lowered capacity, one origin must not
+            // be able to fill the store by itself and lock every other caller out.
+            per_origin: per_origin.min(capacity / 8).max(1),
             window,
         })
     }

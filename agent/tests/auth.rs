@@ -746,7 +746,7 @@ async fn one_origin_cannot_lock_out_another_with_nonces() {
     let mut f = Fleet::new();
     f.principal("ops");
     f.principal("noisy");
-    f.host("a").extra_toml = "nonce_capacity = 100\nnonce_quota_per_origin = 40\n".into();
+    f.host("a").extra_toml = "nonce_capacity = 400\nnonce_quota_per_origin = 40\n".into();
     f.start();
     let mut statuses = Vec::new();
     for _ in 0..100 {

@@ -21,7 +21,7 @@ use fort_core::client::{ClientOptions, SignedClient};
 use fort_core::schema::{load_needs, Needs, Registry};
 use fort_core::sign::Signer;
 use fort_core::store::Store;
-use fort_core::wire::MAX_BATCH_ITEMS;
+use fort_core::wire::{Delivered, MAX_BATCH_ITEMS};
 use fort_fulfill::{FulfillOptions, Fulfiller};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -98,10 +98,11 @@ async fn satisfy_all(f: &Fulfiller, needs: &Needs) -> Result<()> {
     let mut set = tokio::task::JoinSet::new();
     for key in needs.keys() {
         let (f, key) = (f.clone(), key.clone());
-        set.spawn(async move { f.deliver(&key, "forge", b"OK").await });
+        set.spawn(async move { f.deliver(&key, "forge", Delivered::Payload(b"OK")).await });
     }
     while let Some(r) = set.join_next().await {
-        if !r.context("deliver task")?? {
+        // Needs without files or a handler are applied inline: satisfied at once.
+        if r.context("deliver task")?? != Some(true) {
             bail!("an OK payload did not satisfy its need");
         }
     }

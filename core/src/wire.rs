@@ -83,12 +83,52 @@ pub struct CallbackBatch {
 }
 
 /// One callback of a batch: the payload bytes of §7 as text (they are always UTF-8: a
-/// string's content or compact JSON); empty is a revocation.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+/// string's content or compact JSON; empty is a revocation), or a handler's verdict
+/// (§11.9). Exactly one of the three is present.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CallbackItem {
     pub need: String,
-    pub payload: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<String>,
+}
+
+/// What a callback carries to a need (§7, §11.9).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivered<'a> {
+    /// Payload bytes; empty is a revocation.
+    Payload(&'a [u8]),
+    /// The provider's handler refused the need's request, and why.
+    Refused(&'a str),
+    /// The provider is working on it, and on what.
+    Pending(&'a str),
+}
+
+impl CallbackItem {
+    /// What the item carries; `None` unless exactly one of payload, refused, pending.
+    pub fn delivered(&self) -> Option<Delivered<'_>> {
+        match (&self.payload, &self.refused, &self.pending) {
+            (Some(p), None, None) => Some(Delivered::Payload(p.as_bytes())),
+            (None, Some(r), None) => Some(Delivered::Refused(r)),
+            (None, None, Some(r)) => Some(Delivered::Pending(r)),
+            _ => None,
+        }
+    }
+}
+
+/// The `202` body of an async request (§6.1); it carries the entry's verdict when it holds
+/// one for exactly this request (§11.9).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Accepted {
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<String>,
 }
 
 /// The reply to either batch: one result per item, in the items' order.
@@ -120,6 +160,10 @@ pub struct NeedsList {
 pub struct CallbackReply {
     pub need: String,
     pub satisfied: bool,
+    /// Recorded, and still being applied (files, the need's handler) when the reply was
+    /// sent; the outcome shows in the need's state.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub applying: bool,
 }
 
 /// Payload bytes for a provider response value (§7): a JSON string travels as its

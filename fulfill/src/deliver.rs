@@ -1,177 +1,234 @@
-//! Applying a payload from a need's provider (a callback, or an rpc reply): files first
-//! (docs/protocol.md §11.3), then the handler, or the `OK` rule for side-effect-only needs
-//! (§7); the outcome is durable before the provider is answered, so an acknowledged
-//! callback survives `kill -9`. Units restart once per round, only for changed files.
+//! What a need's provider sends (a callback, an rpc reply, a verdict in a `202`), turned
+//! into the need's state (docs/protocol.md §7, §11.9): a payload for a need with files or
+//! a handler is recorded and applied in the consumer's own time (`apply.rs`); a payload
+//! for a side-effect-only need, a revocation and a verdict are decided at once. Whatever is
+//! decided is on disk before the provider is answered, so an acknowledged callback
+//! survives `kill -9`.
 
 use std::time::Duration;
 
-use base64::Engine;
 use fort_core::canonical::sha256_hex;
 use fort_core::names::NeedKey;
-use fort_core::process::{run, RunSpec};
-use fort_core::wire::unix_now;
+use fort_core::text::printable;
+use fort_core::wire::{unix_now, Delivered};
 
 use crate::files::Written;
-use crate::fulfiller::{nag, next_attendance, renewal_phase, STDERR_IN_LOG};
+use crate::fulfiller::{nag, next_attendance};
 use crate::schedule::{backoff, jittered};
 use crate::state::Phase;
 use crate::{DeliverError, Fulfiller};
 
+/// Longest reason from a provider the state keeps (§11.9).
+pub(crate) const PROVIDER_REASON_CHARS: usize = 200;
+
 impl Fulfiller {
-    /// A payload from the need's provider. Returns whether the need is now satisfied.
+    /// What the need's provider sent. Returns whether the need is satisfied now, or
+    /// `None` for a payload still being applied (it is applied all the same).
     pub async fn deliver(
         &self,
         key: &NeedKey,
         origin: &str,
-        payload: &[u8],
-    ) -> Result<bool, DeliverError> {
+        what: Delivered<'_>,
+    ) -> Result<Option<bool>, DeliverError> {
         let spec = self.spec(key).ok_or(DeliverError::UnknownNeed)?;
-        let lock = {
-            let mut locks = self.inner.need_locks.lock();
-            locks.entry(key.clone()).or_default().clone()
-        };
-        // One run per need at a time. A provider sending callbacks faster than the
-        // handler runs is told to come back, rather than holding request slots.
-        let Ok(_one_run) = tokio::time::timeout(Duration::from_secs(5), lock.lock()).await else {
-            return Err(DeliverError::Busy);
-        };
-        let digest = sha256_hex(payload);
-        let before = self.state(key);
-        if payload.is_empty() {
-            // A revocation: the files stay (the last good credential keeps serving).
-            self.set_outcome(
-                key,
-                false,
-                Phase::Pending,
-                Some("revoked by the provider".into()),
-            )
-            .await?;
-            tracing::info!(need = %key, from = origin, "payload revoked");
-            self.after(key, &spec, Some(jittered(nag(&spec))));
-            return Ok(false);
-        }
-        match self.apply(key, &spec, origin, payload).await {
-            Err(reason) => {
-                self.set_outcome(key, false, Phase::Failed, Some(reason.clone()))
-                    .await?;
-                tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
-                let failures = {
-                    let mut view = self.inner.view.lock();
-                    let f = view.failures_mut(key);
-                    *f += 1;
-                    *f
-                };
-                self.after(
-                    key,
-                    &spec,
-                    Some(backoff(self.inner.opts.backoff, failures, nag(&spec))),
-                );
-                Ok(false)
+        let decided = match what {
+            Delivered::Payload([]) => self.revoked(key, &spec, origin).await,
+            Delivered::Payload(payload) if spec.side_effect_only() => {
+                self.side_effect(key, &spec, origin, payload).await
             }
-            Ok(written) => {
-                let now = unix_now();
-                let expires_at = crate::expiry::expiry(payload);
-                let keep_payload = self.inner.view.lock().referenced.contains(key);
-                let key_s = key.to_string();
-                let state = self
-                    .inner
-                    .store
-                    .change_durable(|c| {
-                        let mut st = c.get(&key_s).cloned()?;
-                        if !st.satisfied {
-                            st.satisfied_at = Some(now);
-                            st.attempts = 0;
-                        }
-                        st.satisfied = true;
-                        st.expires_at = expires_at;
-                        let phase = renewal_phase(&spec, &st, now).unwrap_or(Phase::Satisfied);
-                        if st.phase != phase {
-                            st.since = now;
-                        }
-                        st.phase = phase;
-                        st.last_error = match (phase, expires_at) {
-                            (Phase::Expired, Some(at)) => {
-                                Some(format!("the payload received expired at {at}"))
-                            }
-                            (Phase::Expiring, Some(at)) => {
-                                Some(format!("the payload received expires at {at}"))
-                            }
-                            _ => None,
-                        };
-                        st.payload_sha256 = Some(digest.clone());
-                        st.received += 1;
-                        st.received_at = Some(now);
-                        st.files = written.files.clone();
-                        st.payload = keep_payload
-                            .then(|| base64::engine::general_purpose::STANDARD.encode(payload));
-                        c.put(key_s.clone(), st.clone());
-                        Some(st)
-                    })
-                    .await?;
-                let Some(state) = state else {
-                    return Err(DeliverError::UnknownNeed);
-                };
-                self.inner.view.lock().clear_failures(key);
-                tracing::info!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, files_changed = written.changed, state = state.phase.as_str(), "payload applied");
-                if written.changed {
-                    self.inner
-                        .units
-                        .request(&spec.restart_units, &spec.reload_units);
-                }
-                if before.payload_sha256.as_deref() != Some(digest.as_str()) || !before.satisfied {
-                    self.wake_dependents(key);
-                }
-                self.after(key, &spec, next_attendance(&spec, &state, now));
-                Ok(true)
+            Delivered::Payload(payload) => {
+                let seq = self
+                    .accept(key, origin, payload)
+                    .await?
+                    .ok_or(DeliverError::UnknownNeed)?;
+                tracing::debug!(need = %key, from = origin, bytes = payload.len(), "payload recorded");
+                return Ok(self.outcome_of(key, seq).await);
             }
-        }
+            Delivered::Refused(reason) => self.refused(key, &spec, origin, reason).await,
+            Delivered::Pending(reason) => self.waiting_on(key, &spec, origin, reason).await,
+        };
+        decided.map(Some)
     }
 
-    /// Files, then the handler or the `OK` rule. `Err` is the one-line reason.
-    async fn apply(
+    /// A revocation: the files stay (the last good credential keeps serving); a payload
+    /// still waiting to be applied is dropped.
+    async fn revoked(
+        &self,
+        key: &NeedKey,
+        spec: &fort_core::schema::NeedSpec,
+        origin: &str,
+    ) -> Result<bool, DeliverError> {
+        self.supersede(key, Phase::Pending, "revoked by the provider".into())
+            .await?;
+        tracing::info!(need = %key, from = origin, "payload revoked");
+        self.after(key, Some(jittered(nag(spec))));
+        Ok(false)
+    }
+
+    /// The provider's handler refused the need's request (§11.9): `failed`, with its
+    /// reason, asked again after a nag interval; the files stay.
+    async fn refused(
+        &self,
+        key: &NeedKey,
+        spec: &fort_core::schema::NeedSpec,
+        origin: &str,
+        reason: &str,
+    ) -> Result<bool, DeliverError> {
+        let reason = format!(
+            "refused by {origin}: {}",
+            printable(reason, PROVIDER_REASON_CHARS)
+        );
+        tracing::warn!(need = %key, from = origin, reason = %reason, "request refused by the provider's handler");
+        self.supersede(key, Phase::Failed, reason).await?;
+        self.after(key, Some(jittered(nag(spec))));
+        Ok(false)
+    }
+
+    /// The provider works on it (§11.9): state and payload stay; the reason says why it
+    /// waits, and the need is asked again after a nag interval.
+    async fn waiting_on(
+        &self,
+        key: &NeedKey,
+        spec: &fort_core::schema::NeedSpec,
+        origin: &str,
+        reason: &str,
+    ) -> Result<bool, DeliverError> {
+        let note = format!(
+            "{origin} is working on it: {}",
+            printable(reason, PROVIDER_REASON_CHARS)
+        );
+        let key_s = key.to_string();
+        let satisfied = self
+            .inner
+            .store
+            .change_durable(|c| {
+                let mut st = c.get(&key_s).cloned()?;
+                // What is running out stays in front: the operator must still see it.
+                let reason = match (st.phase, st.expires_at) {
+                    (Phase::Expiring | Phase::Expired, Some(at)) => {
+                        format!("{} {}; {note}", st.phase.as_str(), crate::status::when(at))
+                    }
+                    _ => note.clone(),
+                };
+                st.last_error = Some(reason);
+                let satisfied = st.satisfied;
+                c.put(key_s.clone(), st);
+                Some(satisfied)
+            })
+            .await?
+            .ok_or(DeliverError::UnknownNeed)?;
+        tracing::info!(need = %key, from = origin, note = %note, "provider is working on it");
+        self.after(key, Some(jittered(nag(spec))));
+        Ok(satisfied)
+    }
+
+    /// Records an outcome that supersedes any payload still waiting or being applied.
+    async fn supersede(
+        &self,
+        key: &NeedKey,
+        phase: Phase,
+        reason: String,
+    ) -> Result<(), DeliverError> {
+        let key_s = key.to_string();
+        let now = unix_now();
+        let seq = self
+            .inner
+            .store
+            .change_durable(|c| {
+                let mut st = c.get(&key_s).cloned()?;
+                st.seq += 1;
+                st.inbox = None;
+                if st.satisfied {
+                    st.satisfied_at = None;
+                }
+                if st.phase != phase {
+                    st.since = now;
+                }
+                st.satisfied = false;
+                st.phase = phase;
+                st.last_error = Some(reason.clone());
+                let seq = st.seq;
+                c.put(key_s.clone(), st);
+                Some(seq)
+            })
+            .await?
+            .ok_or(DeliverError::UnknownNeed)?;
+        self.publish_outcome(key, seq, false);
+        Ok(())
+    }
+
+    /// A side-effect-only need: `OK` satisfies it; nothing can take long, so it is
+    /// decided at once.
+    async fn side_effect(
         &self,
         key: &NeedKey,
         spec: &fort_core::schema::NeedSpec,
         origin: &str,
         payload: &[u8],
-    ) -> Result<Written, String> {
-        let written = if spec.files.is_empty() {
-            Written::default()
-        } else {
-            let files = spec.files.clone();
-            let data = payload.to_vec();
-            tokio::task::spawn_blocking(move || crate::files::write_all(&files, &data))
-                .await
-                .map_err(|e| format!("writing files failed: {e}"))??
-        };
-        if let Some(handler) = &spec.handler {
-            self.inner
-                .spawned
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let run_spec = RunSpec::new(handler, payload.to_vec(), self.inner.opts.handler_timeout)
-                .env("FORT_HOST", self.inner.opts.host.clone())
-                .env("FORT_NEED", key.to_string())
-                .env("FORT_ORIGIN", origin.to_owned())
-                .envs(self.inner.opts.handler_environment.clone());
-            if let Err(e) = run(&run_spec).await {
-                tracing::warn!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "need handler failed");
-                return Err(format!("handler failed: {}", e.summary()));
+    ) -> Result<bool, DeliverError> {
+        let digest = sha256_hex(payload);
+        let before = self.state(key);
+        let ok = payload == b"OK" || payload == b"OK\n";
+        let now = unix_now();
+        let key_s = key.to_string();
+        let state = self
+            .inner
+            .store
+            .change_durable(|c| {
+                let mut st = c.get(&key_s).cloned()?;
+                st.seq += 1;
+                st.inbox = None;
+                if ok {
+                    self.record_satisfied(&mut st, spec, now, None, &digest, &Written::default());
+                } else {
+                    if st.phase != Phase::Failed {
+                        st.since = now;
+                    }
+                    if st.satisfied {
+                        st.satisfied_at = None;
+                    }
+                    st.satisfied = false;
+                    st.phase = Phase::Failed;
+                    // The payload may be a credential sent to the wrong need: only its
+                    // size and hash ever reach the log and the state.
+                    st.last_error = Some(format!(
+                        "the provider sent {} bytes (sha256 {}) instead of OK",
+                        payload.len(),
+                        &digest[..16]
+                    ));
+                }
+                c.put(key_s.clone(), st.clone());
+                Some(st)
+            })
+            .await?
+            .ok_or(DeliverError::UnknownNeed)?;
+        self.publish_outcome(key, state.seq, ok);
+        if ok {
+            self.inner.view.lock().clear_failures(key);
+            tracing::info!(need = %key, from = origin, "payload applied");
+            if before.payload_sha256.as_deref() != Some(digest.as_str()) || !before.satisfied {
+                self.wake_dependents(key);
             }
-        } else if spec.side_effect_only() && payload != b"OK" && payload != b"OK\n" {
-            // The payload may be a credential sent to the wrong need: only its size and
-            // hash ever reach the log and the state.
-            return Err(format!(
-                "the provider sent {} bytes (sha256 {}) instead of OK",
-                payload.len(),
-                &sha256_hex(payload)[..16]
-            ));
+            self.after(key, next_attendance(spec, &state, now));
+        } else {
+            tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, "payload not applied: not OK");
+            let failures = {
+                let mut view = self.inner.view.lock();
+                let f = view.failures_mut(key);
+                *f += 1;
+                *f
+            };
+            self.after(
+                key,
+                Some(backoff(self.inner.opts.backoff, failures, nag(spec))),
+            );
         }
-        Ok(written)
+        Ok(ok)
     }
 
     /// Plans what comes after a payload. The payload may answer an older request (the
     /// protocol cannot say which); a request changed since must still go out at once.
-    fn after(&self, key: &NeedKey, _spec: &fort_core::schema::NeedSpec, next: Option<Duration>) {
+    pub(crate) fn after(&self, key: &NeedKey, next: Option<Duration>) {
         let superseded = self.inner.view.lock().is_unsent(key);
         if superseded {
             self.schedule(key, Some(Duration::ZERO));

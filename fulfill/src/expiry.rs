@@ -2,13 +2,20 @@
 //! the X.509 certificates in a PEM payload, or a top-level `expires_at` (unix seconds) of
 //! a JSON object payload. Anything else has no expiry.
 
+/// The latest expiry taken as one: 9999-12-31T23:59:59Z. Beyond it (a certificate's
+/// "no well-defined expiry", a hostile `expires_at` of 2^64 − 1) there is none.
+pub const LATEST: u64 = 253_402_300_799;
+
 /// The payload's expiry in unix seconds, if it has one.
 pub fn expiry(payload: &[u8]) -> Option<u64> {
-    if let Some(at) = pem_expiry(payload) {
-        return Some(at);
-    }
-    let json: serde_json::Value = serde_json::from_slice(payload).ok()?;
-    json.as_object()?.get("expires_at")?.as_u64()
+    let at = match pem_expiry(payload) {
+        Some(at) => at,
+        None => {
+            let json: serde_json::Value = serde_json::from_slice(payload).ok()?;
+            json.as_object()?.get("expires_at")?.as_u64()?
+        }
+    };
+    (at < LATEST).then_some(at)
 }
 
 fn pem_expiry(payload: &[u8]) -> Option<u64> {

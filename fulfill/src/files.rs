@@ -1,17 +1,23 @@
 //! Files written from a payload (docs/protocol.md §11.3): the content is the payload or
 //! the value at a JSON pointer in it; each file is written atomically with its owner,
 //! group and mode already set when it appears; and an unchanged file is not touched at
-//! all, so nothing restarts for a payload that did not change.
+//! all, so nothing restarts for a payload that did not change. Every directory on the way
+//! is reached without following links (`safe_path`), so a local user cannot redirect
+//! where these writes, reads and removals land.
 
+/// For `fort-agent check`: a delivery path a local user could redirect.
+pub use crate::safe_path::unsafe_parent;
 use std::collections::BTreeMap;
-use std::ffi::CString;
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::ffi::{CString, OsString};
+use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use fort_core::canonical::sha256_hex;
 use fort_core::schema::FileSpec;
+use rustix::fs::{self as rfs, Mode, OFlags};
+
+use crate::safe_path::{holds, open_parent, open_regular, sha256_of};
 
 /// What writing a payload's files did.
 #[derive(Debug, Default)]
@@ -20,6 +26,8 @@ pub struct Written {
     pub files: BTreeMap<String, String>,
     /// Whether any file's content changed (the units restart only then).
     pub changed: bool,
+    /// Whether a file was made where there was none before (its first delivery).
+    pub created: bool,
 }
 
 /// The content one file gets from a payload.
@@ -39,8 +47,12 @@ pub fn content(payload: &[u8], pointer: &str) -> Result<Vec<u8>, String> {
 /// Looks a user or group up through NSS (so systemd's dynamic users and directory
 /// services count), or takes a numeric id as is.
 #[allow(unsafe_code)]
-fn account_id(name: &str, group: bool) -> Result<u32, String> {
+pub fn account_id(name: &str, group: bool) -> Result<u32, String> {
     if let Ok(id) = name.parse::<u32>() {
+        // (uid_t)-1 means "leave unchanged" to chown: never a real owner.
+        if id == u32::MAX {
+            return Err(format!("{name} is not a usable id"));
+        }
         return Ok(id);
     }
     let what = if group { "group" } else { "user" };
@@ -104,107 +116,118 @@ pub fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> 
     }
     let mut out = Written::default();
     for (f, data, uid, gid) in planned {
-        let changed = write_one(&f.path, &data, uid, gid, f.mode_bits())
+        let outcome = write_one(&f.path, &data, uid, gid, f.mode_bits())
             .map_err(|e| format!("file {}: cannot write {}: {e}", f.label(), f.path.display()))?;
-        out.changed |= changed;
+        out.changed |= outcome != Outcome::Unchanged;
+        out.created |= outcome == Outcome::Created;
         out.files
             .insert(f.path.display().to_string(), sha256_hex(&data));
     }
     Ok(out)
 }
 
-/// Creates the missing directories of `dir` with mode 0755, whatever the umask (the
-/// agent runs with 0077): a service must traverse them to reach its own file. Existing
-/// directories are left as they are.
-fn create_traversable(dir: &Path) -> std::io::Result<()> {
-    let missing: Vec<&Path> = dir
-        .ancestors()
-        .take_while(|d| std::fs::symlink_metadata(d).is_err())
-        .collect();
-    for d in missing.into_iter().rev() {
-        match std::fs::DirBuilder::new().mode(0o755).create(d) {
-            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?,
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    Unchanged,
+    Replaced,
+    Created,
 }
 
-/// Writes one file unless it already holds `data` with this owner and mode; returns
-/// whether the content changed.
-fn write_one(path: &Path, data: &[u8], uid: u32, gid: u32, mode: u32) -> std::io::Result<bool> {
-    let dir = path.parent().unwrap_or(Path::new("/"));
-    create_traversable(dir)?;
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if meta.file_type().is_file() && meta.len() == data.len() as u64 {
-            let same = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(path)
-                .and_then(|mut f| {
-                    let mut old = Vec::with_capacity(data.len());
-                    std::io::Read::read_to_end(&mut f, &mut old)?;
-                    Ok((old == data, f))
-                });
-            if let Ok((true, file)) = same {
-                // Same content: only put owner and mode right, through the open file.
-                if meta.uid() != uid || meta.gid() != gid {
-                    std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
-                }
-                if meta.mode() & 0o7777 != mode {
-                    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
-                }
-                return Ok(false);
+/// Writes one file unless it already holds `data`; either way owner and mode end right.
+fn write_one(path: &Path, data: &[u8], uid: u32, gid: u32, mode: u32) -> std::io::Result<Outcome> {
+    let (dir, name) = open_parent(path, true)?;
+    let existing = open_regular(&dir, name)?;
+    let mut outcome = Outcome::Created;
+    if let Some((fd, stat)) = existing {
+        if holds(&fd, &stat, data)? {
+            // Same content: only put owner and mode right, through the open file.
+            if stat.st_uid != uid || stat.st_gid != gid {
+                rfs::fchown(
+                    &fd,
+                    Some(rfs::Uid::from_raw(uid)),
+                    Some(rfs::Gid::from_raw(gid)),
+                )?;
             }
+            if stat.st_mode & 0o7777 != mode {
+                rfs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+            }
+            return Ok(Outcome::Unchanged);
         }
+        outcome = Outcome::Replaced;
+    } else if rfs::statat(&dir, name, rfs::AtFlags::SYMLINK_NOFOLLOW).is_ok() {
+        // Something that is not a regular file (a link, a FIFO) sits there: replaced.
+        outcome = Outcome::Replaced;
     }
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = dir.join(format!(
-        ".{name}.fort-tmp.{}.{}",
+    let mut tmp = OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(
+        ".fort-tmp.{}.{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
+    let tmp = OsString::from_vec(tmp.into_vec());
     let result = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        file.write_all(data)?;
+        let file = rfs::openat(
+            &dir,
+            tmp.as_os_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        let mut written = 0;
+        while written < data.len() {
+            written += rustix::io::write(&file, &data[written..])?;
+        }
         // Owner and mode before the file has its name: no reader ever sees it otherwise.
-        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
-        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        file.sync_all()?;
+        rfs::fchown(
+            &file,
+            Some(rfs::Uid::from_raw(uid)),
+            Some(rfs::Gid::from_raw(gid)),
+        )?;
+        rfs::fchmod(&file, Mode::from_raw_mode(mode))?;
+        rfs::fsync(&file)?;
         drop(file);
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        rfs::renameat(&dir, tmp.as_os_str(), &dir, name)?;
+        rfs::fsync(&dir)?;
+        Ok::<(), rustix::io::Errno>(())
     })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    if let Err(e) = result {
+        let _ = rfs::unlinkat(&dir, tmp.as_os_str(), rfs::AtFlags::empty());
+        return Err(e.into());
     }
-    result.map(|()| true)
+    Ok(outcome)
 }
 
-/// Whether every file still holds what was written (a reboot empties `/run`).
+/// The first file that no longer holds what was written (a reboot empties `/run`; a local
+/// user may have replaced it), if any. Reads are bounded and never block.
 pub fn missing(files: &BTreeMap<String, String>) -> Option<String> {
     for (path, sha) in files {
-        let ok = std::fs::read(path).is_ok_and(|data| sha256_hex(&data) == *sha);
-        if !ok {
+        if !still_holds(Path::new(path), sha) {
             return Some(path.clone());
         }
     }
     None
 }
 
-/// Removes the files of a need that is gone. Only files: directories may be shared.
+fn still_holds(path: &Path, sha: &str) -> bool {
+    let Ok((dir, name)) = open_parent(path, false) else {
+        return false;
+    };
+    match open_regular(&dir, name) {
+        Ok(Some((fd, stat))) => sha256_of(&fd, &stat).ok().flatten().as_deref() == Some(sha),
+        _ => false,
+    }
+}
+
+/// Removes the files of a need that is gone. Only files (never a directory), and only
+/// through their real parent directories.
 pub fn remove_all<'a>(paths: impl IntoIterator<Item = &'a String>) {
     for path in paths {
-        match std::fs::remove_file(path) {
-            Ok(()) => tracing::info!(file = %path, "removed the file of a need no longer declared"),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        match remove_one(Path::new(path)) {
+            Ok(true) => {
+                tracing::info!(file = %path, "removed the file of a need no longer declared")
+            }
+            Ok(false) => {}
             Err(e) => {
                 tracing::warn!(file = %path, error = %e, "cannot remove the file of a need no longer declared")
             }
@@ -212,9 +235,27 @@ pub fn remove_all<'a>(paths: impl IntoIterator<Item = &'a String>) {
     }
 }
 
+fn remove_one(path: &Path) -> std::io::Result<bool> {
+    let (dir, name) = match open_parent(path, false) {
+        Ok(found) => found,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    match rfs::statat(&dir, name, rfs::AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::Directory => Ok(false),
+        Ok(_) => {
+            rfs::unlinkat(&dir, name, rfs::AtFlags::empty())?;
+            Ok(true)
+        }
+        Err(rustix::io::Errno::NOENT) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn spec(path: &Path, pointer: &str) -> FileSpec {
         let me = unsafe_free_ids();
@@ -283,5 +324,61 @@ mod tests {
             "{err}"
         );
         assert!(!dir.path().join("x").exists());
+    }
+
+    #[test]
+    fn a_symlinked_parent_is_never_written_through_nor_removed_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::write(victim.join("secret"), "theirs").unwrap();
+        std::fs::create_dir(dir.path().join("shared")).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("shared/sub")).unwrap();
+        let path = dir.path().join("shared/sub/secret");
+        let err = write_all(&[spec(&path, "")], b"mine").unwrap_err();
+        assert!(err.contains("symbolic link"), "{err}");
+        assert_eq!(std::fs::read(victim.join("secret")).unwrap(), b"theirs");
+        remove_all([&path.display().to_string()]);
+        assert!(victim.join("secret").exists());
+        assert!(missing(&[(path.display().to_string(), sha256_hex(b"theirs"))].into()).is_some());
+    }
+
+    #[test]
+    fn fifos_links_and_huge_files_are_not_what_was_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let sha = sha256_hex(b"data");
+        let files: BTreeMap<String, String> = [(path.display().to_string(), sha)].into();
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap()
+            .success());
+        assert!(missing(&files).is_some(), "a FIFO");
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert!(missing(&files).is_some(), "a link to /dev/zero");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 31)
+            .unwrap();
+        assert!(missing(&files).is_some(), "a huge sparse file");
+        // And a FIFO in the file's place is replaced by the next write, not read.
+        std::fs::remove_file(&path).unwrap();
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap()
+            .success());
+        let w = write_all(&[spec(&path, "")], b"data").unwrap();
+        assert!(w.changed);
+        assert!(missing(&w.files).is_none());
+    }
+
+    #[test]
+    fn owner_minus_one_is_refused() {
+        assert!(account_id("4294967295", false).is_err());
+        assert_eq!(account_id("0", false), Ok(0));
     }
 }

@@ -17,7 +17,7 @@ use fort_core::schema::refs::{extract, resolve};
 use fort_core::schema::{NeedSpec, Needs, Registry};
 use fort_core::store::{PersistError, Store};
 use fort_core::wire::{unix_now, AsyncBody};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -43,9 +43,18 @@ pub struct FulfillOptions {
     pub batches: bool,
 }
 
-/// Batched callbacks with files or a handler applied at once, across all batches: as
-/// many as two providers' shares of single callbacks (`[callbacks] per_consumer`) bring.
-const BATCH_APPLIERS: usize = 8;
+/// Payloads with files or a handler applied at once, across all needs: as many as two
+/// providers' shares of callbacks (`[callbacks] per_consumer`) bring at once.
+const APPLIERS: usize = 8;
+
+/// The furthest ahead anything is planned: a far expiry (or a hostile one) is looked at
+/// again then, and no deadline arithmetic can overflow.
+pub(crate) const MAX_PLAN: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// `now + after`, never overflowing, never further than [`MAX_PLAN`].
+pub(crate) fn deadline(now: Instant, after: Duration) -> Instant {
+    now.checked_add(after.min(MAX_PLAN)).unwrap_or(now)
+}
 
 /// How much of a failed handler's stderr goes to the log (never to the state).
 pub(crate) const STDERR_IN_LOG: usize = 2048;
@@ -81,6 +90,8 @@ pub(crate) struct View {
     dependents: HashMap<NeedKey, Vec<NeedKey>>,
     /// Needs whose payload other needs' requests are built from (it is kept).
     pub referenced: HashSet<NeedKey>,
+    /// Needs whose applier runs (`apply.rs`).
+    pub(crate) applying: HashSet<NeedKey>,
 }
 
 pub(crate) struct Inner {
@@ -89,14 +100,16 @@ pub(crate) struct Inner {
     pub(crate) client: SignedClient,
     pub view: Mutex<View>,
     wake: Notify,
-    pub need_locks: Mutex<HashMap<NeedKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per need, the latest callback whose outcome is recorded, and whether it satisfied
+    /// the need: a callback's reply waits on it.
+    pub(crate) applied: Mutex<HashMap<NeedKey, watch::Sender<(u64, bool)>>>,
     pub(crate) providers: Mutex<HashMap<String, Arc<Semaphore>>>,
     pub(crate) batcher: Arc<Batcher>,
-    /// Batched callbacks that write files or run a handler, applied at once (all batches
-    /// together): a batch must not turn one request slot into dozens of processes.
-    batch_appliers: Semaphore,
+    /// Payloads being applied at once (files, handlers): callbacks must not turn into
+    /// dozens of processes.
+    pub(crate) appliers: Semaphore,
     pub tasks: TaskTracker,
-    shutdown: CancellationToken,
+    pub(crate) shutdown: CancellationToken,
     pub spawned: std::sync::atomic::AtomicU64,
     pub units: Units,
     started: std::sync::atomic::AtomicBool,
@@ -112,8 +125,6 @@ pub struct Fulfiller {
 pub enum DeliverError {
     #[error("no such need")]
     UnknownNeed,
-    #[error("the need's handler is still busy with an earlier payload")]
-    Busy,
     #[error(transparent)]
     Persist(#[from] PersistError),
 }
@@ -152,10 +163,10 @@ impl Fulfiller {
                 client,
                 view: Mutex::new(View::default()),
                 wake: Notify::new(),
-                need_locks: Mutex::new(HashMap::new()),
+                applied: Mutex::new(HashMap::new()),
                 providers: Mutex::new(HashMap::new()),
                 batcher: Default::default(),
-                batch_appliers: Semaphore::new(BATCH_APPLIERS),
+                appliers: Semaphore::new(APPLIERS),
                 tasks,
                 shutdown,
                 spawned: Default::default(),
@@ -163,11 +174,6 @@ impl Fulfiller {
                 started: Default::default(),
             }),
         }
-    }
-
-    /// Slots for applying batched callbacks that write files or run a handler.
-    pub fn batch_appliers(&self) -> &Semaphore {
-        &self.inner.batch_appliers
     }
 
     pub fn store(&self) -> &Store<NeedState> {
@@ -197,6 +203,29 @@ impl Fulfiller {
             .inner
             .started
             .swap(true, std::sync::atomic::Ordering::Relaxed);
+        // Files are looked at outside the state's lock, off the runtime's threads: what a
+        // local user put in their place (a FIFO, a huge file) costs a bounded read there,
+        // never a stalled agent.
+        let lost = if first {
+            let satisfied: Vec<(String, std::collections::BTreeMap<String, String>)> =
+                self.inner.store.read(|s| {
+                    s.iter()
+                        .filter(|(_, st)| st.satisfied)
+                        .map(|(k, st)| (k.clone(), st.files.clone()))
+                        .collect()
+                });
+            tokio::task::spawn_blocking(move || {
+                satisfied
+                    .into_iter()
+                    .filter_map(|(k, files)| crate::files::missing(&files).map(|p| (k, p)))
+                    .collect::<HashMap<String, String>>()
+            })
+            .await
+            .unwrap_or_default()
+        } else {
+            HashMap::new()
+        };
+        let mut stale_files = Vec::new();
         let ((removed, fresh), ticket) = self.inner.store.change(|c| {
             let mut removed = Vec::new();
             let mut fresh = Vec::new();
@@ -223,7 +252,7 @@ impl Fulfiller {
                     if !st.from.is_empty() && st.from != spec.from {
                         removed.push((key.to_string(), st.from.clone(), stale));
                     } else {
-                        crate::files::remove_all(&stale);
+                        stale_files.extend(stale);
                     }
                     fresh.push(key.clone());
                     st = NeedState {
@@ -233,20 +262,32 @@ impl Fulfiller {
                         ..Default::default()
                     };
                     c.put(key.to_string(), st);
-                } else if first && st.satisfied {
-                    if let Some(path) = crate::files::missing(&st.files) {
-                        st.satisfied = false;
-                        st.satisfied_at = None;
-                        st.phase = Phase::Pending;
-                        st.since = now;
-                        st.last_error = Some(format!("{path} is gone (a reboot?); asking again"));
-                        c.put(key.to_string(), st);
-                    }
+                } else if let Some(path) = lost.get(key.as_str()).filter(|_| st.satisfied) {
+                    st.satisfied = false;
+                    st.satisfied_at = None;
+                    st.phase = Phase::Pending;
+                    st.since = now;
+                    st.last_error = Some(format!(
+                        "{path} is gone or no longer what was written (a reboot?); asking again"
+                    ));
+                    c.put(key.to_string(), st);
+                } else if let Some(phase) =
+                    renewal_phase(spec, &st, now).filter(|p| *p != st.phase && st.satisfied)
+                {
+                    // The state follows the clock, not the last event: a payload that
+                    // expired while the agent was down shows as expired at once.
+                    st.phase = phase;
+                    st.since = now;
+                    c.put(key.to_string(), st);
                 }
             }
             (removed, fresh)
         })?;
         self.inner.store.wait(ticket).await?;
+        if !stale_files.is_empty() {
+            let _ =
+                tokio::task::spawn_blocking(move || crate::files::remove_all(&stale_files)).await;
+        }
         let states = self.inner.store.read(|s| s.clone());
         {
             let mut view = self.inner.view.lock();
@@ -255,7 +296,7 @@ impl Fulfiller {
             for (key, spec) in &needs {
                 let st = states.get(key.as_str()).cloned().unwrap_or_default();
                 if let Some(delay) = next_attendance(spec, &st, now) {
-                    view.due.set(key, at + delay);
+                    view.due.set(key, deadline(at, delay));
                 }
             }
             view.unsent.retain(|k| needs.contains_key(k));
@@ -273,6 +314,14 @@ impl Fulfiller {
             view.needs = Arc::new(needs);
             view.registry = registry.clone();
         }
+        // Payloads recorded before a crash (or a stop) are applied now.
+        for (key, st) in &states {
+            if st.inbox.is_some() {
+                if let Some(need) = NeedKey::parse(key) {
+                    self.start_applier(&need);
+                }
+            }
+        }
         for (key, from, files) in removed {
             let me = self.clone();
             let registry = registry.clone();
@@ -281,7 +330,8 @@ impl Fulfiller {
                 // Declared again meanwhile: the files are the new declaration's.
                 let again = NeedKey::parse(&key).is_some_and(|k| me.spec(&k).is_some());
                 if !again {
-                    crate::files::remove_all(&files);
+                    let _ =
+                        tokio::task::spawn_blocking(move || crate::files::remove_all(&files)).await;
                 }
             });
         }
@@ -417,7 +467,7 @@ impl Fulfiller {
     pub(crate) fn schedule(&self, key: &NeedKey, after: Option<Duration>) {
         let mut view = self.inner.view.lock();
         match after {
-            Some(d) => view.due.plan_earliest(key, Instant::now() + d),
+            Some(d) => view.due.plan_earliest(key, deadline(Instant::now(), d)),
             None => view.due.remove(key),
         }
         drop(view);
@@ -428,7 +478,7 @@ impl Fulfiller {
     pub(crate) fn reschedule(&self, key: &NeedKey, after: Option<Duration>) {
         let mut view = self.inner.view.lock();
         match after {
-            Some(d) => view.due.set(key, Instant::now() + d),
+            Some(d) => view.due.set(key, deadline(Instant::now(), d)),
             None => view.due.remove(key),
         }
         drop(view);
@@ -525,11 +575,33 @@ impl Fulfiller {
         let now = unix_now();
         let renewal = renewal_phase(&spec, &st, now);
         if let Some(phase) = renewal {
-            let reason = match (phase, st.expires_at) {
-                (Phase::Expired, Some(at)) => format!("expired at {at}; asking for a new one"),
-                (_, Some(at)) => format!("expires at {at}; asking for a new one"),
-                _ => "renewing".into(),
+            let at = st.expires_at.map(crate::status::when).unwrap_or_default();
+            let word = if phase == Phase::Expired {
+                "expired"
+            } else {
+                "expires"
             };
+            // A renewal goes out at most once per nag interval: a provider that answers it
+            // with a payload already inside the window (a CA issuing short lifetimes, a
+            // stale cached response) must not be asked again at once, forever.
+            if let Some(wait) = renewal_wait(&spec, &st, now) {
+                let asked = st.renewal_sought_at.unwrap_or(now);
+                let reason = st
+                    .last_error
+                    .clone()
+                    .filter(|r| r.starts_with("the payload received"))
+                    .unwrap_or_else(|| {
+                        format!(
+                            "{word} {at}; asked for a new one {}, asking again {}",
+                            crate::status::ago(asked, now),
+                            crate::status::in_(wait.as_secs())
+                        )
+                    });
+                self.set_phase(key, phase, Some(reason));
+                self.schedule(key, Some(wait));
+                return;
+            }
+            let reason = format!("{word} {at}; asking for a new one");
             if st.phase != phase {
                 tracing::info!(need = %key, state = phase.as_str(), "{reason}");
             }
@@ -644,22 +716,32 @@ pub(crate) fn next_attendance(spec: &NeedSpec, st: &NeedState, now: u64) -> Opti
         return Some(Duration::ZERO);
     }
     let mut next = (spec.check.is_some() || spec.never_satisfied).then(|| jittered(nag(spec)));
+    let mut sooner = |d: Duration| next = Some(next.map_or(d, |n: Duration| n.min(d)));
     if let Some(at) = st.expires_at {
-        // Renewal from `renew_before` ahead of the expiry; an expired payload shows as
-        // such the moment it expires either way.
+        // Renewal from `renew_before` ahead of the expiry (at the expiry without it); an
+        // expired payload shows as such the moment it expires.
         let renew_at = spec
             .renew_before_seconds
             .map_or(at, |before| at.saturating_sub(before));
-        for moment in [renew_at, at] {
-            if moment >= now {
-                let d = Duration::from_secs(moment - now);
-                next = Some(next.map_or(d, |n| n.min(d)));
-            } else if moment == renew_at && spec.renew_before_seconds.is_some() {
-                next = Some(Duration::ZERO);
-            }
+        if renew_at > now {
+            sooner(Duration::from_secs(renew_at - now));
+        } else {
+            // Due now, or once the last renewal asked is a nag interval old.
+            sooner(renewal_wait(spec, st, now).unwrap_or(Duration::ZERO));
+        }
+        if at > now {
+            sooner(Duration::from_secs(at - now));
         }
     }
-    next
+    next.map(|d| d.min(MAX_PLAN))
+}
+
+/// How long a need due for renewal still waits because a renewal was asked less than a
+/// nag interval ago (`None`: it may ask now).
+pub(crate) fn renewal_wait(spec: &NeedSpec, st: &NeedState, now: u64) -> Option<Duration> {
+    let asked = st.renewal_sought_at?;
+    let again = asked.saturating_add(spec.nag_seconds);
+    (again > now).then(|| Duration::from_secs(again - now))
 }
 
 /// `Expiring` or `Expired` when a satisfied need's payload must be renewed now.

@@ -2,6 +2,7 @@
 //! fulfilment state, the nag scheduler that asks providers, and callback handling.
 //! One in-process owner keeps the state; callbacks and the scheduler both go through it.
 
+mod apply;
 mod ask;
 mod batch;
 mod deliver;
@@ -10,6 +11,7 @@ pub mod files;
 mod fulfiller;
 mod preview;
 mod request;
+mod safe_path;
 mod schedule;
 pub mod state;
 mod status;

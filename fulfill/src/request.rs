@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use fort_core::client::Target;
 use fort_core::names::NeedKey;
-use fort_core::wire::{unix_now, AsyncBody};
+use fort_core::text::printable;
+use fort_core::wire::{unix_now, AsyncBody, Delivered};
 use tokio::sync::Semaphore;
 
 use crate::batch::{Destination, Outcome};
@@ -69,6 +70,9 @@ impl Fulfiller {
         self.update_lazy(key, |st| {
             st.last_sought = Some(sent_at);
             st.attempts += 1;
+            if renew {
+                st.renewal_sought_at = Some(sent_at);
+            }
             true
         });
         let destination = Destination {
@@ -123,6 +127,7 @@ impl Fulfiller {
                 *f
             };
             let delay = backoff(me.inner.opts.backoff, failures, nag(spec));
+            let error = printable(&error, 300);
             tracing::info!(need = %key, from = %spec.from, error = %error, retry_in = ?delay, "request failed");
             me.record_reason(key, error);
             me.schedule(key, Some(delay));
@@ -160,6 +165,25 @@ impl Fulfiller {
         match reply.status {
             202 => {
                 tracing::debug!(need = %key, from = %spec.from, "request accepted");
+                // The provider's handler already has a verdict on this very request
+                // (§11.9): it is what the callback would have said.
+                let accepted: fort_core::wire::Accepted =
+                    serde_json::from_slice(&reply.body).unwrap_or_default();
+                let verdict = if let Some(reason) = &accepted.refused {
+                    Some(Delivered::Refused(reason))
+                } else {
+                    accepted.pending.as_deref().map(Delivered::Pending)
+                };
+                if let Some(verdict) = verdict.filter(|_| reply.verified()) {
+                    self.update_lazy(key, |st| {
+                        st.sent_sha256 = Some(resolved_hash.clone());
+                        true
+                    });
+                    if let Err(e) = self.deliver(key, &spec.from, verdict).await {
+                        tracing::warn!(need = %key, error = %e, "verdict not recorded");
+                    }
+                    return;
+                }
                 self.update_lazy(key, |st| {
                     st.sent_sha256 = Some(resolved_hash);
                     if matches!(st.phase, Phase::Failed | Phase::Waiting) {
@@ -179,7 +203,10 @@ impl Fulfiller {
                     st.sent_sha256 = Some(resolved_hash);
                     true
                 });
-                if let Err(e) = self.deliver(key, &spec.from, &reply.body).await {
+                if let Err(e) = self
+                    .deliver(key, &spec.from, Delivered::Payload(&reply.body))
+                    .await
+                {
                     tracing::warn!(need = %key, error = %e, "rpc reply not recorded; asking again");
                     self.schedule(key, Some(self.inner.opts.backoff));
                 }
@@ -200,9 +227,10 @@ impl Fulfiller {
                     .ok()
                     .and_then(|b| b.message.or(Some(b.error)))
                     .unwrap_or_default();
+                // Quoted from a peer: made printable and bounded before it is stored.
                 let mut error = format!(
                     "provider answered {status}: {}",
-                    detail.chars().take(200).collect::<String>()
+                    printable(&detail, crate::deliver::PROVIDER_REASON_CHARS)
                 );
                 if let Some(server) = reply.server_time {
                     error = format!("clock skew: provider time {server}, ours {}", unix_now());
@@ -221,8 +249,12 @@ impl Fulfiller {
             // What is running out stays in the reason: an operator reading "cannot
             // connect" must still learn that the credential expires (or has).
             let reason = match (st.phase, st.expires_at) {
-                (Phase::Expired, Some(at)) => format!("expired at {at}; {reason}"),
-                (Phase::Expiring, Some(at)) => format!("expires at {at}; {reason}"),
+                (Phase::Expired, Some(at)) => {
+                    format!("expired {}; {reason}", crate::status::when(at))
+                }
+                (Phase::Expiring, Some(at)) => {
+                    format!("expires {}; {reason}", crate::status::when(at))
+                }
                 _ => reason,
             };
             let changed = st.last_error.as_deref() != Some(reason.as_str());

@@ -79,14 +79,14 @@ pub fn jittered(nag: Duration) -> Duration {
     if spread == 0 {
         return nag;
     }
-    nag + Duration::from_millis(rand::random::<u64>() % spread)
+    nag.saturating_add(Duration::from_millis(rand::random::<u64>() % spread))
 }
 
 /// Retry delay after `failures` consecutive transport failures: doubling from `base`,
 /// never longer than the nag interval.
 pub fn backoff(base: Duration, failures: u32, nag: Duration) -> Duration {
     let factor = 1u32 << failures.saturating_sub(1).min(16);
-    (base * factor).min(nag)
+    base.saturating_mul(factor).min(nag)
 }
 
 #[cfg(test)]

@@ -98,4 +98,29 @@ pub struct NeedState {
     pub received: u64,
     #[serde(default)]
     pub received_at: Option<u64>,
+    /// Callbacks received since the need was declared. A payload applied in the
+    /// background records its outcome only if nothing came after it (a revocation, a
+    /// refusal, a newer payload).
+    #[serde(default)]
+    pub seq: u64,
+    /// A payload recorded, not yet applied (files, handler): applied in the consumer's
+    /// own task, after a restart too. Kept like `payload`, in the agent's own directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inbox: Option<Inbox>,
+    /// When a renewal was last asked for (`renew: true`): renewals go out at most once
+    /// per nag interval, whatever the provider answers meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal_sought_at: Option<u64>,
+}
+
+/// A payload waiting to be applied.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Inbox {
+    /// The need's `seq` when it arrived.
+    pub seq: u64,
+    /// The provider that sent it (`FORT_ORIGIN` for the handler).
+    pub from: String,
+    /// The payload, base64.
+    pub payload: String,
 }

@@ -3,6 +3,9 @@
 
 use serde::Serialize;
 
+use fort_core::names::NeedKey;
+use fort_core::schema::NeedSpec;
+
 use crate::state::Phase;
 use crate::Fulfiller;
 
@@ -31,6 +34,70 @@ pub struct NeedStatus {
     pub next_request: Option<u64>,
 }
 
+/// The need's state as the clock has it: a satisfied need past its renewal line is
+/// `expiring`, any need past its expiry `expired`, even before it is next attended.
+fn effective_phase(spec: &NeedSpec, st: &crate::state::NeedState, wall: u64) -> Phase {
+    crate::fulfiller::renewal_phase(spec, st, wall)
+        .filter(|p| st.phase == Phase::Satisfied || *p == Phase::Expired)
+        .unwrap_or(st.phase)
+}
+
+/// The need's reason, also between the clock crossing an expiry line and the need being
+/// attended (which then says the same): a reason recorded while `expiring` reads
+/// `expired` once the clock says so.
+fn clock_reason(phase: Phase, st: &crate::state::NeedState) -> Option<String> {
+    let at = st.expires_at.map(when).unwrap_or_default();
+    match (phase, st.last_error.as_deref()) {
+        (p, reason) if p == st.phase => reason.map(str::to_owned),
+        (Phase::Expired, Some(r)) if r.starts_with("expires ") => {
+            Some(format!("expired {}", &r["expires ".len()..]))
+        }
+        (Phase::Expired, _) => Some(format!("expired at {at}; asking for a new one")),
+        (Phase::Expiring, None) => Some(format!("expires at {at}; asking for a new one")),
+        (_, reason) => reason.map(str::to_owned),
+    }
+}
+
+/// A moment for a reason line: `2026-11-25T12:00:00Z`.
+pub(crate) fn when(at: u64) -> String {
+    let t = std::time::UNIX_EPOCH
+        .checked_add(std::time::Duration::from_secs(at.min(253_402_300_799)))
+        .unwrap_or(std::time::UNIX_EPOCH);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// A duration rounded to its two largest units: `29d 23h`, `14m 30s`, `5s`.
+pub(crate) fn span(seconds: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [(86_400, "d"), (3_600, "h"), (60, "m"), (1, "s")];
+    let mut parts = Vec::new();
+    let mut rest = seconds;
+    for (size, unit) in UNITS {
+        if rest >= size || (parts.is_empty() && size == 1) {
+            parts.push(format!("{}{unit}", rest / size));
+            rest %= size;
+        }
+        if parts.len() == 2 {
+            break;
+        }
+    }
+    parts.join(" ")
+}
+
+/// `in 14m 30s`.
+pub(crate) fn in_(seconds: u64) -> String {
+    format!("in {}", span(seconds))
+}
+
+/// `3m ago`.
+pub(crate) fn ago(at: u64, now: u64) -> String {
+    format!("{} ago", span(now.saturating_sub(at)))
+}
+
+/// `every 15m 0s` → `every 15m`.
+pub(crate) fn every(seconds: u64) -> String {
+    format!("every {}", span(seconds).trim_end_matches(" 0s"))
+}
+
 impl Fulfiller {
     /// One row per declared need.
     pub fn status(&self) -> Vec<NeedStatus> {
@@ -45,22 +112,25 @@ impl Fulfiller {
                 .iter()
                 .map(|(key, spec)| {
                     let st = states.get(key.as_str()).cloned().unwrap_or_default();
+                    // The clock decides expiry, not the last event the need saw.
+                    let phase = effective_phase(spec, &st, wall);
                     NeedStatus {
                         need: key.to_string(),
                         from: spec.from.clone(),
-                        state: st.phase,
-                        reason: st.last_error,
+                        state: phase,
+                        // Between the clock crossing the line and the need being attended.
+                        reason: clock_reason(phase, &st),
                         since: st.since,
                         expires_at: st.expires_at,
-                        satisfied: st.phase == Phase::Satisfied,
+                        satisfied: phase == Phase::Satisfied,
                         satisfied_at: st.satisfied_at,
                         received: st.received,
                         received_at: st.received_at,
                         last_sought: st.last_sought,
                         attempts: st.attempts,
-                        next_request: due
-                            .get(key)
-                            .map(|at| wall + at.saturating_duration_since(now).as_secs()),
+                        next_request: due.get(key).map(|at| {
+                            wall.saturating_add(at.saturating_duration_since(now).as_secs())
+                        }),
                     }
                 })
                 .collect()
@@ -72,9 +142,15 @@ impl Fulfiller {
     /// removes the others.)
     pub fn counts(&self) -> [(Phase, usize); 6] {
         let mut counts = Phase::ALL.map(|p| (p, 0));
+        let needs = self.inner.view.lock().needs.clone();
+        let wall = fort_core::wire::unix_now();
         self.inner.store.read(|states| {
-            for st in states.values() {
-                counts[st.phase as usize].1 += 1;
+            for (key, st) in states {
+                // As the rows say: the clock decides expiry.
+                let phase = NeedKey::parse(key)
+                    .and_then(|k| needs.get(&k))
+                    .map_or(st.phase, |spec| effective_phase(spec, st, wall));
+                counts[phase as usize].1 += 1;
             }
         });
         counts

@@ -21,7 +21,7 @@ use serde_json::Value;
 use tokio::sync::{oneshot, Notify};
 
 use crate::app::App;
-pub use state::Entry;
+pub use state::{Entry, Notice};
 
 /// Why an entry was not stored.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +41,8 @@ pub enum Trigger {
     Systemd,
     Gc,
     Manual,
+    /// The previous run asked for another (`$fort_rerun_after`, §11.9).
+    Rerun,
 }
 
 impl Trigger {
@@ -51,6 +53,7 @@ impl Trigger {
             Trigger::Systemd => "systemd",
             Trigger::Gc => "gc",
             Trigger::Manual => "manual",
+            Trigger::Rerun => "rerun",
         }
     }
 }
@@ -86,6 +89,9 @@ struct Pending {
 struct WorkerSlot {
     pending: Mutex<Pending>,
     wake: Notify,
+    /// When the run a handler asked for (`$fort_rerun_after`) is due; only the earliest
+    /// asked for is kept, so a handler asking on every run keeps one timer, not a pile.
+    rerun_at: Mutex<Option<tokio::time::Instant>>,
 }
 
 #[derive(Default)]
@@ -122,16 +128,22 @@ impl Provider {
         request: Value,
         renew: bool,
         quota: Option<usize>,
-    ) -> Result<(), UpsertError> {
+    ) -> Result<Option<Notice>, UpsertError> {
         let key = entry_key(origin, need);
         let request = state::raw(&request);
         let prefix = format!("{origin}:{}/", need.kind());
         let now = unix_now();
+        let mut verdict = None;
         let (admitted, ticket) = self.store.change(|c| {
             let existing = c.get(&key).cloned();
             if existing.is_none() && quota.is_some_and(|q| c.count_prefix(&prefix) >= q) {
                 return false;
             }
+            // The handler's verdict on this very request, for the answer (§11.9).
+            verdict = existing
+                .as_ref()
+                .filter(|e| e.request.get() == request.get())
+                .and_then(|e| e.notice.clone());
             // Asked again for what it already awaits: nothing to write, nothing to run
             // that is not already queued. (A caller repeating itself costs no fsyncs.)
             if existing.as_ref().is_some_and(|e| {
@@ -152,6 +164,7 @@ impl Provider {
                 awaiting_response: true,
                 delivery: Default::default(),
                 renew: false,
+                notice: None,
             });
             entry.request = request;
             entry.requested_at = now;
@@ -166,7 +179,7 @@ impl Provider {
         }
         self.store.wait(ticket).await?;
         drop(self.enqueue(app, need.kind(), Trigger::Request, false, false));
-        Ok(())
+        Ok(verdict)
     }
 
     /// Drops `origin:need` at once, as a GC sweep would, and lets the handler clean up.
@@ -214,7 +227,7 @@ impl Provider {
             let mut p = slot.pending.lock();
             p.trigger = Some(match (p.trigger, trigger) {
                 (Some(Trigger::Request), _) | (_, Trigger::Request) => Trigger::Request,
-                (Some(old), Trigger::Gc) => old,
+                (Some(old), Trigger::Gc | Trigger::Rerun) => old,
                 (_, new) => new,
             });
             p.callback_all |= callback_all;

@@ -13,6 +13,7 @@ use fort_core::wire::{
 };
 use ssh_key::PublicKey;
 
+use super::state::Notice;
 use crate::app::App;
 
 /// What one entry holds for its consumer now: a newer response supersedes what was queued.
@@ -22,19 +23,31 @@ struct Owed {
     hash: Option<String>,
     revocation: bool,
     attempt: u32,
+    /// A verdict to send instead of the payload (§11.9).
+    notice: Option<Notice>,
 }
 
-/// Reads what `key` owes its consumer, unless the consumer acknowledged that very payload
-/// and `force` is off.
+/// Reads what `key` owes its consumer, unless the consumer acknowledged it already and
+/// `force` is off. A payload it has not acknowledged goes before a verdict that keeps it
+/// (work under way); a refusal replaces the revocation of the withdrawn response.
 fn owed(app: &App, key: &str, force: bool) -> Option<Owed> {
-    let (response, hash, acknowledged) = app.provider.store.read(|entries| {
-        entries.get(key).map(|e| {
-            let hash = e.current_hash();
-            let acked = e.delivery.delivered_hash == hash;
-            (e.response.clone(), hash, acked)
-        })
-    })?;
-    if acknowledged && !force {
+    let (response, hash, payload_owed, notice, notice_owed) =
+        app.provider.store.read(|entries| {
+            entries.get(key).map(|e| {
+                let hash = e.current_hash();
+                let refused = matches!(e.notice, Some(Notice::Refused(_)));
+                let payload_owed = !refused && e.delivery.delivered_hash != hash;
+                (
+                    e.response.clone(),
+                    hash,
+                    payload_owed,
+                    e.notice.clone(),
+                    e.notice_owed(),
+                )
+            })
+        })?;
+    let send_notice = !payload_owed && (notice_owed || force) && notice.is_some();
+    if !payload_owed && !send_notice && !force {
         return None;
     }
     let attempt = app
@@ -56,6 +69,7 @@ fn owed(app: &App, key: &str, force: bool) -> Option<Owed> {
         hash,
         revocation: response.is_none(),
         attempt,
+        notice: notice.filter(|_| send_notice),
     })
 }
 
@@ -72,6 +86,28 @@ fn address_of(app: &App, origin: &str) -> Option<(String, Vec<PublicKey>)> {
 pub async fn one(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
     let (origin, need) = parse_entry_key(key)?;
     let owed = owed(app, key, force)?;
+    if let Some(notice) = &owed.notice {
+        let item = notice_item(&need.to_string(), notice);
+        return match send_batch(app, origin, vec![item]).await {
+            Sent::Results(r) if r[0].status == 200 => {
+                acknowledged(app, &owed);
+                None
+            }
+            Sent::Results(r) if r[0].status == 503 => Some(Duration::from_secs(
+                r[0].retry_after.unwrap_or(5).clamp(1, 60),
+            )),
+            Sent::Results(r) => failed(
+                app,
+                &owed,
+                &format!("consumer answered {} to the verdict", r[0].status),
+            ),
+            Sent::NotTaken(status) => {
+                takes_no_verdicts(app, &owed, status);
+                None
+            }
+            Sent::Failed(e) => failed(app, &owed, &e),
+        };
+    }
     let (address, keys) = address_of(app, origin)?;
     let target = Target {
         name: origin,
@@ -127,6 +163,13 @@ pub async fn batch(
             outcomes.push((key, None));
             continue;
         };
+        // Verdicts travel in batches of their own: a consumer that predates them refuses
+        // the batch, and must still get its payloads.
+        if owed.notice.is_some() {
+            later.push((key, force));
+            outcomes.push((owed.key, None));
+            continue;
+        }
         // Payload bytes are a JSON string's content or compact JSON: always UTF-8.
         let Ok(payload) = String::from_utf8(owed.payload.clone()) else {
             let retry = failed(app, &owed, "payload is not UTF-8");
@@ -136,7 +179,8 @@ pub async fn batch(
         // Sized as sent: escaping can make a payload several times longer.
         let item = serde_json::to_vec(&CallbackItem {
             need: need.to_string(),
-            payload,
+            payload: Some(payload),
+            ..Default::default()
         })
         .expect("item serialises");
         if !items.is_empty() && size + item.len() > BATCH_BODY_TARGET {
@@ -226,7 +270,8 @@ async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<Vec<u8>>) -> Sent {
     match outcome {
         Err(_) => Sent::Failed("timeout".into()),
         Ok(Err(e)) => Sent::Failed(e.to_string()),
-        Ok(Ok(reply)) if matches!(reply.status, 404 | 413) => Sent::NotTaken(reply.status),
+        // 400: an agent from before verdicts cannot parse an item that carries one.
+        Ok(Ok(reply)) if matches!(reply.status, 400 | 404 | 413) => Sent::NotTaken(reply.status),
         Ok(Ok(reply)) if reply.status == 200 && reply.verified() => {
             match serde_json::from_slice::<BatchResults>(&reply.body) {
                 Ok(r) if r.results.len() == n => Sent::Results(r.results),
@@ -237,28 +282,74 @@ async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<Vec<u8>>) -> Sent {
     }
 }
 
-/// A verified `200` for this entry: recorded lazily (a lost record only means one more
-/// delivery of the same payload).
-fn acknowledged(app: &App, owed: &Owed) {
+/// A verdict as a callback item (§11.9).
+fn notice_item(need: &str, notice: &Notice) -> Vec<u8> {
+    let (refused, pending) = match notice {
+        Notice::Refused(r) => (Some(r.clone()), None),
+        Notice::Pending(r) => (None, Some(r.clone())),
+    };
+    serde_json::to_vec(&CallbackItem {
+        need: need.to_owned(),
+        refused,
+        pending,
+        ..Default::default()
+    })
+    .expect("item serialises")
+}
+
+/// The consumer cannot take verdicts in callbacks (`batches = false`, or an agent that
+/// predates them): it learns them from the answer to its next request instead, so this
+/// one is not tried again.
+fn takes_no_verdicts(app: &App, owed: &Owed, status: u16) {
     let key = &owed.key;
+    tracing::info!(entry = %key, status, "consumer takes no verdicts in callbacks; it gets this one with its next answer");
+    let hash = owed.notice.as_ref().map(Notice::hash);
     app.provider.store.change_lazy(|c| {
         if let Some(mut e) = c.get(key).cloned() {
-            e.delivery.delivered_hash = owed.hash.clone();
-            e.delivery.delivered_at = Some(unix_now());
-            e.delivery.last_error = None;
-            e.delivery.attempts = owed.attempt;
+            e.delivery.delivered_notice = hash.clone();
+            e.delivery.last_error = Some(format!(
+                "the consumer answered {status} to a verdict; it learns it with its next answer"
+            ));
             c.put(key.to_owned(), e);
         }
     });
     app.provider.deliveries.queue.lock().attempts.remove(key);
+}
+
+/// A verified `200` for this entry: recorded lazily (a lost record only means one more
+/// delivery of the same payload). A verdict owed after the payload is queued next.
+fn acknowledged(app: &App, owed: &Owed) {
+    let key = &owed.key;
+    let notice_next = app.provider.store.change_lazy(|c| {
+        let mut e = c.get(key).cloned()?;
+        match &owed.notice {
+            Some(n) => e.delivery.delivered_notice = Some(n.hash()),
+            None => {
+                e.delivery.delivered_hash = owed.hash.clone();
+                e.delivery.delivered_at = Some(unix_now());
+            }
+        }
+        e.delivery.last_error = None;
+        e.delivery.attempts = owed.attempt;
+        let next = owed.notice.is_none() && e.notice_owed();
+        c.put(key.to_owned(), e);
+        Some(next)
+    });
+    if notice_next == Some(true) {
+        app.provider.deliveries.enqueue(key.clone(), false);
+    }
+    app.provider.deliveries.queue.lock().attempts.remove(key);
     app.metrics.callbacks.inc(&[("outcome", "sent")]);
-    tracing::info!(
-        entry = %key,
-        bytes = owed.payload.len(),
-        revocation = owed.revocation,
-        payload_sha256 = %owed.hash.as_deref().unwrap_or("-"),
-        "callback delivered"
-    );
+    match &owed.notice {
+        Some(notice) => tracing::info!(entry = %key, verdict = ?notice, "verdict delivered"),
+        None => tracing::info!(
+            entry = %key,
+            bytes = owed.payload.len(),
+            revocation = owed.revocation,
+            payload_sha256 = %owed.hash.as_deref().unwrap_or("-"),
+            "callback delivered"
+        ),
+    }
 }
 
 /// A failed attempt: recorded on the entry; returns when to try again, if attempts remain.
@@ -282,7 +373,9 @@ fn failed(app: &App, owed: &Owed, error: &str) -> Option<Duration> {
     if attempt < cfg.attempts.max(1) {
         q.attempts.insert(key.to_owned(), attempt);
         app.metrics.callbacks.inc(&[("outcome", "retried")]);
-        let delay = cfg.backoff * 2u32.saturating_pow(attempt - 1).min(64);
+        let delay = cfg
+            .backoff
+            .saturating_mul(2u32.saturating_pow(attempt - 1).min(64));
         Some(delay.min(Duration::from_secs(300)))
     } else {
         q.attempts.remove(key);

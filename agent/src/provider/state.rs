@@ -45,6 +45,36 @@ pub struct Entry {
     /// to the handler until it answers with something different.
     #[serde(default)]
     pub renew: bool,
+    /// The handler's verdict on the entry (§11.9): refused, or work under way; kept until
+    /// it answers the entry otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notice: Option<Notice>,
+}
+
+/// A handler's verdict on an entry, as the consumer is told it (§11.9).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum Notice {
+    /// `$fort_refused`: no response, and why.
+    Refused(String),
+    /// `$fort_pending`: the response stays; why the consumer waits.
+    Pending(String),
+}
+
+/// Longest reason a verdict keeps (§11.9).
+pub const NOTICE_CHARS: usize = 200;
+
+impl Notice {
+    /// Identifies the verdict for delivery bookkeeping.
+    pub fn hash(&self) -> String {
+        sha256_hex(&serde_json::to_vec(self).expect("notice serialises"))
+    }
+
+    pub fn reason(&self) -> &str {
+        match self {
+            Notice::Refused(r) | Notice::Pending(r) => r,
+        }
+    }
 }
 
 /// What the consumer last acknowledged, and how the latest attempt went.
@@ -56,6 +86,9 @@ pub struct Delivery {
     pub delivered_at: Option<u64>,
     pub last_error: Option<String>,
     pub attempts: u32,
+    /// Hash of the verdict the consumer acknowledged last (§11.9), or that it cannot take.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivered_notice: Option<String>,
 }
 
 /// Hash identifying a response's payload bytes (§7); `None` for no response.
@@ -90,7 +123,21 @@ impl Entry {
         self.response = response;
     }
 
+    /// Whether a verdict is owed to the consumer (it has not acknowledged this one).
+    pub fn notice_owed(&self) -> bool {
+        self.notice
+            .as_ref()
+            .is_some_and(|n| self.delivery.delivered_notice.as_deref() != Some(&n.hash()))
+    }
+
     pub fn undelivered(&self) -> bool {
+        if self.notice_owed() {
+            return true;
+        }
+        // A refused entry's withdrawn response travels as the refusal, not a revocation.
+        if matches!(self.notice, Some(Notice::Refused(_))) {
+            return false;
+        }
         match (&self.response, &self.response_hash) {
             (None, _) => self.delivery.delivered_hash.is_some(),
             (Some(_), Some(h)) => self.delivery.delivered_hash.as_ref() != Some(h),

@@ -9,7 +9,10 @@ use fort_core::process::{run, RunSpec};
 use fort_core::wire::unix_now;
 use serde_json::{Map, Value};
 
-use super::state::capability_of;
+use fort_core::text::printable;
+use serde_json::value::RawValue;
+
+use super::state::{capability_of, Notice, NOTICE_CHARS};
 use super::{Pending, RunRecord, Trigger, WorkerSlot};
 use crate::app::App;
 use fort_core::schema::Mode;
@@ -34,6 +37,55 @@ pub(super) struct InputItem {
     /// Its requester was owed an answer when the run began.
     #[serde(skip)]
     awaiting: bool,
+    /// The verdict it held when the run began.
+    #[serde(skip)]
+    notice: Option<Notice>,
+}
+
+/// What a run decided for one entry (§9, §11.9).
+#[derive(Debug)]
+enum Verdict {
+    /// A response, or none.
+    Respond(Option<Arc<RawValue>>),
+    /// `$fort_refused`: no response, and why.
+    Refuse(String),
+    /// `$fort_pending`: the response stays as it is.
+    Wait(String),
+}
+
+/// The top-level key of a handler's output asking for another run (§11.9).
+const RERUN_KEY: &str = "$fort_rerun_after";
+
+impl Verdict {
+    fn of(value: Option<&Value>) -> Verdict {
+        let marker = value.and_then(Value::as_object).filter(|m| m.len() == 1);
+        if let Some((name, Value::String(reason))) = marker.and_then(|m| m.iter().next()) {
+            let reason = printable(reason, NOTICE_CHARS);
+            match name.as_str() {
+                "$fort_refused" => return Verdict::Refuse(reason),
+                "$fort_pending" => return Verdict::Wait(reason),
+                _ => {}
+            }
+        }
+        Verdict::Respond(value.filter(|v| !v.is_null()).map(super::state::raw))
+    }
+
+    fn notice(&self) -> Option<Notice> {
+        match self {
+            Verdict::Respond(_) => None,
+            Verdict::Refuse(r) => Some(Notice::Refused(r.clone())),
+            Verdict::Wait(r) => Some(Notice::Pending(r.clone())),
+        }
+    }
+
+    /// The response the entry holds after this verdict, given the one it holds now.
+    fn response(&self, current: Option<&Arc<RawValue>>) -> Option<Arc<RawValue>> {
+        match self {
+            Verdict::Respond(r) => r.clone(),
+            Verdict::Refuse(_) => None,
+            Verdict::Wait(_) => current.cloned(),
+        }
+    }
 }
 
 /// A callback decided by a run: the entry whose current response (or revocation) its
@@ -120,6 +172,7 @@ impl Worker {
                         renew: e.renew,
                         current: e.response.clone(),
                         awaiting: e.awaiting_response,
+                        notice: e.notice.clone(),
                     };
                     (k.clone(), item)
                 })
@@ -175,8 +228,19 @@ impl Worker {
                 return record;
             }
         };
-        for stray in output.keys().filter(|k| !input.contains_key(*k)) {
-            tracing::warn!(capability = %self.capability, key = %stray, "handler returned a key that was not in its input; ignored");
+        for stray in output
+            .keys()
+            .filter(|k| !input.contains_key(*k) && *k != RERUN_KEY)
+        {
+            tracing::warn!(capability = %self.capability, key = %printable(stray, 200), "handler returned a key that was not in its input; ignored");
+        }
+        if let Some(after) = output.get(RERUN_KEY) {
+            match after.as_u64() {
+                Some(seconds) => self.rerun_after(seconds),
+                None => {
+                    tracing::warn!(capability = %self.capability, "{RERUN_KEY} is not a non-negative integer; ignored")
+                }
+            }
         }
 
         // Apply: store new responses, decide who is called back.
@@ -216,19 +280,14 @@ impl Worker {
         // Only entries whose response changed, or whose requester was owed an answer, are
         // looked at again: the others are known unchanged from the run's own input, and a
         // run over 50,000 entries must not touch 50,000 of them to change a few.
-        let candidates: Vec<(
-            &String,
-            &InputItem,
-            Option<Arc<serde_json::value::RawValue>>,
-        )> = input
+        let candidates: Vec<(&String, &InputItem, Verdict)> = input
             .iter()
             .filter_map(|(key, seen)| {
-                let new = output
-                    .get(key)
-                    .filter(|v| !v.is_null())
-                    .map(super::state::raw);
-                let differs = !super::state::same(new.as_deref(), seen.current.as_deref());
-                (differs || seen.awaiting || pending.callback_all).then_some((key, seen, new))
+                let verdict = Verdict::of(output.get(key));
+                let new = verdict.response(seen.current.as_ref());
+                let differs = !super::state::same(new.as_deref(), seen.current.as_deref())
+                    || verdict.notice() != seen.notice;
+                (differs || seen.awaiting || pending.callback_all).then_some((key, seen, verdict))
             })
             .collect();
         // Written in chunks, the next staged while the previous one is flushed: a run that
@@ -253,6 +312,43 @@ impl Worker {
         Ok(called_back)
     }
 
+    /// Queues the run the handler asked for, unless an earlier one is already due.
+    fn rerun_after(&self, seconds: u64) {
+        let delay = std::time::Duration::from_secs(seconds.clamp(1, 3600));
+        let at = tokio::time::Instant::now() + delay;
+        {
+            let mut due = self.slot.rerun_at.lock();
+            if due.is_some_and(|d| d <= at) {
+                return;
+            }
+            *due = Some(at);
+        }
+        let app = self.app.clone();
+        let slot = self.slot.clone();
+        let capability = self.capability.clone();
+        self.app.tasks.spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep_until(at) => {}
+                _ = app.shutdown.cancelled() => return,
+            }
+            // Superseded by an earlier request meanwhile: that one's timer runs it.
+            let mine = {
+                let mut due = slot.rerun_at.lock();
+                let mine = *due == Some(at);
+                if mine {
+                    *due = None;
+                }
+                mine
+            };
+            if mine {
+                drop(
+                    app.provider
+                        .enqueue(&app, &capability, Trigger::Rerun, false, false),
+                );
+            }
+        });
+    }
+
     fn call_back(&self, planned: Vec<Planned>) -> usize {
         let n = planned.len();
         for p in planned {
@@ -261,25 +357,23 @@ impl Worker {
         n
     }
 
-    #[allow(clippy::type_complexity)]
     fn apply_chunk(
         &self,
-        candidates: &[(
-            &String,
-            &InputItem,
-            Option<Arc<serde_json::value::RawValue>>,
-        )],
+        candidates: &[(&String, &InputItem, Verdict)],
         pending: &Pending,
     ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
         self.app.provider.store.change(|c| {
             let mut planned = Vec::new();
-            for (key, seen, new) in candidates {
+            for (key, seen, verdict) in candidates {
                 let (key, seen) = (*key, *seen);
                 // Released or collected while the handler ran: gone stays gone.
                 let Some(mut entry) = c.get(key).cloned() else {
                     continue;
                 };
+                let new = verdict.response(entry.response.as_ref());
+                let notice = verdict.notice();
                 let changed = !super::state::same(new.as_deref(), entry.response.as_deref());
+                let notice_changed = notice != entry.notice;
                 // Asked again, with another request, while the handler ran: the run that
                 // is already queued answers that request, not this one.
                 let requester = entry.awaiting_response
@@ -292,15 +386,27 @@ impl Worker {
                     entry.renew = false;
                     changed_any = true;
                 }
+                if notice_changed {
+                    if let Some(n) = &notice {
+                        tracing::info!(entry = %key, verdict = ?n, "handler verdict");
+                    }
+                    entry.notice = notice.clone();
+                    changed_any = true;
+                }
                 if requester {
                     // This run answers the request: whatever it decided is what is owed.
                     entry.awaiting_response = false;
                     changed_any = true;
                 }
-                let wanted = changed || pending.callback_all || (requester && new.is_some());
+                let wanted = changed
+                    || notice_changed
+                    || pending.callback_all
+                    || (requester && (new.is_some() || notice.is_some()));
                 // A revocation only makes sense if something was delivered before.
-                let pointless_revoke =
-                    new.is_none() && entry.delivery.delivered_hash.is_none() && !changed;
+                let pointless_revoke = new.is_none()
+                    && notice.is_none()
+                    && entry.delivery.delivered_hash.is_none()
+                    && !changed;
                 if changed_any {
                     c.put(key.clone(), entry);
                 }

@@ -9,7 +9,6 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use fort_core::names::NeedKey;
@@ -23,11 +22,6 @@ use crate::app::App;
 use crate::auth::Caller;
 use crate::builtins;
 use crate::error::{ApiError, Reply};
-
-/// A callback of a batch that writes files or runs a handler is started within this long
-/// of the batch's arrival, or answered `503` + `Retry-After: 1`: the reply must reach the
-/// provider well inside its callback timeout (30 s), whatever the handlers take.
-const APPLY_BUDGET: Duration = Duration::from_secs(10);
 
 fn item_result(caller: &Caller, outcome: Result<Reply, ApiError>) -> ItemResult {
     let reply = outcome.unwrap_or_else(|e| {
@@ -113,42 +107,26 @@ pub async fn callbacks(app: &Arc<App>, caller: &Caller, body: Bytes) -> Result<R
     let batch: CallbackBatch = serde_json::from_slice(&body)
         .map_err(|e| ApiError::body_shape(r#"{"callbacks": [{"need", "payload"}]}"#, &e))?;
     check_count(batch.callbacks.len())?;
-    let deadline = tokio::time::Instant::now() + APPLY_BUDGET;
-    let appliers = app.fulfiller.batch_appliers();
+    // Each item is recorded before its result is given, and applied in the consumer's own
+    // time: a batch of slow handlers is answered within seconds all the same, and no item
+    // waits for the connection to stay open.
     let mut seen = HashSet::new();
     let items = batch.callbacks.into_iter().map(|item| {
         let need = NeedKey::parse(&item.need);
         let repeated = !seen.insert(item.need.clone());
-        let costly = need
-            .as_ref()
-            .and_then(|n| app.fulfiller.spec(n))
-            .is_some_and(|spec| spec.handler.is_some() || !spec.files.is_empty());
         async move {
-            let _slot = if costly {
-                match tokio::time::timeout_at(deadline, appliers.acquire()).await {
-                    Ok(Ok(slot)) => Some(slot),
-                    _ => {
-                        return item_result(
-                            caller,
-                            Err(ApiError::Overloaded(
-                                "busy applying earlier callbacks of this batch".into(),
-                                1,
-                            )),
-                        )
-                    }
-                }
-            } else {
-                None
-            };
             let outcome = match need {
                 _ if repeated => Err(repeated_item()),
                 None => Err(ApiError::NotFound(format!(
                     "this host declares no need {:?}",
                     item.need
                 ))),
-                Some(need) => {
-                    super::callback::deliver(app, caller, &need, item.payload.as_bytes()).await
-                }
+                Some(need) => match item.delivered() {
+                    Some(what) => super::callback::deliver(app, caller, &need, what).await,
+                    None => Err(ApiError::BadRequest(
+                        "an item carries exactly one of payload, refused, pending".into(),
+                    )),
+                },
             };
             item_result(caller, outcome)
         }

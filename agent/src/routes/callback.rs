@@ -1,11 +1,11 @@
 //! `POST /agent/needs/<type>/<id>` — only the need's provider (`from`): deliver or revoke
-//! a response (§7).
+//! a response (§7); also each item of a callback batch, which may carry a verdict (§11.9).
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use fort_core::names::NeedKey;
-use fort_core::wire::CallbackReply;
+use fort_core::wire::{CallbackReply, Delivered};
 use fort_fulfill::DeliverError;
 use http::StatusCode;
 
@@ -19,7 +19,7 @@ pub async fn handle(
     need: &NeedKey,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
-    deliver(app, caller, need, &body).await
+    deliver(app, caller, need, Delivered::Payload(&body)).await
 }
 
 /// One callback, whether it came alone or in a batch (§11.8).
@@ -27,7 +27,7 @@ pub(super) async fn deliver(
     app: &Arc<App>,
     caller: &Caller,
     need: &NeedKey,
-    body: &[u8],
+    what: Delivered<'_>,
 ) -> Result<Reply, ApiError> {
     let spec = app
         .fulfiller
@@ -39,9 +39,9 @@ pub(super) async fn deliver(
             spec.from, caller.origin
         )));
     }
-    let satisfied = app
+    let outcome = app
         .fulfiller
-        .deliver(need, &caller.origin, body)
+        .deliver(need, &caller.origin, what)
         .await
         .map_err(|e| match e {
             DeliverError::UnknownNeed => {
@@ -50,13 +50,13 @@ pub(super) async fn deliver(
             DeliverError::Persist(p) => {
                 ApiError::Overloaded(format!("state not persisted: {p}"), 5)
             }
-            DeliverError::Busy => ApiError::Overloaded(DeliverError::Busy.to_string(), 5),
         })?;
     Ok(Reply::json(
         StatusCode::OK,
         &CallbackReply {
             need: need.to_string(),
-            satisfied,
+            satisfied: outcome == Some(true),
+            applying: outcome.is_none(),
         },
     ))
 }

@@ -2,19 +2,20 @@
 //! anyone known for the built-ins: async requests and releases (§6.1), rpc calls (§6.2).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use fort_core::names::NeedKey;
 use fort_core::process::{run, RunSpec};
 use fort_core::schema::{CapabilitySpec, Mode};
-use fort_core::wire::{json_depth, AsyncBody, MAX_REQUEST_DEPTH};
+use fort_core::wire::{json_depth, Accepted, AsyncBody, MAX_REQUEST_DEPTH};
 use http::StatusCode;
 
 use crate::app::App;
 use crate::auth::{json_body, Caller};
 use crate::builtins;
 use crate::error::{ApiError, Reply};
-use crate::provider::UpsertError;
+use crate::provider::{Notice, UpsertError};
 
 pub async fn handle(
     app: &Arc<App>,
@@ -50,24 +51,53 @@ fn forbidden(caller: &Caller, name: &str) -> ApiError {
     ))
 }
 
+/// The longest a request may take to be checked against its schema.
+const SCHEMA_BUDGET: Duration = Duration::from_secs(5);
+
 /// Checks a request object against the limits every stored request obeys and against the
-/// capability's schema (§11.6). `what` names it in messages.
-fn check_request(
+/// capability's schema (§11.6). `what` names it in messages. Schemas come from the build,
+/// requests from the network: the check runs off the runtime's threads, a few at once,
+/// within [`SCHEMA_BUDGET`], so requests built to be costly cannot stall the agent.
+async fn check_request(
+    app: &Arc<App>,
     spec: &CapabilitySpec,
-    request: &serde_json::Value,
-    what: &str,
+    request: serde_json::Value,
+    what: &'static str,
 ) -> Result<(), ApiError> {
-    if json_depth(request) > MAX_REQUEST_DEPTH {
+    if json_depth(&request) > MAX_REQUEST_DEPTH {
         return Err(ApiError::BadRequest(format!(
             "{what} nests deeper than {MAX_REQUEST_DEPTH} levels"
         )));
     }
-    if let Some(schema) = &spec.request_schema {
-        schema
-            .check(request)
-            .map_err(|m| ApiError::InvalidRequest(format!("{what} {m}")))?;
+    let Some(schema) = spec.request_schema.clone() else {
+        return Ok(());
+    };
+    let busy = || {
+        ApiError::Overloaded(
+            "busy checking other requests against their schemas".into(),
+            1,
+        )
+    };
+    let permit = tokio::time::timeout(SCHEMA_BUDGET, app.schema_checks.clone().acquire_owned())
+        .await
+        .map_err(|_| busy())?
+        .map_err(|_| busy())?;
+    let check = tokio::task::spawn_blocking(move || {
+        let _held = permit;
+        schema.check(&request)
+    });
+    match tokio::time::timeout(SCHEMA_BUDGET, check).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(m))) => Err(ApiError::InvalidRequest(format!("{what} {m}"))),
+        Ok(Err(e)) => Err(ApiError::Internal(format!("schema check failed: {e}"))),
+        Err(_) => Err(ApiError::Overloaded(
+            format!(
+                "{what} took more than {}s to check against the schema",
+                SCHEMA_BUDGET.as_secs()
+            ),
+            5,
+        )),
     }
-    Ok(())
 }
 
 async fn async_request(
@@ -134,12 +164,14 @@ pub(super) async fn async_item(
         .request
         .filter(|r| r.is_object())
         .ok_or_else(|| ApiError::BadRequest("request must be a JSON object".into()))?;
-    check_request(spec, &request, "request")?;
+    // The cheap checks first: a request over the size limit costs no schema work.
     let size = serde_json::to_vec(&request).map_or(usize::MAX, |b| b.len());
     if size > app.config.max_request_bytes {
         return Err(ApiError::TooLarge(app.config.max_request_bytes));
     }
-    app.provider
+    check_request(app, spec, request.clone(), "request").await?;
+    let verdict = app
+        .provider
         .upsert(app, &caller.origin, &need, request, parsed.renew, quota)
         .await
         .map_err(|e| match e {
@@ -152,13 +184,27 @@ pub(super) async fn async_item(
             ),
             UpsertError::Persist(e) => ApiError::Overloaded(format!("not stored: {e}"), 5),
         })?;
-    Ok(accepted())
+    Ok(accepted_with(verdict))
 }
 
 fn accepted() -> Reply {
+    accepted_with(None)
+}
+
+/// `202`, with the entry's verdict on this request when it has one (§11.9).
+fn accepted_with(verdict: Option<Notice>) -> Reply {
+    let (refused, pending) = match verdict {
+        Some(Notice::Refused(r)) => (Some(r), None),
+        Some(Notice::Pending(r)) => (None, Some(r)),
+        None => (None, None),
+    };
     Reply::json(
         StatusCode::ACCEPTED,
-        &serde_json::json!({"status": "accepted"}),
+        &Accepted {
+            status: "accepted".into(),
+            refused,
+            pending,
+        },
     )
 }
 
@@ -170,7 +216,7 @@ async fn rpc(
     body: Bytes,
 ) -> Result<Reply, ApiError> {
     let request = json_body(&body)?;
-    check_request(spec, &request, "body")?;
+    check_request(app, spec, request, "body").await?;
     let run_spec = RunSpec::new(&spec.handler, body.to_vec(), app.config.handler_timeout)
         .args(spec.args.iter().cloned())
         .env("FORT_HOST", app.config.host.clone())

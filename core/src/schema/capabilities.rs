@@ -87,7 +87,12 @@ impl RequestSchema {
     /// Compiles a draft 2020-12 schema. Remote references cannot be followed (no
     /// resolver is built in): a schema must be self-contained.
     pub fn compile(source: Value) -> Result<RequestSchema, String> {
-        let validator = jsonschema::draft202012::new(&source)
+        // Patterns are matched by the `regex` engine, in time linear in the input: a
+        // pattern that needs backtracking (backreferences, look-around) is refused here,
+        // rather than let one request cost seconds of CPU.
+        let validator = jsonschema::draft202012::options()
+            .with_pattern_options(jsonschema::PatternOptions::regex())
+            .build(&source)
             .map_err(|e| format!("request_schema is not a usable JSON Schema: {e}"))?;
         Ok(RequestSchema {
             source,

@@ -132,9 +132,14 @@ pub fn needs_from_bytes(
 }
 
 /// A user or group name as `useradd` accepts it, or a numeric id.
+/// Bounds on the intervals of a need: every deadline is computed from them.
+const MAX_NAG_SECONDS: u64 = 365 * 24 * 3600;
+const MAX_RENEW_BEFORE_SECONDS: u64 = 10 * 365 * 24 * 3600;
+
 fn is_account_name(s: &str) -> bool {
     if !s.is_empty() && s.len() <= 10 && s.bytes().all(|c| c.is_ascii_digit()) {
-        return true;
+        // 4294967295 is (uid_t)-1: chown reads it as "leave unchanged", never an owner.
+        return s.parse::<u32>().is_ok_and(|id| id != u32::MAX);
     }
     let b = s.as_bytes();
     let body = b.strip_suffix(b"$").unwrap_or(b);
@@ -221,8 +226,10 @@ pub fn validate_needs(
                 "request nests deeper than {MAX_REQUEST_DEPTH} levels"
             )));
         }
-        if spec.nag_seconds == 0 {
-            return Err(bad("nag_seconds must be at least 1".into()));
+        if spec.nag_seconds == 0 || spec.nag_seconds > MAX_NAG_SECONDS {
+            return Err(bad(format!(
+                "nag_seconds must be 1 to {MAX_NAG_SECONDS} (a year)"
+            )));
         }
         for f in &spec.files {
             check_file(&key, f).map_err(|m| invalid(file, m))?;
@@ -238,10 +245,13 @@ pub fn validate_needs(
                 return Err(bad(format!("{unit:?} is not a unit name")));
             }
         }
-        if spec.renew_before_seconds == Some(0) {
-            return Err(bad(
-                "renew_before_seconds must be at least 1 (or null)".into()
-            ));
+        if spec
+            .renew_before_seconds
+            .is_some_and(|s| s == 0 || s > MAX_RENEW_BEFORE_SECONDS)
+        {
+            return Err(bad(format!(
+                "renew_before_seconds must be 1 to {MAX_RENEW_BEFORE_SECONDS} (ten years), or null"
+            )));
         }
         references(&spec.request).map_err(|m| bad(format!("request: {m}")))?;
         for a in &spec.after {

@@ -1,0 +1,163 @@
+//! Handler verdicts (docs/protocol.md §11.9) with real agents: a refusal reaches the
+//! consumer that asked (in a callback, or in the answer to its next request when it takes
+//! no callback batches), shows in its need state and makes it back off; work under way
+//! keeps the response and says why it waits; a handler asks to be run again.
+
+use std::time::Duration;
+
+use fort_tests::{eventually, Fleet};
+use serde_json::{json, Value};
+
+/// A provider handler that answers every entry with `<dir>/answer` (read each run) and
+/// counts runs in `<dir>/runs`.
+fn provider(f: &mut Fleet, cap: &str, cache: bool) {
+    let d = f.dir.path().display().to_string();
+    let h = f.script(
+        &format!("provide-{cap}"),
+        &format!(
+            r#"echo "$FORT_TRIGGER" >> {d}/runs; answer=$(cat {d}/answer); jq -c --argjson a "$answer" 'with_entries(.value = ($a | if type == "object" then del(.["$fort_rerun_after"]) else . end)) + ($a | if type == "object" and has("$fort_rerun_after") then {{"$fort_rerun_after": .["$fort_rerun_after"]}} else {{}} end)'"#
+        ),
+    );
+    f.capability(
+        "p",
+        cap,
+        json!({"handler": h, "mode": "async", "cacheResponse": cache}),
+    );
+}
+
+fn answer(f: &Fleet, value: Value) {
+    std::fs::write(f.dir.path().join("answer"), value.to_string()).unwrap();
+}
+
+fn runs(f: &Fleet) -> Vec<String> {
+    std::fs::read_to_string(f.dir.path().join("runs"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn state(f: &Fleet, need: &str) -> Value {
+    f.need_status("c", need)
+}
+
+async fn refused_and_backs_off(batches: bool) {
+    let mut f = Fleet::new();
+    provider(&mut f, "cert", false);
+    answer(
+        &f,
+        json!({"$fort_refused": "www.example.net is not a name c may have"}),
+    );
+    if !batches {
+        f.host("c").extra_toml = "batches = false\n".into();
+    }
+    f.need("c", "cert/web", "p", json!({"nag_seconds": 4}));
+    f.start();
+    let seen = eventually(Duration::from_secs(15), || {
+        state(&f, "cert/web")["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("www.example.net is not a name c may have"))
+    })
+    .await;
+    assert!(seen, "{}", state(&f, "cert/web"));
+    let st = state(&f, "cert/web");
+    assert_eq!(st["state"], "failed", "{st}");
+    assert_eq!(
+        st["reason"],
+        "refused by p: www.example.net is not a name c may have"
+    );
+    // Asked again at the nag interval (4 s), not at once: over 6 s, one or two more.
+    let attempts = st["attempts"].as_u64().unwrap();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let more = state(&f, "cert/web")["attempts"].as_u64().unwrap() - attempts;
+    assert!(
+        (1..=2).contains(&more),
+        "{more} requests in 6 s at a 4 s nag"
+    );
+    // The provider keeps the verdict beside the entry.
+    let entry = f.read_state("p", "provider-state.json")["entries"]["c:cert/web"].clone();
+    assert_eq!(
+        entry["notice"],
+        json!({"refused": "www.example.net is not a name c may have"}),
+        "{entry}"
+    );
+    // Once the handler answers, the need is satisfied.
+    answer(&f, json!("OK"));
+    assert!(
+        eventually(Duration::from_secs(10), || f.all_satisfied("c")).await,
+        "{}",
+        state(&f, "cert/web")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_reaches_the_consumer_in_a_callback_and_it_backs_off() {
+    refused_and_backs_off(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_without_callback_batches_learns_the_refusal_from_its_next_answer() {
+    refused_and_backs_off(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_under_way_keeps_the_response_and_says_why() {
+    let mut f = Fleet::new();
+    provider(&mut f, "cert", true);
+    answer(&f, json!({"cert": "v1"}));
+    let file = f.dir.path().join("out/cert");
+    f.need(
+        "c",
+        "cert/web",
+        "p",
+        json!({"nag_seconds": 600, "files": [{"path": file, "pointer": "/cert"}]}),
+    );
+    f.start();
+    assert!(eventually(Duration::from_secs(10), || f.all_satisfied("c")).await);
+    answer(
+        &f,
+        json!({"$fort_pending": "order placed; waiting for the CA"}),
+    );
+    let (ok, out) = f.admin("p", &["trigger", "cert"]);
+    assert!(ok, "{out}");
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            state(&f, "cert/web")["reason"]
+                == "p is working on it: order placed; waiting for the CA"
+        })
+        .await,
+        "{}",
+        state(&f, "cert/web")
+    );
+    let st = state(&f, "cert/web");
+    assert_eq!(st["state"], "satisfied", "still holds its payload: {st}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "v1");
+    let entry = f.read_state("p", "provider-state.json")["entries"]["c:cert/web"].clone();
+    assert_eq!(entry["response"], json!({"cert": "v1"}), "{entry}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_asks_to_be_run_again() {
+    let mut f = Fleet::new();
+    provider(&mut f, "cert", false);
+    answer(
+        &f,
+        json!({"$fort_pending": "waiting", "$fort_rerun_after": 1}),
+    );
+    f.need("c", "cert/web", "p", json!({"nag_seconds": 600}));
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            runs(&f).iter().filter(|r| *r == "rerun").count() >= 2
+        })
+        .await,
+        "{:?}",
+        runs(&f)
+    );
+    // Answered at last: no more reruns.
+    answer(&f, json!("OK"));
+    assert!(eventually(Duration::from_secs(10), || f.all_satisfied("c")).await);
+    let settled = runs(&f).len();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(runs(&f).len(), settled, "{:?}", runs(&f));
+}

@@ -1,0 +1,375 @@
+//! Applying payloads in the consumer's own time (docs/protocol.md §7): a payload for a
+//! need with files or a handler is recorded durably (its inbox) and answered at once; one
+//! applier per need writes the files and runs the handler, whatever the provider's
+//! connection does meanwhile, and records the outcome in the need's state. A payload that
+//! arrives while an earlier one is applied replaces it in the inbox (the latest wins); a
+//! revocation or a refusal that arrives meanwhile is never overridden by the earlier
+//! payload's outcome. After a crash, inboxes are applied at start.
+
+use std::time::Duration;
+
+use base64::Engine;
+use fort_core::canonical::sha256_hex;
+use fort_core::names::NeedKey;
+use fort_core::process::{run, RunSpec};
+use fort_core::schema::NeedSpec;
+use fort_core::wire::unix_now;
+
+use crate::files::Written;
+use crate::fulfiller::{nag, next_attendance, renewal_phase, STDERR_IN_LOG};
+use crate::schedule::backoff;
+use crate::state::{Inbox, Phase};
+use crate::Fulfiller;
+
+/// How long a callback's reply waits for its payload to be applied; past it the reply
+/// says `applying` and the apply goes on.
+pub(crate) const REPLY_WAIT: Duration = Duration::from_secs(5);
+
+impl Fulfiller {
+    /// Records `payload` as `key`'s inbox durably and makes sure an applier runs. Returns
+    /// the inbox's sequence number.
+    pub(crate) async fn accept(
+        &self,
+        key: &NeedKey,
+        origin: &str,
+        payload: &[u8],
+    ) -> Result<Option<u64>, fort_core::store::PersistError> {
+        let encoded = base64::engine::general_purpose::STANDARD.encode(payload);
+        let key_s = key.to_string();
+        let seq = self
+            .inner
+            .store
+            .change_durable(|c| {
+                let mut st = c.get(&key_s).cloned()?;
+                st.seq += 1;
+                st.inbox = Some(Inbox {
+                    seq: st.seq,
+                    from: origin.to_owned(),
+                    payload: encoded.clone(),
+                });
+                let seq = st.seq;
+                c.put(key_s.clone(), st);
+                Some(seq)
+            })
+            .await?;
+        if seq.is_some() {
+            self.start_applier(key);
+        }
+        Ok(seq)
+    }
+
+    /// Waits (at most [`REPLY_WAIT`]) until the payload numbered `seq`, or a later one, is
+    /// applied; returns whether the need is then satisfied, or `None` if it is still being
+    /// applied.
+    pub(crate) async fn outcome_of(&self, key: &NeedKey, seq: u64) -> Option<bool> {
+        let mut rx = self.applied_watch(key);
+        tokio::time::timeout(REPLY_WAIT, async {
+            loop {
+                let (done, satisfied) = *rx.borrow_and_update();
+                if done >= seq {
+                    return satisfied;
+                }
+                if rx.changed().await.is_err() {
+                    return false;
+                }
+            }
+        })
+        .await
+        .ok()
+    }
+
+    fn applied_watch(&self, key: &NeedKey) -> tokio::sync::watch::Receiver<(u64, bool)> {
+        let mut map = self.inner.applied.lock();
+        map.entry(key.clone())
+            .or_insert_with(|| tokio::sync::watch::channel((0, false)).0)
+            .subscribe()
+    }
+
+    pub(crate) fn publish_outcome(&self, key: &NeedKey, seq: u64, satisfied: bool) {
+        let map = self.inner.applied.lock();
+        if let Some(tx) = map.get(key) {
+            tx.send_if_modified(|v| {
+                if v.0 < seq {
+                    *v = (seq, satisfied);
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    /// Starts `key`'s applier unless one runs; it drains the inbox.
+    pub(crate) fn start_applier(&self, key: &NeedKey) {
+        if !self.inner.view.lock().applying.insert(key.clone()) {
+            return;
+        }
+        let me = self.clone();
+        let key = key.clone();
+        self.inner.tasks.spawn(async move {
+            tokio::select! {
+                _ = me.drain_inbox(&key) => {}
+                // The inbox is durable: what shutdown interrupts is applied at the next start.
+                _ = me.inner.shutdown.cancelled() => {}
+            }
+            me.inner.view.lock().applying.remove(&key);
+            // Filled between the last look and leaving the set: start again.
+            if me.state(&key).inbox.is_some() && !me.inner.shutdown.is_cancelled() {
+                me.start_applier(&key);
+            }
+        });
+    }
+
+    async fn drain_inbox(&self, key: &NeedKey) {
+        loop {
+            let Some(inbox) = self.state(key).inbox else {
+                return;
+            };
+            // A bounded number of payloads is applied at once, across all needs; which
+            // needs go first is the order their appliers asked (tokio's semaphore is fair).
+            let Ok(_slot) = self.inner.appliers.acquire().await else {
+                return;
+            };
+            let payload = base64::engine::general_purpose::STANDARD
+                .decode(&inbox.payload)
+                .unwrap_or_default();
+            let Some(spec) = self.spec(key) else {
+                self.clear_inbox(key, inbox.seq);
+                return;
+            };
+            let satisfied = self.apply_inbox(key, &spec, &inbox, &payload).await;
+            self.publish_outcome(key, inbox.seq, satisfied);
+        }
+    }
+
+    fn clear_inbox(&self, key: &NeedKey, seq: u64) {
+        self.update_lazy(key, |st| {
+            let mine = st.inbox.as_ref().is_some_and(|i| i.seq == seq);
+            if mine {
+                st.inbox = None;
+            }
+            mine
+        });
+    }
+
+    /// Applies one recorded payload and records the outcome, unless a later callback
+    /// (another payload, a revocation, a refusal) superseded it meanwhile.
+    async fn apply_inbox(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        inbox: &Inbox,
+        payload: &[u8],
+    ) -> bool {
+        let digest = sha256_hex(payload);
+        let origin = inbox.from.as_str();
+        let before = self.state(key);
+        match self.apply(key, spec, origin, payload).await {
+            Err(reason) => {
+                tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
+                let current = self.record_failure(key, inbox.seq, reason).await;
+                if current {
+                    let failures = {
+                        let mut view = self.inner.view.lock();
+                        let f = view.failures_mut(key);
+                        *f += 1;
+                        *f
+                    };
+                    self.after(
+                        key,
+                        Some(backoff(self.inner.opts.backoff, failures, nag(spec))),
+                    );
+                }
+                false
+            }
+            Ok(written) => {
+                self.record_applied(key, spec, inbox, payload, &digest, &before, written)
+                    .await
+            }
+        }
+    }
+
+    /// The need is `failed` with `reason`, if `seq` is still its latest callback.
+    async fn record_failure(&self, key: &NeedKey, seq: u64, reason: String) -> bool {
+        let key_s = key.to_string();
+        let now = unix_now();
+        let result = self
+            .inner
+            .store
+            .change_durable(|c| {
+                let Some(mut st) = c.get(&key_s).cloned() else {
+                    return false;
+                };
+                let current = st.seq == seq;
+                if st.inbox.as_ref().is_some_and(|i| i.seq == seq) {
+                    st.inbox = None;
+                }
+                if current {
+                    if st.satisfied {
+                        st.satisfied_at = None;
+                    }
+                    if st.phase != Phase::Failed {
+                        st.since = now;
+                    }
+                    st.satisfied = false;
+                    st.phase = Phase::Failed;
+                    st.last_error = Some(reason.clone());
+                }
+                c.put(key_s.clone(), st);
+                current
+            })
+            .await;
+        result.unwrap_or_else(|e| {
+            tracing::warn!(need = %key, error = %e, "outcome not recorded; applied again at the next start");
+            false
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn record_applied(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        inbox: &Inbox,
+        payload: &[u8],
+        digest: &str,
+        before: &crate::state::NeedState,
+        written: Written,
+    ) -> bool {
+        let now = unix_now();
+        let expires_at = crate::expiry::expiry(payload);
+        let keep_payload = self.inner.view.lock().referenced.contains(key);
+        let key_s = key.to_string();
+        let recorded = self
+            .inner
+            .store
+            .change_durable(|c| {
+                let mut st = c.get(&key_s).cloned()?;
+                if st.inbox.as_ref().is_some_and(|i| i.seq == inbox.seq) {
+                    st.inbox = None;
+                }
+                // Whatever came after it decides the need's state; the files it wrote are
+                // still recorded so they are found, and removed, with the need.
+                if st.seq != inbox.seq {
+                    st.files.extend(written.files.clone());
+                    c.put(key_s.clone(), st);
+                    return Some(None);
+                }
+                self.record_satisfied(&mut st, spec, now, expires_at, digest, &written);
+                st.payload =
+                    keep_payload.then(|| base64::engine::general_purpose::STANDARD.encode(payload));
+                c.put(key_s.clone(), st.clone());
+                Some(Some(st))
+            })
+            .await;
+        let state = match recorded {
+            Ok(Some(Some(st))) => st,
+            Ok(_) => return false,
+            Err(e) => {
+                tracing::warn!(need = %key, error = %e, "outcome not recorded; applied again at the next start");
+                return false;
+            }
+        };
+        self.inner.view.lock().clear_failures(key);
+        tracing::info!(need = %key, from = %inbox.from, bytes = payload.len(), payload_sha256 = %digest, files_changed = written.changed, state = state.phase.as_str(), "payload applied");
+        if written.changed {
+            self.inner
+                .units
+                .request(&spec.restart_units, &spec.reload_units);
+        }
+        if before.payload_sha256.as_deref() != Some(digest) || !before.satisfied {
+            self.wake_dependents(key);
+        }
+        self.after(key, next_attendance(spec, &state, now));
+        true
+    }
+
+    /// Files, then the handler or the `OK` rule. `Err` is the one-line reason.
+    pub(crate) async fn apply(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        origin: &str,
+        payload: &[u8],
+    ) -> Result<Written, String> {
+        let written = if spec.files.is_empty() {
+            Written::default()
+        } else {
+            let files = spec.files.clone();
+            let data = payload.to_vec();
+            tokio::task::spawn_blocking(move || crate::files::write_all(&files, &data))
+                .await
+                .map_err(|e| format!("writing files failed: {e}"))??
+        };
+        if let Some(handler) = &spec.handler {
+            self.inner
+                .spawned
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let run_spec = RunSpec::new(handler, payload.to_vec(), self.inner.opts.handler_timeout)
+                .env("FORT_HOST", self.inner.opts.host.clone())
+                .env("FORT_NEED", key.to_string())
+                .env("FORT_ORIGIN", origin.to_owned())
+                .envs(self.inner.opts.handler_environment.clone());
+            if let Err(e) = run(&run_spec).await {
+                tracing::warn!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "need handler failed");
+                return Err(format!("handler failed: {}", e.summary()));
+            }
+        } else if spec.side_effect_only() && payload != b"OK" && payload != b"OK\n" {
+            // The payload may be a credential sent to the wrong need: only its size and
+            // hash ever reach the log and the state.
+            return Err(format!(
+                "the provider sent {} bytes (sha256 {}) instead of OK",
+                payload.len(),
+                &sha256_hex(payload)[..16]
+            ));
+        }
+        Ok(written)
+    }
+
+    /// A payload was applied: the need is satisfied (or straight away expiring), its
+    /// expiry read, and a renewal that brought a payload outside its window is over.
+    pub(crate) fn record_satisfied(
+        &self,
+        st: &mut crate::state::NeedState,
+        spec: &NeedSpec,
+        now: u64,
+        expires_at: Option<u64>,
+        digest: &str,
+        written: &Written,
+    ) {
+        if !st.satisfied {
+            st.satisfied_at = Some(now);
+            st.attempts = 0;
+        }
+        st.satisfied = true;
+        st.expires_at = expires_at;
+        let phase = renewal_phase(spec, st, now).unwrap_or(Phase::Satisfied);
+        if st.phase != phase {
+            st.since = now;
+        }
+        st.phase = phase;
+        st.last_error = match (phase, expires_at) {
+            // Arrived already inside its renewal window (a CA issuing lifetimes shorter
+            // than renew_before, a stale cached response): a failed renewal, asked again
+            // at most once per nag interval while it persists.
+            (Phase::Expired, Some(at)) => Some(format!(
+                "the payload received expired at {}; asking again every {}",
+                crate::status::when(at),
+                crate::status::every(spec.nag_seconds)
+            )),
+            (Phase::Expiring, Some(at)) => Some(format!(
+                "the payload received expires at {}, inside the renewal window; asking again every {}",
+                crate::status::when(at),
+                crate::status::every(spec.nag_seconds)
+            )),
+            _ => None,
+        };
+        if phase == Phase::Satisfied {
+            st.renewal_sought_at = None;
+        }
+        st.payload_sha256 = Some(digest.to_owned());
+        st.received += 1;
+        st.received_at = Some(now);
+        st.files = written.files.clone();
+    }
+}
