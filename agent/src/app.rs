@@ -59,8 +59,11 @@ pub struct App {
     pub served: std::sync::atomic::AtomicU64,
 }
 
-/// Schema checks at once: as many as cores, for what is CPU work only.
-const SCHEMA_CHECKS: usize = 4;
+/// Schema checks at once: as many as cores (at most 8), for what is CPU work only; a
+/// check past its budget keeps its slot until it ends, so these bound the CPU it takes.
+fn schema_checks() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 8))
+}
 
 /// Why the agent cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -244,7 +247,7 @@ impl App {
         );
         let app = Arc::new(App {
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
-            schema_checks: Arc::new(Semaphore::new(SCHEMA_CHECKS)),
+            schema_checks: Arc::new(Semaphore::new(schema_checks())),
             origin_slots: Mutex::new(Default::default()),
             budgets,
             tls,

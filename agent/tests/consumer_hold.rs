@@ -243,3 +243,60 @@ async fn a_refusal_carrying_terminal_escapes_reaches_the_operator_as_plain_text(
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_superseded_while_its_handler_runs_still_restarts_the_units() {
+    let mut f = Fleet::new();
+    scripted_provider(&mut f, "cert", json!({}));
+    let restarts = f.dir.path().join("restarts");
+    let systemctl = f.script(
+        "systemctl",
+        &format!("echo \"$*\" >> {}", restarts.display()),
+    );
+    // Slower than the reply's wait, so that the next payload arrives while it runs.
+    let slow = f.script("consume", "cat > /dev/null; sleep 6");
+    f.host("c").extra_toml = format!("systemctl = {:?}\n", systemctl.display().to_string());
+    let file = f.dir.path().join("out/cert");
+    answer(&f, json!({"v": "1", "t": 0}));
+    f.need(
+        "c",
+        "cert/web",
+        "p",
+        json!({"nag_seconds": 600, "handler": slow,
+            "files": [{"path": file, "pointer": "/v"}], "restart_units": ["web.service"]}),
+    );
+    f.start();
+    assert!(eventually(Duration::from_secs(30), || f.all_satisfied("c")).await);
+    let count = || {
+        std::fs::read_to_string(&restarts)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("restart"))
+            .count()
+    };
+    assert!(eventually(Duration::from_secs(5), || count() == 1).await);
+    // v2 changes the file; while its handler runs, a payload with the same file content
+    // (only another field differs) supersedes it and writes nothing.
+    answer(&f, json!({"v": "2", "t": 1}));
+    assert!(f.admin("p", &["trigger", "cert"]).0);
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            std::fs::read_to_string(&file).unwrap_or_default() == "2"
+        })
+        .await
+    );
+    answer(&f, json!({"v": "2", "t": 2}));
+    assert!(f.admin("p", &["trigger", "cert"]).0);
+    assert!(
+        eventually(Duration::from_secs(30), || count() == 2).await,
+        "web.service restarted {} times for two contents: {}",
+        count(),
+        need_status(&f, "c", "cert/web")
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || f.all_satisfied("c")).await,
+        "{}",
+        need_status(&f, "c", "cert/web")
+    );
+    assert_eq!(count(), 2);
+}

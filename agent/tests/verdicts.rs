@@ -161,3 +161,48 @@ async fn a_handler_asks_to_be_run_again() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(runs(&f).len(), settled, "{:?}", runs(&f));
 }
+
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_verdicts_for_one_consumer_go_out_together_and_the_provider_rests() {
+    let mut f = Fleet::new();
+    // One delivery at a time: verdicts handed back to the queue would never go out.
+    f.host("p").extra_toml = "[callbacks]\nconcurrency = 1\n".into();
+    let h = f.script(
+        "provide",
+        r#"jq -c 'with_entries(.value = {"$fort_refused": "not today"})'"#,
+    );
+    f.capability("p", "cert", json!({"handler": h, "mode": "async"}));
+    let names: Vec<String> = (0..30).map(|i| format!("cert/n{i}")).collect();
+    for n in &names {
+        f.need("c", n, "p", json!({"nag_seconds": 600}));
+    }
+    f.start();
+    let refused = |f: &Fleet| {
+        names.iter().all(|n| {
+            state(f, n)["reason"]
+                .as_str()
+                .is_some_and(|r| r == "refused by p: not today")
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(20), || refused(&f)).await,
+        "{}",
+        state(&f, &names[0])
+    );
+    // Nothing is owed any more: the provider idles (100 ticks a second is a whole core).
+    let pid = f.agents["p"].pid();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = cpu_ticks(pid);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let spent = cpu_ticks(pid) - before;
+    assert!(
+        spent < 60,
+        "the provider spent {spent} ticks in 3 s with nothing to do"
+    );
+}

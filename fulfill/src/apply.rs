@@ -121,15 +121,32 @@ impl Fulfiller {
     }
 
     async fn drain_inbox(&self, key: &NeedKey) {
+        // After an outcome that could not be recorded (the state cannot be written), the
+        // same payload is tried again only after a pause that grows: never in a loop.
+        let mut unrecorded_pause = Duration::from_secs(5);
+        let mut last_seq = None;
         loop {
-            let Some(inbox) = self.state(key).inbox else {
+            if self.state(key).inbox.is_none() {
                 return;
-            };
+            }
             // A bounded number of payloads is applied at once, across all needs; which
             // needs go first is the order their appliers asked (tokio's semaphore is fair).
             let Ok(_slot) = self.inner.appliers.acquire().await else {
                 return;
             };
+            // Read only now: a revocation or refusal that came while this waited for a
+            // slot has emptied the inbox, and its payload must not be written.
+            let Some(inbox) = self.state(key).inbox else {
+                return;
+            };
+            if last_seq == Some(inbox.seq) {
+                tokio::time::sleep(unrecorded_pause).await;
+                unrecorded_pause = (unrecorded_pause * 2).min(Duration::from_secs(300));
+                if self.state(key).inbox.as_ref().map(|i| i.seq) != Some(inbox.seq) {
+                    continue;
+                }
+            }
+            last_seq = Some(inbox.seq);
             let payload = base64::engine::general_purpose::STANDARD
                 .decode(&inbox.payload)
                 .unwrap_or_default();
@@ -240,6 +257,7 @@ impl Fulfiller {
         let expires_at = crate::expiry::expiry(payload);
         let keep_payload = self.inner.view.lock().referenced.contains(key);
         let key_s = key.to_string();
+        let mut restart = written.changed;
         let recorded = self
             .inner
             .store
@@ -255,6 +273,12 @@ impl Fulfiller {
                     c.put(key_s.clone(), st);
                     return Some(None);
                 }
+                // Files that differ from what the last recorded outcome wrote: changed
+                // now, or by an attempt whose outcome a crash kept from being recorded.
+                restart |= written
+                    .files
+                    .iter()
+                    .any(|(path, sha)| st.files.get(path) != Some(sha));
                 self.record_satisfied(&mut st, spec, now, expires_at, digest, &written);
                 st.payload =
                     keep_payload.then(|| base64::engine::general_purpose::STANDARD.encode(payload));
@@ -262,6 +286,13 @@ impl Fulfiller {
                 Some(Some(st))
             })
             .await;
+        // The files on disk changed whoever decides the need's state now (a later
+        // payload with the same content writes nothing and would restart nothing).
+        if restart {
+            self.inner
+                .units
+                .request(&spec.restart_units, &spec.reload_units);
+        }
         let state = match recorded {
             Ok(Some(Some(st))) => st,
             Ok(_) => return false,
@@ -272,11 +303,6 @@ impl Fulfiller {
         };
         self.inner.view.lock().clear_failures(key);
         tracing::info!(need = %key, from = %inbox.from, bytes = payload.len(), payload_sha256 = %digest, files_changed = written.changed, state = state.phase.as_str(), "payload applied");
-        if written.changed {
-            self.inner
-                .units
-                .request(&spec.restart_units, &spec.reload_units);
-        }
         if before.payload_sha256.as_deref() != Some(digest) || !before.satisfied {
             self.wake_dependents(key);
         }

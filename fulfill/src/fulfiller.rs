@@ -259,6 +259,10 @@ impl Fulfiller {
                         from: spec.from.clone(),
                         request_hash: hash,
                         since: now,
+                        // Callbacks keep counting up: an applier still busy with a
+                        // payload for the old declaration must never take a new
+                        // payload's number for its own.
+                        seq: st.seq.saturating_add(1),
                         ..Default::default()
                     };
                     c.put(key.to_string(), st);

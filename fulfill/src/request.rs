@@ -66,6 +66,9 @@ impl Fulfiller {
             renew,
         })
         .expect("body serialises");
+        // A callback that arrives while this request is out (its number moves on) is newer
+        // than any verdict the answer carries.
+        let sent_seq = self.state(key).seq;
         let sent_at = unix_now();
         self.update_lazy(key, |st| {
             st.last_sought = Some(sent_at);
@@ -174,6 +177,14 @@ impl Fulfiller {
                 } else {
                     accepted.pending.as_deref().map(Delivered::Pending)
                 };
+                if self.state(key).seq != sent_seq {
+                    // The callback already said what became of the need.
+                    self.update_lazy(key, |st| {
+                        st.sent_sha256 = Some(resolved_hash.clone());
+                        true
+                    });
+                    return;
+                }
                 if let Some(verdict) = verdict.filter(|_| reply.verified()) {
                     self.update_lazy(key, |st| {
                         st.sent_sha256 = Some(resolved_hash.clone());

@@ -153,6 +153,7 @@ pub async fn batch(
     let mut later = Vec::new();
     let mut items: Vec<Vec<u8>> = Vec::new();
     let mut owed_items = Vec::new();
+    let mut notices = Vec::new();
     let mut size = 0;
     for (key, force) in keys {
         let Some(owed) = owed(app, &key, force) else {
@@ -166,8 +167,7 @@ pub async fn batch(
         // Verdicts travel in batches of their own: a consumer that predates them refuses
         // the batch, and must still get its payloads.
         if owed.notice.is_some() {
-            later.push((key, force));
-            outcomes.push((owed.key, None));
+            notices.push((owed, force));
             continue;
         }
         // Payload bytes are a JSON string's content or compact JSON: always UTF-8.
@@ -192,7 +192,9 @@ pub async fn batch(
         items.push(item);
         owed_items.push((owed, force));
     }
-    if owed_items.len() == 1 {
+    if owed_items.is_empty() {
+        // Only verdicts were owed.
+    } else if owed_items.len() == 1 {
         let (owed, force) = owed_items.pop().expect("one");
         let retry = one(app, &owed.key, force).await;
         outcomes.push((owed.key, retry));
@@ -232,11 +234,79 @@ pub async fn batch(
             }
         }
     }
+    outcomes.extend(verdicts(app, origin, notices).await);
     // Still in flight, so these go again once this send is done with.
     for (key, force) in later {
         app.provider.deliveries.enqueue(key, force);
     }
     outcomes
+}
+
+/// The verdicts owed to `origin`, sent now in one batch of their own (a lone one through
+/// [`one`]). Sending them later instead would hand them back to the queue, which would
+/// hand them straight back here: a loop that never sends.
+async fn verdicts(
+    app: &Arc<App>,
+    origin: &str,
+    mut notices: Vec<(Owed, bool)>,
+) -> Vec<(String, Option<Duration>)> {
+    if notices.len() <= 1 {
+        let mut outcomes = Vec::new();
+        if let Some((owed, force)) = notices.pop() {
+            let retry = one(app, &owed.key, force).await;
+            outcomes.push((owed.key, retry));
+        }
+        return outcomes;
+    }
+    let items = notices
+        .iter()
+        .filter_map(|(owed, _)| {
+            let (_, need) = parse_entry_key(&owed.key)?;
+            Some(notice_item(&need.to_string(), owed.notice.as_ref()?))
+        })
+        .collect();
+    match send_batch(app, origin, items).await {
+        Sent::Results(results) if results.len() == notices.len() => notices
+            .into_iter()
+            .zip(results)
+            .map(|((owed, _), result)| {
+                let retry = match (result.status, result.retry_after) {
+                    (200, _) => {
+                        acknowledged(app, &owed);
+                        None
+                    }
+                    (503, Some(after)) => Some(Duration::from_secs(after.clamp(1, 60))),
+                    (status, _) => failed(
+                        app,
+                        &owed,
+                        &format!("consumer answered {status} to the verdict"),
+                    ),
+                };
+                (owed.key, retry)
+            })
+            .collect(),
+        Sent::Results(_) => notices
+            .into_iter()
+            .map(|(owed, _)| {
+                let retry = failed(app, &owed, "consumer answered a different number of items");
+                (owed.key, retry)
+            })
+            .collect(),
+        Sent::NotTaken(status) => notices
+            .into_iter()
+            .map(|(owed, _)| {
+                takes_no_verdicts(app, &owed, status);
+                (owed.key, None)
+            })
+            .collect(),
+        Sent::Failed(error) => notices
+            .into_iter()
+            .map(|(owed, _)| {
+                let retry = failed(app, &owed, &error);
+                (owed.key, retry)
+            })
+            .collect(),
+    }
 }
 
 enum Sent {
