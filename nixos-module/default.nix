@@ -25,6 +25,7 @@ in
     ./service.nix
     ./delivery.nix
     ./capabilities/dns-record.nix
+    ./capabilities/postgres.nix
   ];
 
   config = {

@@ -18,6 +18,7 @@ let
         ./options.nix
         ./options-host.nix
         ./capabilities/dns-record.nix
+        ./capabilities/postgres.nix
         # The capability modules add assertions, which only NixOS declares.
         { options.assertions = lib.mkOption { internal = true; }; }
       ];

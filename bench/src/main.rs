@@ -11,7 +11,9 @@ mod cycle;
 mod deliver;
 mod dns_record;
 mod gc;
+mod openbao;
 mod plan;
+mod postgres;
 mod schema;
 mod stall;
 mod status;
@@ -40,6 +42,7 @@ use clap::{Parser, Subcommand};
   fort-bench schema --requests 2000 --rounds 3
   fort-bench plan --needs 500 --entries 5000
   fort-bench dns-record --create 500 --unchanged 10000
+  fort-bench postgres --entries 500 --unchanged 10000
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -86,6 +89,10 @@ enum Cmd {
     /// The dns-record handler against knotd and named: one run creating N records, and
     /// runs over M unchanged entries with the primary stopped.
     DnsRecord(dns_record::DnsRecordArgs),
+    /// The postgres capability's handler against a real PostgreSQL: one run creating N
+    /// roles and databases, a run over 10,000 unchanged entries with the server stopped,
+    /// and OpenBao's database engine issuing N credentials beside it (when `bao` is found).
+    Postgres(postgres::PostgresArgs),
 }
 
 fn main() -> ExitCode {
@@ -119,6 +126,7 @@ fn main() -> ExitCode {
             Cmd::Schema(a) => schema::run(a, json).await,
             Cmd::Plan(a) => plan::run(a, json).await,
             Cmd::DnsRecord(a) => dns_record::run(a, json).await,
+            Cmd::Postgres(a) => postgres::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -22,6 +22,7 @@ fn help_lists_every_benchmark() {
         "schema",
         "plan",
         "dns-record",
+        "postgres",
     ] {
         assert!(
             text.lines()

@@ -7,6 +7,7 @@
 pub mod common;
 pub mod dns;
 pub mod dns_record;
+pub mod postgres;
 
 use std::future::Future;
 use std::path::Path;
@@ -31,7 +32,7 @@ pub struct Capability {
 }
 
 /// Every capability, in `--help` order.
-pub const CAPABILITIES: &[Capability] = &[dns_record::CAPABILITY];
+pub const CAPABILITIES: &[Capability] = &[dns_record::CAPABILITY, postgres::CAPABILITY];
 
 /// The capability named `name`.
 pub fn capability(name: &str) -> Option<&'static Capability> {

@@ -1,7 +1,8 @@
 # The three-host fleet of the evaluation test, as lib.mkFleet arguments. Interfaces are
 # the example set (nixos-module/interfaces), fleet-wide.
-#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup) and ssl-cert;
-#           handler environment; metrics
+#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup), ssl-cert and
+#           postgres (fort-handler postgres through its options); handler environment;
+#           metrics
 #   beacon: provides proxy (async), ping (rpc, its own interface) and dns-record
 #           (fort-handler dns-record through its options); consumes oidc (two
 #           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
@@ -10,7 +11,7 @@
 #           a credential of the wiki service (which also reads the other's path);
 #           ssl-cert with a file, renewal and restart; proxy referring to the certificate
 #           and waiting for oidc; dns-record for its own address under a name beacon
-#           allows it
+#           allows it; postgres under a name forge allows it
 # `extra.<host>` adds modules to a host (the broken fleets use it).
 {
   extra ? { },
@@ -106,6 +107,12 @@ in
             ssl-cert = {
               handler = pkgs.writeShellScript "ssl-cert-issue" "exit 0";
               triggers.systemd = [ "pocket-id-setup.service" ];
+            };
+            postgres.postgres = {
+              host = "db.example.org";
+              adminRole = "fort";
+              connectionLimit = 20;
+              allow.app = [ "wiki" ];
             };
           };
         }
@@ -217,6 +224,15 @@ in
               from = "beacon";
               request.name = "www.app.example.org";
               files."record.json" = { };
+            };
+            # The wiki's database, its password a credential of the service.
+            postgres.wiki = {
+              from = "forge";
+              request.name = "wiki";
+              files.password = {
+                pointer = "/password";
+                credentialFor = [ "wiki.service" ];
+              };
             };
             # Side-effect only: satisfied when beacon answers OK. Sent once the
             # certificate it refers to is there, and after the OIDC client exists.

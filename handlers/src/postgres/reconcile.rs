@@ -1,0 +1,485 @@
+//! Every entry in, one answer per entry out: which entries keep their credential without a
+//! word to the server, which need server work (new, rotated, back from release, drifted),
+//! and which roles this handler made are no longer wanted.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use fort_core::names::{is_host_name, is_principal_name};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::config::{Config, OnRelease};
+use super::names;
+use super::request::Request;
+use super::server::{Failure, Released, Server};
+use crate::common::{Entry, Output, Trigger};
+
+/// The state file's version.
+pub const STATE_VERSION: u32 = 1;
+
+/// What this handler made on the server: the proof of ownership that cleanup goes by.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct State {
+    /// Role (and database) name → what it is for.
+    #[serde(default)]
+    pub roles: BTreeMap<String, Made>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Made {
+    /// The entry key it was made for; no other entry may have it.
+    pub entry: String,
+    /// The current password; `None` once released (the role has no `LOGIN`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+    /// The request's `rotate` this password answers.
+    #[serde(default)]
+    pub rotate: u64,
+    /// The `CONNECTION LIMIT` it was given (−1: none).
+    pub connection_limit: i32,
+    /// A new password was asked for (a forced run) and a run's budget ran out before it
+    /// was set: the next run sets it, although the entry then looks unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub owed: bool,
+}
+
+/// Why an entry needs the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// No role yet.
+    New,
+    /// A new password: `--force` (no cached response), `renew`, or a raised `rotate`.
+    Rotate,
+    /// Released before and asked for again: `LOGIN` again, with a new password.
+    Reactivate,
+    /// The configured connection limit changed.
+    Limit,
+    /// The server no longer holds what the state says (found on a reconciling run).
+    Repair,
+}
+
+#[derive(Debug)]
+struct Work {
+    entry: usize,
+    name: String,
+    rotate: u64,
+    why: Why,
+}
+
+/// The decisions that need no server.
+#[derive(Debug, Default)]
+struct Plan {
+    keep: Vec<(usize, String)>,
+    work: Vec<Work>,
+    /// Roles of the state that no entry wants.
+    release: Vec<String>,
+}
+
+/// What a run did, for its notes on stderr (names and counts, never a password).
+#[derive(Debug, Default, PartialEq)]
+pub struct Counts {
+    pub kept: usize,
+    pub created: usize,
+    pub rotated: usize,
+    pub refused: usize,
+    pub pending: usize,
+    pub released: usize,
+}
+
+/// The outcome of a run: the output, whether the state changed (save it), and the
+/// failure that fails the run (after the state is saved: passwords already set on the
+/// server must not be forgotten).
+pub struct Reconciled {
+    pub output: Output,
+    pub changed: bool,
+    pub counts: Counts,
+    pub failure: Option<anyhow::Error>,
+}
+
+/// Decides every entry and does the server work, within the config's time budget.
+pub async fn reconcile(
+    config: &Config,
+    provider: &str,
+    state: &mut State,
+    entries: &[Entry],
+    trigger: Trigger,
+) -> Reconciled {
+    let started = Instant::now();
+    let budget = config.run_budget;
+    let mut out = Reconciled {
+        output: Output::default(),
+        changed: false,
+        counts: Counts::default(),
+        failure: None,
+    };
+    let mut plan = plan(config, state, entries, &mut out);
+    let reconciling = trigger.reconciles() && !plan.keep.is_empty();
+    if plan.work.is_empty() && plan.release.is_empty() && !reconciling {
+        respond_kept(config, state, entries, &plan.keep, &mut out);
+        return out;
+    }
+    let server = match Server::connect(config).await {
+        Ok(s) => s,
+        Err(e) => {
+            out.failure = Some(e);
+            return out;
+        }
+    };
+    if reconciling {
+        if let Err(e) = find_drift(config, provider, state, entries, &server, &mut plan).await {
+            out.failure = Some(e);
+            return out;
+        }
+    }
+    respond_kept(config, state, entries, &plan.keep, &mut out);
+    let mut left = 0usize;
+    for work in &plan.work {
+        let entry = &entries[work.entry];
+        if started.elapsed() >= budget {
+            left += 1;
+            continue;
+        }
+        let password = match (work.why, state.roles.get(&work.name)) {
+            (
+                Why::Limit | Why::Repair,
+                Some(Made {
+                    password: Some(p), ..
+                }),
+            ) => p.clone(),
+            _ => names::new_password(),
+        };
+        let marker = names::marker(provider, &entry.key);
+        let limit = config.connection_limit();
+        match server.ensure(&work.name, &marker, &password, limit).await {
+            Ok(()) => {
+                let response = response(config, &work.name, &password);
+                state.roles.insert(
+                    work.name.clone(),
+                    Made {
+                        entry: entry.key.clone(),
+                        password: Some(password),
+                        rotate: work.rotate,
+                        connection_limit: limit,
+                        owed: false,
+                    },
+                );
+                out.changed = true;
+                match work.why {
+                    Why::New | Why::Reactivate => out.counts.created += 1,
+                    _ => out.counts.rotated += 1,
+                }
+                out.output.respond(entry, response);
+            }
+            Err(Failure::Refused(reason)) => {
+                tracing::warn!("{}: refused: {reason}", entry.key);
+                out.counts.refused += 1;
+                out.output.refuse(entry, reason);
+            }
+            Err(Failure::Down(e)) => {
+                out.failure = Some(e);
+                return out;
+            }
+        }
+    }
+    if left > 0 {
+        // Later runs go on where this one stopped; meanwhile each keeps what it had.
+        for work in plan.work.iter().rev().take(left) {
+            if let Some(m) = state.roles.get_mut(&work.name) {
+                if work.why == Why::Rotate && !m.owed {
+                    m.owed = true;
+                    out.changed = true;
+                }
+            }
+            out.output.pending(
+                &entries[work.entry],
+                format!("{left} databases are being set up; this one comes in a later run"),
+            );
+        }
+        out.counts.pending = left;
+        out.output.rerun_within(1);
+    }
+    for name in &plan.release {
+        if started.elapsed() >= budget {
+            out.output.rerun_within(1);
+            break;
+        }
+        let made = state.roles[name].clone();
+        let drop = config.on_release == OnRelease::Drop;
+        let marker = names::marker(provider, &made.entry);
+        match server.release(name, &marker, drop).await {
+            Ok(Released::Done) => {
+                out.counts.released += 1;
+                if drop {
+                    state.roles.remove(name);
+                } else if let Some(m) = state.roles.get_mut(name) {
+                    m.password = None;
+                }
+            }
+            Ok(found @ (Released::Gone | Released::NotOurs)) => {
+                tracing::warn!("{name}: {found:?} on the server; forgotten, not touched");
+                state.roles.remove(name);
+            }
+            Err(Failure::Refused(reason)) => {
+                tracing::warn!("{name}: cannot release: {reason}; tried again next run");
+                continue;
+            }
+            Err(Failure::Down(e)) => {
+                out.failure = Some(e);
+                return out;
+            }
+        }
+        out.changed = true;
+    }
+    out
+}
+
+/// Sorts every entry into kept, refused (answered here) and work, and lists the roles no
+/// entry wants.
+fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled) -> Plan {
+    let mut plan = Plan::default();
+    let limit = config.connection_limit();
+    // Name → the entry that has it in this run.
+    let mut wanted: HashMap<String, &str> = HashMap::with_capacity(entries.len());
+    for (i, entry) in entries.iter().enumerate() {
+        let decided = decide(config, state, entry, &wanted);
+        let (name, rotate) = match decided {
+            Ok(d) => d,
+            Err(reason) => {
+                out.counts.refused += 1;
+                out.output.refuse(entry, reason);
+                continue;
+            }
+        };
+        let why = match state.roles.get(&name) {
+            None => Some(Why::New),
+            Some(Made { password: None, .. }) => Some(Why::Reactivate),
+            Some(m) if entry.response.is_none() || entry.renew || m.rotate != rotate || m.owed => {
+                Some(Why::Rotate)
+            }
+            Some(m) if m.connection_limit != limit => Some(Why::Limit),
+            Some(_) => None,
+        };
+        wanted.insert(name.clone(), &entry.key);
+        match why {
+            Some(why) => plan.work.push(Work {
+                entry: i,
+                name,
+                rotate,
+                why,
+            }),
+            None => plan.keep.push((i, name)),
+        }
+    }
+    let drop = config.on_release == OnRelease::Drop;
+    plan.release = state
+        .roles
+        .iter()
+        .filter(|(name, m)| wanted.get(name.as_str()) != Some(&m.entry.as_str()))
+        .filter(|(_, m)| m.password.is_some() || drop)
+        .map(|(name, _)| name.clone())
+        .collect();
+    plan
+}
+
+/// The entry's name and requested `rotate`, or why it is refused.
+fn decide(
+    config: &Config,
+    state: &State,
+    entry: &Entry,
+    wanted: &HashMap<String, &str>,
+) -> Result<(String, u64), String> {
+    if !is_host_name(&entry.origin) && !is_principal_name(&entry.origin) {
+        return Err("the caller's name is not a fort host or principal name".into());
+    }
+    let request = Request::parse(&entry.request, &config.name_prefix)?;
+    let name = match request.name {
+        Some(name) => {
+            if !config.allow.permits(&entry.origin, &name) {
+                return Err(format!(
+                    "{} may not have the database {name} (the provider's allow list)",
+                    entry.origin
+                ));
+            }
+            name
+        }
+        None => names::derived(&config.name_prefix, &entry.origin, entry.need.id()),
+    };
+    let held = state.roles.get(&name).map(|m| m.entry.as_str());
+    if held.is_some_and(|k| k != entry.key) || wanted.contains_key(&name) {
+        return Err(format!("the database {name} belongs to another entry"));
+    }
+    Ok((name, request.rotate))
+}
+
+/// One query over the kept entries' roles; whatever the server no longer holds as the
+/// state says is redone with the same password.
+async fn find_drift(
+    config: &Config,
+    provider: &str,
+    state: &State,
+    entries: &[Entry],
+    server: &Server,
+    plan: &mut Plan,
+) -> anyhow::Result<()> {
+    let names: Vec<String> = plan.keep.iter().map(|(_, n)| n.clone()).collect();
+    let seen = match server.survey(&names).await {
+        Ok(s) => s,
+        Err(Failure::Refused(r)) => anyhow::bail!("cannot read the roles: {r}"),
+        Err(Failure::Down(e)) => return Err(e),
+    };
+    let limit = config.connection_limit();
+    let mut keep = Vec::with_capacity(plan.keep.len());
+    for (i, name) in std::mem::take(&mut plan.keep) {
+        let marker = names::marker(provider, &entries[i].key);
+        let intact = seen.get(&name).is_some_and(|s| {
+            s.can_login
+                && s.database
+                && s.connection_limit == limit
+                && s.comment.as_deref() == Some(marker.as_str())
+        });
+        if intact {
+            keep.push((i, name));
+        } else {
+            tracing::info!("{name}: not as this handler left it; set up again");
+            let rotate = state.roles.get(&name).map_or(0, |m| m.rotate);
+            plan.work.push(Work {
+                entry: i,
+                name,
+                rotate,
+                why: Why::Repair,
+            });
+        }
+    }
+    plan.keep = keep;
+    Ok(())
+}
+
+fn respond_kept(
+    config: &Config,
+    state: &State,
+    entries: &[Entry],
+    keep: &[(usize, String)],
+    out: &mut Reconciled,
+) {
+    for (i, name) in keep {
+        if let Some(Made {
+            password: Some(p), ..
+        }) = state.roles.get(name)
+        {
+            out.output.respond(&entries[*i], response(config, name, p));
+            out.counts.kept += 1;
+        }
+    }
+}
+
+/// The credential a consumer gets.
+pub fn response(config: &Config, name: &str, password: &str) -> Value {
+    let port = config.public_port();
+    json!({
+        "host": config.host,
+        "port": port,
+        "dbname": name,
+        "user": name,
+        "password": password,
+        "uri": names::uri(&config.host, port, name, password, name),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::common::parse_input;
+
+    fn config() -> Config {
+        serde_json::from_value(
+            json!({"state_file": "/x", "host": "db.lan", "allow": {"app": ["gitea"]}}),
+        )
+        .unwrap()
+    }
+
+    fn made(config: &Config, entry: &str, password: Option<&str>, rotate: u64) -> Made {
+        Made {
+            entry: entry.into(),
+            password: password.map(str::to_owned),
+            rotate,
+            connection_limit: config.connection_limit(),
+            owed: false,
+        }
+    }
+
+    #[test]
+    fn decisions_without_a_server() {
+        let c = config();
+        let mut state = State::default();
+        state.roles.insert(
+            "fort_app_kept".into(),
+            made(&c, "app:postgres/kept", Some("pw"), 0),
+        );
+        state.roles.insert(
+            "fort_app_forced".into(),
+            made(&c, "app:postgres/forced", Some("pw"), 0),
+        );
+        state.roles.insert(
+            "fort_app_rot".into(),
+            made(&c, "app:postgres/rot", Some("pw"), 0),
+        );
+        state.roles.insert(
+            "fort_app_back".into(),
+            made(&c, "app:postgres/back", None, 0),
+        );
+        state.roles.insert(
+            "fort_app_gone".into(),
+            made(&c, "app:postgres/gone", Some("pw"), 0),
+        );
+        state
+            .roles
+            .insert("fort_app_old".into(), made(&c, "app:postgres/old", None, 0));
+        let mut owed = made(&c, "app:postgres/owed", Some("pw"), 0);
+        owed.owed = true;
+        state.roles.insert("fort_app_owed".into(), owed);
+        let kept = response(&c, "fort_app_kept", "pw");
+        let input = json!({
+            "app:postgres/kept": {"request": {}, "response": kept},
+            "app:postgres/forced": {"request": {}, "response": null},
+            "app:postgres/rot": {"request": {"rotate": 2}, "response": kept},
+            "app:postgres/back": {"request": {}, "response": null},
+            "app:postgres/owed": {"request": {}, "response": kept},
+            "app:postgres/new": {"request": {"name": "gitea"}, "response": null},
+            "web:postgres/new": {"request": {"name": "gitea"}, "response": null},
+        });
+        let entries = parse_input(input.to_string().as_bytes()).unwrap();
+        let mut out = Reconciled {
+            output: Output::default(),
+            changed: false,
+            counts: Counts::default(),
+            failure: None,
+        };
+        let p = plan(&c, &state, &entries, &mut out);
+        let whys: Vec<(&str, Why)> = p
+            .work
+            .iter()
+            .map(|w| (entries[w.entry].key.as_str(), w.why))
+            .collect();
+        assert_eq!(
+            whys,
+            [
+                ("app:postgres/back", Why::Reactivate),
+                ("app:postgres/forced", Why::Rotate),
+                ("app:postgres/new", Why::New),
+                ("app:postgres/owed", Why::Rotate),
+                ("app:postgres/rot", Why::Rotate),
+            ]
+        );
+        assert_eq!(p.keep, [(2, "fort_app_kept".to_owned())]);
+        // Only the role still able to log in is released; one released before stays so.
+        assert_eq!(p.release, ["fort_app_gone"]);
+        assert_eq!(out.counts.refused, 1);
+        assert!(out.output.to_json()["web:postgres/new"]["$fort_refused"]
+            .as_str()
+            .unwrap()
+            .contains("web may not have the database gitea"));
+    }
+}

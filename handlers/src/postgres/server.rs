@@ -1,0 +1,293 @@
+//! The admin connection to the provider's PostgreSQL (its Unix socket, `tokio-postgres`):
+//! making a role and its database, changing its password, releasing it, and reading what
+//! exists. Values travel as bound parameters; the statements that cannot take parameters
+//! (`CREATE ROLE`, `ALTER ROLE … PASSWORD`, `COMMENT`) get quoted identifiers and
+//! literals, and only names this handler checked against its own grammar.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio_postgres::{Client, NoTls};
+
+use super::config::Config;
+use super::names::{quote_ident, quote_literal};
+
+/// Why one entry's server work did not happen.
+#[derive(Debug)]
+pub enum Failure {
+    /// The server (or what exists on it) rejects this entry: refused, others go on.
+    Refused(String),
+    /// The server is unreachable or failing: the run fails and nothing is revoked.
+    Down(anyhow::Error),
+}
+
+impl Failure {
+    /// Sorts a server error: a rejected statement refuses the entry; a lost connection, a
+    /// server shutting down or out of resources fails the run.
+    fn from_pg(what: &str, e: tokio_postgres::Error) -> Failure {
+        let Some(db) = e.as_db_error() else {
+            return Failure::Down(anyhow::anyhow!("{what}: {e}"));
+        };
+        let class = &db.code().code()[..2];
+        // 08 connection, 53 resources, 57 operator intervention, 58 system, XX internal.
+        if matches!(class, "08" | "53" | "57" | "58" | "XX") {
+            return Failure::Down(anyhow::anyhow!("{what}: {}", db.message()));
+        }
+        Failure::Refused(format!("{what}: {}", db.message()))
+    }
+}
+
+/// What the server holds under one name, as far as this handler cares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Seen {
+    pub can_login: bool,
+    pub connection_limit: i32,
+    /// The role's comment (this handler's marker on its own roles).
+    pub comment: Option<String>,
+    /// A database of that name owned by that role exists.
+    pub database: bool,
+}
+
+/// What releasing a role found.
+#[derive(Debug, PartialEq)]
+pub enum Released {
+    /// Disabled (or dropped) as asked.
+    Done,
+    /// The role is gone already: nothing to do.
+    Gone,
+    /// A role of that name exists without this handler's marker: not touched.
+    NotOurs,
+}
+
+pub struct Server {
+    client: Client,
+}
+
+impl Server {
+    /// Connects as the admin role over the socket; failing to is the run's failure.
+    pub async fn connect(config: &Config) -> anyhow::Result<Server> {
+        let mut pg = tokio_postgres::Config::new();
+        pg.host_path(&config.socket_dir)
+            .port(config.port)
+            .user(&config.admin_role)
+            .dbname(&config.admin_database)
+            .application_name("fort-handler")
+            .connect_timeout(Duration::from_secs(10));
+        if let Some(file) = &config.admin_password_file {
+            pg.password(crate::common::config::read_secret(file)?);
+        }
+        let (client, connection) = pg.connect(NoTls).await.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to PostgreSQL at {}/.s.PGSQL.{} as {}: {e}",
+                config.socket_dir.display(),
+                config.port,
+                config.admin_role
+            )
+        })?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::warn!("PostgreSQL connection: {e}");
+            }
+        });
+        // A catalog lock held elsewhere must not hold the run past its budget.
+        client
+            .batch_execute("SET lock_timeout = '10s'; SET statement_timeout = '30s'")
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot set up the admin session: {e}"))?;
+        Ok(Server { client })
+    }
+
+    /// What exists under `names` (roles, with their database), in one query.
+    pub async fn survey(&self, names: &[String]) -> Result<HashMap<String, Seen>, Failure> {
+        let rows = self
+            .client
+            .query(
+                "SELECT r.rolname::text, r.rolcanlogin, r.rolconnlimit, \
+                        shobj_description(r.oid, 'pg_authid'), \
+                        EXISTS (SELECT 1 FROM pg_database d \
+                                WHERE d.datname = r.rolname AND d.datdba = r.oid) \
+                 FROM pg_roles r WHERE r.rolname = ANY($1::text[])",
+                &[&names],
+            )
+            .await
+            .map_err(|e| Failure::from_pg("reading roles", e))?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<_, String>(0),
+                    Seen {
+                        can_login: r.get(1),
+                        connection_limit: r.get(2),
+                        comment: r.get(3),
+                        database: r.get(4),
+                    },
+                )
+            })
+            .collect())
+    }
+
+    /// Makes role `name` and its database exist, marked `marker`, with `LOGIN`, the
+    /// password `password` (sent as its SCRAM-SHA-256 verifier) and `connection_limit`.
+    /// A role or database of that name that this handler did not make is never touched:
+    /// the entry is refused instead.
+    pub async fn ensure(
+        &self,
+        name: &str,
+        marker: &str,
+        password: &str,
+        connection_limit: i32,
+    ) -> Result<(), Failure> {
+        let ident = ident(name)?;
+        let role = self
+            .client
+            .query_opt(
+                "SELECT shobj_description(oid, 'pg_authid') FROM pg_roles WHERE rolname = $1",
+                &[&name],
+            )
+            .await
+            .map_err(|e| Failure::from_pg("reading the role", e))?
+            .map(|r| r.get::<_, Option<String>>(0));
+        if let Some(comment) = &role {
+            if comment.as_deref() != Some(marker) {
+                return Err(Failure::Refused(format!(
+                    "role {name} exists and was not made by fort for this entry"
+                )));
+            }
+        }
+        let owner = self
+            .client
+            .query_opt(
+                "SELECT pg_get_userbyid(datdba)::text FROM pg_database WHERE datname = $1",
+                &[&name],
+            )
+            .await
+            .map_err(|e| Failure::from_pg("reading the database", e))?
+            .map(|r| r.get::<_, String>(0));
+        if let Some(owner) = &owner {
+            if owner != name || role.is_none() {
+                return Err(Failure::Refused(format!(
+                    "database {name} exists and belongs to {owner}"
+                )));
+            }
+        }
+        let comment = literal(marker)?;
+        if role.is_none() {
+            // Without LOGIN until its database exists: a run stopped half-way leaves a
+            // marked role nobody can use, which the next run adopts.
+            self.exec(
+                "creating the role",
+                &format!(
+                    "CREATE ROLE {ident} NOLOGIN; COMMENT ON ROLE {ident} IS {comment}; \
+                     GRANT {ident} TO CURRENT_USER"
+                ),
+            )
+            .await?;
+        }
+        if owner.is_none() {
+            // CREATE DATABASE … OWNER wants the admin to be a member of the owner role.
+            if role.is_some() {
+                self.exec(
+                    "joining the role",
+                    &format!("GRANT {ident} TO CURRENT_USER"),
+                )
+                .await?;
+            }
+            self.exec(
+                "creating the database",
+                &format!("CREATE DATABASE {ident} OWNER {ident}"),
+            )
+            .await?;
+            self.exec(
+                "marking the database",
+                &format!(
+                    "COMMENT ON DATABASE {ident} IS {comment}; \
+                     REVOKE ALL ON DATABASE {ident} FROM PUBLIC"
+                ),
+            )
+            .await?;
+        }
+        let verifier = literal(&postgres_protocol::password::scram_sha_256(
+            password.as_bytes(),
+        ))?;
+        self.exec(
+            "enabling the role",
+            &format!(
+                "ALTER ROLE {ident} WITH LOGIN PASSWORD {verifier} CONNECTION LIMIT {connection_limit}"
+            ),
+        )
+        .await
+    }
+
+    /// Releases role `name` if it still carries `marker`: `drop` drops its database (if
+    /// the role owns it) and the role; otherwise the role loses `LOGIN` and its password
+    /// and its sessions end, and the data stays.
+    pub async fn release(&self, name: &str, marker: &str, drop: bool) -> Result<Released, Failure> {
+        let ident = ident(name)?;
+        let Some(row) = self
+            .client
+            .query_opt(
+                "SELECT shobj_description(oid, 'pg_authid') FROM pg_roles WHERE rolname = $1",
+                &[&name],
+            )
+            .await
+            .map_err(|e| Failure::from_pg("reading the role", e))?
+        else {
+            return Ok(Released::Gone);
+        };
+        if row.get::<_, Option<String>>(0).as_deref() != Some(marker) {
+            return Ok(Released::NotOurs);
+        }
+        if drop {
+            let owned = self
+                .client
+                .query_opt(
+                    "SELECT 1 FROM pg_database d JOIN pg_roles r ON r.oid = d.datdba \
+                     WHERE d.datname = $1 AND r.rolname = $1",
+                    &[&name],
+                )
+                .await
+                .map_err(|e| Failure::from_pg("reading the database", e))?
+                .is_some();
+            if owned {
+                self.exec(
+                    "dropping the database",
+                    &format!("DROP DATABASE {ident} WITH (FORCE)"),
+                )
+                .await?;
+            }
+            self.exec("dropping the role", &format!("DROP ROLE {ident}"))
+                .await?;
+        } else {
+            self.exec(
+                "disabling the role",
+                &format!("ALTER ROLE {ident} WITH NOLOGIN PASSWORD NULL"),
+            )
+            .await?;
+            self.client
+                .query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE usename = $1 AND pid <> pg_backend_pid()",
+                    &[&name],
+                )
+                .await
+                .map_err(|e| Failure::from_pg("ending the role's sessions", e))?;
+        }
+        Ok(Released::Done)
+    }
+
+    async fn exec(&self, what: &str, sql: &str) -> Result<(), Failure> {
+        self.client
+            .batch_execute(sql)
+            .await
+            .map_err(|e| Failure::from_pg(what, e))
+    }
+}
+
+fn ident(name: &str) -> Result<String, Failure> {
+    quote_ident(name).ok_or_else(|| Failure::Refused(format!("{name:?} cannot be a name")))
+}
+
+fn literal(text: &str) -> Result<String, Failure> {
+    quote_literal(text).ok_or_else(|| Failure::Refused("a text with NUL cannot be sent".into()))
+}
