@@ -12,7 +12,9 @@
 # whenever it stops while the path exists, so S could not be stopped by hand, and while
 # only some of S's files exist the skipped start would re-trigger in a loop until
 # systemd's trigger limit disables the path unit. A change of content afterwards is the
-# agent's job: S joins the need's restart_units (lib.nix, needsJson).
+# agent's job: the file's credential_for names S (lib.nix, needsJson), and the agent
+# restarts S when the file's content is replaced, not when the file first appears
+# (the path unit starts S then; restarting it too would start it twice).
 {
   config,
   lib,

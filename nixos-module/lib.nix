@@ -387,7 +387,7 @@ rec {
       principals = mapAttrs (_: p: { keys = map lib.strings.trim p.publicKeys; }) principals;
     };
 
-  # Units a need's files are credentials of (credentialFor): restarted with the others.
+  # Units a need's files are credentials of (credentialFor).
   credentialUnitsOf = n: unique (concatMap (f: f.credentialFor) (attrValues n.files));
 
   # requestOf: the request as shipped (the provider interface's defaults filled in).
@@ -404,6 +404,8 @@ rec {
           check = storeString n.check;
           never_satisfied = n.neverSatisfied;
           # mapAttrsToList: sorted by name.
+          # A credential's service is restarted when the file changes, but not when
+          # it first appears: its path unit starts it then (docs/protocol.md §11.3).
           files = mapAttrsToList (name: f: {
             inherit name;
             inherit (f)
@@ -413,8 +415,9 @@ rec {
               group
               mode
               ;
+            credential_for = unique f.credentialFor;
           }) n.files;
-          restart_units = unique (n.restartUnits ++ credentialUnitsOf n);
+          restart_units = unique n.restartUnits;
           reload_units = unique n.reloadUnits;
           renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;
           after = unique n.after;

@@ -83,8 +83,9 @@ let
             `LoadCredential=<name>:<path>` (read as `$CREDENTIALS_DIRECTORY/<name>`, also
             under `DynamicUser=`, so the file itself can stay root-only), is skipped
             rather than failed while the file is missing (`ConditionPathExists=`), is
-            started by a path unit once the file appears, and is restarted when its
-            content changes (it joins the need's `restart_units`).
+            started by a path unit once the file appears (once: the agent does not
+            restart it for a file it creates), and is restarted when the file's content
+            changes.
           '';
         };
       };
@@ -162,8 +163,8 @@ let
         };
         restartUnits = unitList [ "outline.service" ] ''
           Units restarted (at most once a second) when a file's content changes;
-          unchanged content restarts nothing. Services in a file's `credentialFor` are
-          added.
+          unchanged content restarts nothing. Services in a file's `credentialFor` need
+          not be listed: they restart when that file changes.
         '';
         reloadUnits = unitList [ "nginx.service" ] "Units reloaded when a file's content changes.";
         renewBefore = mkOption {

@@ -291,7 +291,7 @@ impl Fulfiller {
         if restart {
             self.inner
                 .units
-                .request(&spec.restart_units, &spec.reload_units);
+                .request(&written.restarts(&spec.restart_units), &spec.reload_units);
         }
         let state = match recorded {
             Ok(Some(Some(st))) => st,

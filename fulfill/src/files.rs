@@ -7,7 +7,7 @@
 
 /// For `fort-agent check`: a delivery path a local user could redirect.
 pub use crate::safe_path::unsafe_parent;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
@@ -28,6 +28,26 @@ pub struct Written {
     pub changed: bool,
     /// Whether a file was made where there was none before (its first delivery).
     pub created: bool,
+    /// `credential_for` units of files whose content was replaced: restarted.
+    pub credentials_replaced: BTreeSet<String>,
+    /// `credential_for` units of files that did not exist: not running without them,
+    /// and started by their path unit now that they appear (§11.3, step 5).
+    pub credentials_created: BTreeSet<String>,
+}
+
+impl Written {
+    /// The units to restart when this payload's files changed: the need's
+    /// `restart_units` and the credential units of replaced files, without the credential
+    /// units of files it created (otherwise a first delivery would start such a service
+    /// twice: its path unit, then this restart).
+    pub fn restarts(&self, restart_units: &[String]) -> Vec<String> {
+        let mut units: Vec<String> = restart_units.to_vec();
+        units.extend(self.credentials_replaced.iter().cloned());
+        units.retain(|u| !self.credentials_created.contains(u));
+        units.sort();
+        units.dedup();
+        units
+    }
 }
 
 /// The content one file gets from a payload.
@@ -120,6 +140,14 @@ pub fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> 
             .map_err(|e| format!("file {}: cannot write {}: {e}", f.label(), f.path.display()))?;
         out.changed |= outcome != Outcome::Unchanged;
         out.created |= outcome == Outcome::Created;
+        let credentials = match outcome {
+            Outcome::Unchanged => None,
+            Outcome::Replaced => Some(&mut out.credentials_replaced),
+            Outcome::Created => Some(&mut out.credentials_created),
+        };
+        if let Some(units) = credentials {
+            units.extend(f.credential_for.iter().cloned());
+        }
         out.files
             .insert(f.path.display().to_string(), sha256_hex(&data));
     }
@@ -266,7 +294,36 @@ mod tests {
             owner: me.0.to_string(),
             group: me.1.to_string(),
             mode: "0440".into(),
+            credential_for: Vec::new(),
         }
+    }
+
+    #[test]
+    fn credential_units_restart_when_replaced_not_when_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cred = spec(&dir.path().join("token"), "/t");
+        cred.credential_for = vec!["wiki.service".into()];
+        let other = spec(&dir.path().join("cert"), "/c");
+        let files = [cred, other];
+        let restart = vec!["nginx.service".to_owned(), "wiki.service".to_owned()];
+        // Created: its path unit starts wiki, even though restart_units names it too.
+        let w = write_all(&files, br#"{"t":"1","c":"1"}"#).unwrap();
+        assert_eq!(w.restarts(&restart), ["nginx.service"]);
+        // Replaced: wiki restarts (once), with the need's own units.
+        let w = write_all(&files, br#"{"t":"2","c":"1"}"#).unwrap();
+        assert_eq!(w.restarts(&[]), ["wiki.service"]);
+        assert_eq!(w.restarts(&restart), ["nginx.service", "wiki.service"]);
+        // Only the other file changed: wiki keeps running.
+        let w = write_all(&files, br#"{"t":"2","c":"2"}"#).unwrap();
+        assert!(w.changed);
+        assert_eq!(w.restarts(&[]), Vec::<String>::new());
+        // Nothing changed: nothing to restart (the caller restarts only on a change).
+        let w = write_all(&files, br#"{"t":"2","c":"2"}"#).unwrap();
+        assert!(!w.changed && w.credentials_replaced.is_empty());
+        // Gone (a reboot emptied /run) and written again: left to the path unit.
+        std::fs::remove_file(dir.path().join("token")).unwrap();
+        let w = write_all(&files, br#"{"t":"2","c":"2"}"#).unwrap();
+        assert_eq!(w.restarts(&restart), ["nginx.service"]);
     }
 
     fn unsafe_free_ids() -> (u32, u32) {

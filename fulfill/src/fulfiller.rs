@@ -130,13 +130,27 @@ pub enum DeliverError {
 }
 
 /// What identifies a need's declaration: a change means asking again from scratch.
+/// A file's `credential_for` names units to restart, as `restart_units` does: changed
+/// in place, without asking again (and without it, a declaration hashes as it did
+/// before files had the field).
 pub(crate) fn declaration_hash(spec: &NeedSpec) -> String {
     let declared = serde_json::json!({
         "from": spec.from,
         "request": spec.request,
-        "files": spec.files,
+        "files": declared_files(spec),
     });
     sha256_hex(&serde_json::to_vec(&declared).expect("declaration serialises"))
+}
+
+/// A need's files without their `credential_for` units.
+pub(crate) fn declared_files(spec: &NeedSpec) -> Vec<fort_core::schema::FileSpec> {
+    spec.files
+        .iter()
+        .map(|f| fort_core::schema::FileSpec {
+            credential_for: Vec::new(),
+            ..f.clone()
+        })
+        .collect()
 }
 
 pub(crate) fn nag(spec: &NeedSpec) -> Duration {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use fort_core::schema::{NeedSpec, Needs};
 use serde::{Deserialize, Serialize};
 
-use crate::fulfiller::declaration_hash;
+use crate::fulfiller::{declaration_hash, declared_files};
 use crate::Fulfiller;
 
 /// One need that would be asked for, released, asked again, or updated in place.
@@ -64,12 +64,17 @@ impl NeedsPreview {
     }
 }
 
+/// The units a need's files are credentials of.
+fn credential_units(spec: &NeedSpec) -> Vec<&String> {
+    spec.files.iter().flat_map(|f| &f.credential_for).collect()
+}
+
 /// The fields that differ between two declarations of a need.
 fn differing(old: &NeedSpec, new: &NeedSpec) -> Vec<String> {
     [
         ("from", old.from != new.from),
         ("request", old.request != new.request),
-        ("files", old.files != new.files),
+        ("files", declared_files(old) != declared_files(new)),
         ("nag_seconds", old.nag_seconds != new.nag_seconds),
         ("handler", old.handler != new.handler),
         ("check", old.check != new.check),
@@ -78,6 +83,10 @@ fn differing(old: &NeedSpec, new: &NeedSpec) -> Vec<String> {
             old.never_satisfied != new.never_satisfied,
         ),
         ("restart_units", old.restart_units != new.restart_units),
+        (
+            "credential_for",
+            credential_units(old) != credential_units(new),
+        ),
         ("reload_units", old.reload_units != new.reload_units),
         (
             "renew_before_seconds",
@@ -171,17 +180,28 @@ impl Fulfiller {
                     // Units act on changed delivered files only.
                     continue;
                 }
+                // As delivery decides (files::Written::restarts): credential units of
+                // files already there restart when they change; those of new files are
+                // started by their path units (§11.3).
+                let mut restarted = spec.restart_units.clone();
+                let mut created = Vec::new();
                 for f in &spec.files {
                     let path = f.path.to_string_lossy().into_owned();
-                    if !written.contains(&path) {
+                    if written.contains(&path) {
+                        restarted.extend(f.credential_for.iter().cloned());
+                    } else {
+                        created.extend(f.credential_for.iter().cloned());
                         out.files_written.push(NeedFile {
                             path,
                             need: need.clone(),
                         });
                     }
                 }
+                restarted.retain(|u| !created.contains(u));
+                restarted.sort();
+                restarted.dedup();
                 for (units, into) in [
-                    (&spec.restart_units, &mut out.units_restarted),
+                    (&restarted, &mut out.units_restarted),
                     (&spec.reload_units, &mut out.units_reloaded),
                 ] {
                     for u in units {
@@ -191,5 +211,38 @@ impl Fulfiller {
             }
         });
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(credential_for: &[&str], restart_units: &[&str]) -> NeedSpec {
+        serde_json::from_value(serde_json::json!({
+            "from": "forge",
+            "request": {},
+            "nag_seconds": 60,
+            "files": [{"path": "/run/fort/needs/secret/wiki/token", "pointer": "/token",
+                       "credential_for": credential_for}],
+            "restart_units": restart_units,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn credential_units_change_in_place() {
+        // As declared before files had credential_for, and after: the need is not asked
+        // again from scratch when an agent that knows the field reads it.
+        let before = spec(&[], &["wiki.service"]);
+        let after = spec(&["wiki.service"], &[]);
+        assert_eq!(declaration_hash(&before), declaration_hash(&after));
+        assert!(!serde_json::to_string(&before.files)
+            .unwrap()
+            .contains("credential_for"));
+        assert_eq!(
+            differing(&before, &after),
+            ["restart_units", "credential_for"]
+        );
     }
 }

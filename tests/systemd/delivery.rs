@@ -32,6 +32,32 @@ fn dynamic_user_reads_its_secret_through_credential_for() {
         app.succeed("stat -c '%U %a' /run/fort/needs/secret/wiki/token"),
         "root 400\n"
     );
+    // A new secret: wiki is restarted with it, once.
+    let starts = app.starts("wiki.service");
+    lane.rotate(2);
+    app.wait_until("wiki holds the new token", SOON, || {
+        app.exec(&["cat", "/run/wiki/token"]).stdout == b"2 app:secret/wiki"
+    });
+    std::thread::sleep(QUIET);
+    assert_eq!(app.starts("wiki.service"), starts + 1);
+}
+
+#[test]
+fn first_delivery_starts_a_credential_service_once() {
+    let Some(lane) = Lane::boot("first_delivery_starts_a_credential_service_once", "app") else {
+        return;
+    };
+    let app = &lane.app;
+    app.wait_for_unit("wiki.service", SOON);
+    let invocation = app.prop("wiki.service", "InvocationID");
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        app.starts("wiki.service"),
+        1,
+        "wiki started more than once:\n{}",
+        app.journal("wiki.service", 20)
+    );
+    assert_eq!(app.prop("wiki.service", "InvocationID"), invocation);
 }
 
 /// Waits for the first delivery's round of restarts to be over, then counts.
@@ -143,4 +169,32 @@ fn unchanged_redelivery_restarts_nothing() {
         before,
         "an unchanged payload restarted or rewrote something"
     );
+}
+
+#[test]
+fn reboot_delivers_every_file_again() {
+    let Some(mut lane) = Lane::boot("reboot_delivers_every_file_again", "app") else {
+        return;
+    };
+    settled(&lane);
+    lane.app.reboot().expect("reboot app");
+    let app = &lane.app;
+    // /run is empty after the reboot: wiki was skipped at boot, until its file was back.
+    app.wait_for_unit("fort-agent.service", SOON);
+    lane.wait_satisfied();
+    for n in NEEDS {
+        assert_eq!(
+            fleet::token(app, n).as_deref(),
+            Some(format!("1 app:{n}").as_str())
+        );
+    }
+    app.wait_for_unit("wiki.service", SOON);
+    std::thread::sleep(QUIET);
+    let journal = app.journal("wiki.service", 20);
+    assert!(
+        journal.contains("ConditionPathExists=/run/fort/needs/secret/wiki/token"),
+        "wiki was not skipped at boot:\n{journal}"
+    );
+    assert_eq!(app.starts("wiki.service"), 1, "{journal}");
+    assert_eq!(app.succeed("cat /run/wiki/token"), "1 app:secret/wiki");
 }

@@ -91,6 +91,13 @@ pub struct FileSpec {
     /// Octal, e.g. `"0400"`.
     #[serde(default = "default_mode")]
     pub mode: String,
+    /// Units that receive the file as a systemd credential and are started by a path
+    /// unit when it appears: restarted when its content is replaced, left to the path
+    /// unit when it is created (§11.3). Not part of what identifies the declaration
+    /// (units change in place), and not written when empty, so that the declarations
+    /// agents hashed before this field existed hash the same.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub credential_for: Vec<String>,
 }
 
 fn root() -> String {
@@ -240,7 +247,13 @@ pub fn validate_needs(
                 )));
             }
         }
-        for unit in spec.restart_units.iter().chain(&spec.reload_units) {
+        let credentials = spec.files.iter().flat_map(|f| &f.credential_for);
+        for unit in spec
+            .restart_units
+            .iter()
+            .chain(&spec.reload_units)
+            .chain(credentials)
+        {
             if !is_unit_name(unit) {
                 return Err(bad(format!("{unit:?} is not a unit name")));
             }

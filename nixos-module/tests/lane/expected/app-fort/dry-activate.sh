@@ -7,9 +7,9 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/cb50a62e883fc1a84ee1244363b44a98-fort-agent-checked.toml \
+      --new-config /nix/store/c81c0a33b32ad945869e6c3c99eb9be6-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
-      --needs /nix/store/b0dc9d33142f37c0ffbc01666ec8b7e5-fort-needs.json \
+      --needs /nix/store/ab646ef060232e55f5a61a76dd56f635-fort-needs.json \
       --capabilities /nix/store/0854301e1a34259490335cbc59ce99e5-fort-capabilities.json ||
       echo "fort: fort-agent plan failed (exit $?); dry-activate goes on"
   }

@@ -7,9 +7,9 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/07ecf9467ad36bfe42803f7772322c08-fort-agent-checked.toml \
+      --new-config /nix/store/eb941d4a1703d62efb5075a5c3b1a25b-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
-      --needs /nix/store/2240961406d793d4d31a4129ff7494d4-fort-needs.json \
+      --needs /nix/store/c769244125af7d4e7abeff37469c7485-fort-needs.json \
       --capabilities /nix/store/0854301e1a34259490335cbc59ce99e5-fort-capabilities.json ||
       echo "fort: fort-agent plan failed (exit $?); dry-activate goes on"
   }

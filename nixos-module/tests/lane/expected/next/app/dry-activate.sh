@@ -7,9 +7,9 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/c7c8ae32518c29ef4e1cbb7d52444afc-fort-agent-checked.toml \
+      --new-config /nix/store/4b4f9a55ed404525b3b668ae09b7c872-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
-      --needs /nix/store/3c43b551904dd60dc41dd7128024da6e-fort-needs.json \
+      --needs /nix/store/b0371e44cafed22c358d545cbb05eb0e-fort-needs.json \
       --capabilities /nix/store/0854301e1a34259490335cbc59ce99e5-fort-capabilities.json ||
       echo "fort: fort-agent plan failed (exit $?); dry-activate goes on"
   }
