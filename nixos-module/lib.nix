@@ -425,6 +425,46 @@ rec {
       ) (needList needs)
     );
 
+  # The units the agent restarts and reloads, read from the needs.json it is given (what
+  # it acts on), named as systemd and polkit name them: systemctl adds ".service" to a
+  # name without a unit type.
+  unitGrants =
+    needsJson:
+    let
+      types = "service|socket|device|mount|automount|swap|target|path|timer|slice|scope";
+      full = u: if builtins.match ".+\\.(${types})" u != null then u else "${u}.service";
+      all = f: lib.sort lib.lessThan (unique (map full (concatMap f (attrValues needsJson))));
+    in
+    {
+      restart = all (n: n.restart_units ++ concatMap (f: f.credential_for) n.files);
+      reload = all (n: n.reload_units);
+    };
+
+  # A polkit rule (JavaScript as polkitd runs it: ES5) that lets an agent running as
+  # `user` restart the units of `grants.restart` and reload those of `grants.reload`
+  # through systemd's D-Bus API, as `systemctl restart/reload` asks; anything else
+  # (another unit, another verb: start, stop, kill, enable) is left to polkit's
+  # defaults, which refuse a system user.
+  polkitUnitRule =
+    { user, grants }:
+    ''
+      // fort-agent runs as ${user}: it may restart and reload the units its needs name
+      // (restartUnits and credentialFor, reloadUnits), and nothing else.
+      polkit.addRule(function (action, subject) {
+        if (action.id !== "org.freedesktop.systemd1.manage-units" || subject.user !== ${builtins.toJSON user}) {
+          return polkit.Result.NOT_HANDLED;
+        }
+        var verb = action.lookup("verb");
+        var units = verb === "restart" ? ${builtins.toJSON grants.restart}
+          : verb === "reload" ? ${builtins.toJSON grants.reload}
+          : [];
+        if (units.indexOf(action.lookup("unit")) !== -1) {
+          return polkit.Result.YES;
+        }
+        return polkit.Result.NOT_HANDLED;
+      });
+    '';
+
   capabilitiesJson =
     { capabilities, callers }:
     mapAttrs (name: c: {

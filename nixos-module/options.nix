@@ -212,6 +212,11 @@ in
         User the agent and therefore every handler runs as. Handlers usually write other
         services' secrets or restart units, hence root. Set to `"fort"` (created by the
         module) when all handlers only talk to APIs or write paths that user may write.
+        Another user restarts and reloads units through systemd's D-Bus API, which asks
+        polkit: the module then enables polkit (`security.polkit.enable`) and adds a rule
+        (`security.polkit.extraConfig`) that lets this user restart exactly the units of
+        the needs' `restartUnits` and `credentialFor` and reload exactly those of their
+        `reloadUnits`; any other unit or verb is refused to it.
       '';
     };
 

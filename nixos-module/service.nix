@@ -48,6 +48,7 @@ let
   capabilitiesJson = fortLib.capabilitiesJson { inherit capabilities callers; };
   hostsText = builtins.toJSON (fortLib.hostsJson { inherit (cluster) hosts principals; });
   needsText = builtins.toJSON needsJson;
+  unitGrants = fortLib.unitGrants needsJson;
   capabilitiesText = builtins.toJSON capabilitiesJson;
   hostsFile = pkgs.writeText "fort-hosts.json" hostsText;
   needsFile = pkgs.writeText "fort-needs.json" needsText;
@@ -298,6 +299,16 @@ in
           ) triggered
         );
       }
+
+      # An agent that is not root restarts and reloads units through systemd's D-Bus
+      # API, which asks polkit: granted exactly the units and verbs its needs name.
+      (lib.mkIf (cfg.user != "root" && (unitGrants.restart != [ ] || unitGrants.reload != [ ])) {
+        security.polkit.enable = true;
+        security.polkit.extraConfig = fortLib.polkitUnitRule {
+          inherit (cfg) user;
+          grants = unitGrants;
+        };
+      })
 
       (lib.mkIf (cfg.user == "fort") {
         users.users.fort = {

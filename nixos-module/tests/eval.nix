@@ -63,6 +63,7 @@ let
           users = lib.attrNames config.users.users;
           services = config.systemd.services;
           paths = config.systemd.paths;
+          polkit = config.security.polkit;
           activation = config.system.activationScripts;
           inherit (config.fort.host) manifestSha256;
           check = {

@@ -173,6 +173,15 @@ in
         type = types.attrsOf freeform;
         default = { };
       };
+      # As NixOS's (nixos/modules/security/polkit.nix): off unless something needs it.
+      security.polkit.enable = mkOption {
+        type = types.bool;
+        default = false;
+      };
+      security.polkit.extraConfig = mkOption {
+        type = types.lines;
+        default = "";
+      };
     };
   };
 }

@@ -198,3 +198,67 @@ fn reboot_delivers_every_file_again() {
     assert_eq!(app.starts("wiki.service"), 1, "{journal}");
     assert_eq!(app.succeed("cat /run/wiki/token"), "1 app:secret/wiki");
 }
+
+#[test]
+fn unprivileged_agent_restarts_and_reloads_only_the_units_its_needs_name() {
+    let Some(lane) = Lane::boot(
+        "unprivileged_agent_restarts_and_reloads_only_the_units_its_needs_name",
+        "app-fort",
+    ) else {
+        return;
+    };
+    settled(&lane);
+    let app = &lane.app;
+    assert_eq!(app.prop("fort-agent.service", "User"), "fort");
+    let counts = || {
+        (
+            app.starts("wiki.service"),
+            app.starts("multi.service"),
+            app.reloads("reloader.service"),
+            app.starts("reloader.service"),
+        )
+    };
+    let (wiki, multi, reloads, reloader) = counts();
+    // Every need changes: the agent, as fort, restarts wiki (credentialFor) and multi
+    // (restartUnits) and reloads reloader (reloadUnits), once each.
+    lane.rotate(2);
+    for n in NEEDS {
+        lane.wait_token(n, 2);
+    }
+    std::thread::sleep(QUIET);
+    let agent = app.journal("fort-agent.service", 400);
+    assert_eq!(
+        counts(),
+        (wiki + 1, multi + 1, reloads + 1, reloader),
+        "(wiki starts, multi starts, reloader reloads, reloader starts); the agent:\n{agent}"
+    );
+    for refused in [
+        "systemctl restart failed",
+        "systemctl reload failed",
+        "Access denied",
+    ] {
+        assert!(!agent.contains(refused), "{agent}");
+    }
+    assert_eq!(app.succeed("cat /run/wiki/token"), "2 app:secret/wiki");
+    // Nothing else: another unit, or another verb on these units, is refused to fort.
+    for (verb, unit) in [
+        ("restart", "other.service"),
+        ("reload", "other.service"),
+        ("start", "other.service"),
+        ("restart", "reloader.service"),
+        ("stop", "wiki.service"),
+        ("kill", "multi.service"),
+        ("restart", "fort-agent.service"),
+    ] {
+        let out = app.fail(&format!(
+            "setpriv --reuid=fort --regid=fort --init-groups systemctl --no-ask-password {verb} {unit}"
+        ));
+        assert!(
+            out.contains("Access denied") || out.contains("authentication required"),
+            "fort may {verb} {unit}? {out}"
+        );
+    }
+    assert_eq!(app.prop("other.service", "ActiveState"), "inactive");
+    assert_eq!(app.prop("wiki.service", "ActiveState"), "active");
+    assert_eq!(counts(), (wiki + 1, multi + 1, reloads + 1, reloader));
+}
