@@ -24,6 +24,7 @@ in
     ./assertions-needs.nix
     ./service.nix
     ./delivery.nix
+    ./capabilities/acme.nix
     ./capabilities/dns-record.nix
     ./capabilities/postgres.nix
   ];

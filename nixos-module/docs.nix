@@ -17,6 +17,7 @@ let
       modules = [
         ./options.nix
         ./options-host.nix
+        ./capabilities/acme.nix
         ./capabilities/dns-record.nix
         ./capabilities/postgres.nix
         # The capability modules add assertions, which only NixOS declares.

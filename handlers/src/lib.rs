@@ -4,6 +4,7 @@
 //! entry, cleaning up only what it created. One binary serves them all:
 //! `fort-handler <capability> --config FILE`.
 
+pub mod acme;
 pub mod common;
 pub mod dns;
 pub mod dns_record;
@@ -32,7 +33,11 @@ pub struct Capability {
 }
 
 /// Every capability, in `--help` order.
-pub const CAPABILITIES: &[Capability] = &[dns_record::CAPABILITY, postgres::CAPABILITY];
+pub const CAPABILITIES: &[Capability] = &[
+    acme::CAPABILITY,
+    dns_record::CAPABILITY,
+    postgres::CAPABILITY,
+];
 
 /// The capability named `name`.
 pub fn capability(name: &str) -> Option<&'static Capability> {

@@ -139,7 +139,7 @@ impl Config {
     }
 }
 
-fn parse_primary(text: &str) -> Option<SocketAddr> {
+pub(crate) fn parse_primary(text: &str) -> Option<SocketAddr> {
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return (addr.port() != 0).then_some(addr);
     }

@@ -1,0 +1,414 @@
+//! `acme`: certificates from an ACME CA (RFC 8555) for CSRs the consumers made with their
+//! own keys, so no private key crosses the wire. One account per provider (its key in the
+//! state); names per caller from the config; HTTP-01 through a webroot the provider's web
+//! server serves, DNS-01 (needed for wildcards) through RFC 2136 + TSIG at a zone's
+//! primary. Issuance never blocks a run: orders are placed and moved on by one step per
+//! run (`$fort_pending` + `$fort_rerun_after`), and an entry being issued keeps its
+//! certificate. Unchanged entries cost no request to the CA.
+
+pub mod config;
+pub mod order;
+pub mod request;
+pub mod state;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::stream::{self, StreamExt};
+use serde_json::json;
+use tokio::sync::OnceCell;
+
+use crate::common::state::StateFile;
+use crate::common::{Entry, Output, Trigger};
+use crate::{Capability, RunFuture};
+
+use config::{Checked, Config};
+use order::{Ctx, Step, StepError};
+use request::Request;
+use state::{Backoff, EntryState, Issued, OrderRecord, State, STATE_VERSION};
+
+pub const CAPABILITY: Capability = Capability {
+    name: "acme",
+    about: "certificates from an ACME CA for the consumer's CSR (HTTP-01, DNS-01)",
+    check,
+    run,
+};
+
+/// Orders moved on at once: each step is a few requests to the CA.
+const IN_FLIGHT: usize = 8;
+/// Past this, no new step is started: the agent kills a run at 60 s, and a run killed
+/// before the state write would forget the orders it placed.
+const BUDGET: Duration = Duration::from_secs(30);
+/// The longest back-off after repeated failures.
+const BACKOFF_MAX: u64 = 3600;
+
+fn check(path: &Path) -> anyhow::Result<()> {
+    Config::load(path).map(|_| ())
+}
+
+fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
+    Box::pin(async move {
+        let checked = Config::load(path)?;
+        reconcile_all(&checked, entries, trigger).await
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// What one entry needs from the CA this run.
+enum Work {
+    Place(Request),
+    Advance(Request, String),
+}
+
+/// The response a consumer gets.
+pub fn response(i: &Issued) -> serde_json::Value {
+    json!({
+        "certificate": i.certificate,
+        "chain": i.chain,
+        "fullchain": format!("{}{}", i.certificate, i.chain),
+        "not_after": i.not_after,
+    })
+}
+
+/// The certificate `e` holds when nothing about it changed: the same CSR and names, no
+/// order or back-off under way, not expired.
+fn unchanged<'a>(state: &'a State, e: &Entry, now: u64) -> Option<&'a Issued> {
+    let st = state.entries.get(&e.key)?;
+    if st.order.is_some() || st.backoff.is_some() {
+        return None;
+    }
+    let i = st.issued.as_ref()?;
+    let (csr_sha256, names) = request::fingerprint(&e.request)?;
+    let same = i.csr_sha256 == csr_sha256
+        && names.is_none_or(|n| n == i.names)
+        && i.not_after > i64::try_from(now).unwrap_or(i64::MAX);
+    same.then_some(i)
+}
+
+/// The CA as reasons name it: the directory's host.
+fn ca_name(directory: &str) -> String {
+    let rest = directory.strip_prefix("https://").unwrap_or(directory);
+    rest.split('/').next().unwrap_or(rest).to_owned()
+}
+
+pub async fn reconcile_all(
+    checked: &Checked,
+    entries: Vec<Entry>,
+    _trigger: Trigger,
+) -> anyhow::Result<Output> {
+    let started = Instant::now();
+    let deadline = started + BUDGET;
+    let config = &checked.config;
+    let file = StateFile::new(&config.state);
+    let mut state: State = file.load(STATE_VERSION)?;
+    let now = now();
+    let mut output = Output::default();
+    let mut dirty = false;
+    let mut work: Vec<(String, Work)> = Vec::new();
+    let mut refused = 0usize;
+
+    for e in &entries {
+        // An entry whose certificate is still good: answered without a signature check
+        // (its CSR was checked when it was issued) and without the CA.
+        if !e.renew {
+            if let Some(i) = unchanged(&state, e, now) {
+                if config
+                    .allow
+                    .first_refused(&e.origin, i.names.iter().map(String::as_str))
+                    .is_none()
+                {
+                    output.respond(e, response(i));
+                    continue;
+                }
+            }
+        }
+        let req = match request::parse(&e.request) {
+            Ok(r) => r,
+            Err(why) => {
+                output.refuse(e, why);
+                refused += 1;
+                continue;
+            }
+        };
+        if let Some(name) = config
+            .allow
+            .first_refused(&e.origin, req.names.iter().map(String::as_str))
+        {
+            output.refuse(
+                e,
+                format!(
+                    "{name} is not a name {} may get a certificate for",
+                    e.origin
+                ),
+            );
+            refused += 1;
+            continue;
+        }
+        if config.dns01.is_none() {
+            if let Some(w) = req.names.iter().find(|n| n.starts_with("*.")) {
+                output.refuse(
+                    e,
+                    format!("{w} is a wildcard name, and this provider has no DNS-01"),
+                );
+                refused += 1;
+                continue;
+            }
+        }
+        let st = state.entries.entry(e.key.clone()).or_default();
+        // An order for another CSR is given up; its challenge answers are removed.
+        if let Some(o) = st
+            .order
+            .take_if(|o| o.csr_sha256 != req.csr_sha256 || o.names != req.names)
+        {
+            state.orphans.extend(o.published);
+            dirty = true;
+        }
+        if st
+            .backoff
+            .take_if(|b| b.csr_sha256 != req.csr_sha256)
+            .is_some()
+        {
+            dirty = true;
+        }
+        let current = st.issued.as_ref().filter(|i| {
+            i.csr_sha256 == req.csr_sha256 && i.names == req.names && i.not_after > now as i64
+        });
+        if let Some(o) = &st.order {
+            work.push((e.key.clone(), Work::Advance(req, o.url.clone())));
+        } else if let Some(b) = st.backoff.as_ref().filter(|b| b.until > now) {
+            if b.refused {
+                output.refuse(e, &b.reason);
+                refused += 1;
+            } else {
+                let wait = b.until - now;
+                output.pending(e, format!("{}; trying again in {wait} s", b.reason));
+                output.rerun_within(wait);
+            }
+        } else if let Some(i) = current.filter(|_| !e.renew) {
+            output.respond(e, response(i));
+        } else {
+            work.push((e.key.clone(), Work::Place(req)));
+        }
+    }
+
+    // Entries that left the input: their orders' answers removed, certificates revoked
+    // when configured, then forgotten.
+    let present: BTreeSet<&str> = entries.iter().map(|e| e.key.as_str()).collect();
+    let released: Vec<String> = state
+        .entries
+        .keys()
+        .filter(|k| !present.contains(k.as_str()))
+        .cloned()
+        .collect();
+    let mut revocations: Vec<(String, String)> = Vec::new();
+    for key in released {
+        let st = state.entries.remove(&key).unwrap_or_default();
+        dirty = true;
+        if let Some(o) = st.order {
+            state.orphans.extend(o.published);
+        }
+        match st.issued {
+            Some(i) if config.revoke_on_release && i.not_after > now as i64 => {
+                // Kept until the CA has it revoked.
+                state.entries.insert(
+                    key.clone(),
+                    EntryState {
+                        issued: Some(i.clone()),
+                        ..EntryState::default()
+                    },
+                );
+                revocations.push((key, i.certificate));
+            }
+            _ => {}
+        }
+    }
+
+    let mut failure: Option<String> = None;
+    let needs_account = !work.is_empty() || !revocations.is_empty();
+    let mut ctx = Ctx {
+        checked,
+        account: None,
+        primary: OnceCell::new(),
+        ca: ca_name(&config.directory),
+    };
+    if needs_account {
+        match order::account(checked, state.account.as_ref()).await {
+            Ok((account, made)) => {
+                ctx.account = Some(account);
+                if let Some(made) = made {
+                    state.account = Some(made);
+                    dirty = true;
+                }
+            }
+            Err(StepError::Down(why) | StepError::Ca { reason: why, .. }) => {
+                if dirty {
+                    file.save(STATE_VERSION, &state)?;
+                }
+                anyhow::bail!("cannot use the ACME account at {}: {why}", config.directory);
+            }
+        }
+    }
+
+    let ctx = &ctx;
+    let results: Vec<(String, Option<Result<Step, StepError>>)> = stream::iter(work)
+        .map(|(key, w)| async move {
+            if Instant::now() >= deadline {
+                return (key, None);
+            }
+            let step = match &w {
+                Work::Place(req) => order::place(ctx, req).await,
+                Work::Advance(req, url) => order::advance(ctx, url, req).await,
+            };
+            (key, Some(step))
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .collect()
+        .await;
+    let by_key: BTreeMap<&str, &Entry> = entries.iter().map(|e| (e.key.as_str(), e)).collect();
+    let (mut issued, mut waiting) = (0usize, 0usize);
+    for (key, result) in results {
+        let e = by_key[key.as_str()];
+        let st = state.entries.entry(key.clone()).or_default();
+        let (reason, refuse) = match result {
+            None => {
+                output.pending(e, format!("waiting for its turn at {}", ctx.ca));
+                output.rerun_within(1);
+                waiting += 1;
+                continue;
+            }
+            Some(Ok(Step::Waiting {
+                url,
+                published,
+                why,
+            })) => {
+                let req = request::parse(&e.request).expect("parsed above");
+                let timeout = config.order_timeout_seconds;
+                if let Some(o) = st.order.as_mut() {
+                    if now.saturating_sub(o.placed_at) > timeout {
+                        (
+                            format!("the order at {} was not valid after {timeout} s", ctx.ca),
+                            false,
+                        )
+                    } else {
+                        o.published.extend(published);
+                        output.pending(e, why);
+                        output.rerun_within(config.rerun_seconds);
+                        waiting += 1;
+                        continue;
+                    }
+                } else {
+                    st.order = Some(OrderRecord {
+                        url,
+                        csr_sha256: req.csr_sha256,
+                        names: req.names,
+                        placed_at: now,
+                        published,
+                    });
+                    dirty = true;
+                    output.pending(e, why);
+                    output.rerun_within(config.rerun_seconds);
+                    waiting += 1;
+                    continue;
+                }
+            }
+            Some(Ok(Step::Issued(i))) => {
+                if let Some(o) = st.order.take() {
+                    state.orphans.extend(o.published);
+                }
+                st.backoff = None;
+                output.respond(e, response(&i));
+                st.issued = Some(i);
+                dirty = true;
+                issued += 1;
+                continue;
+            }
+            Some(Ok(Step::Failed { reason, refused })) => (reason, refused),
+            Some(Err(StepError::Ca { reason, refused })) => (reason, refused),
+            Some(Err(StepError::Down(why))) => {
+                failure = failure.or(Some(why));
+                continue;
+            }
+        };
+        // The order failed: its answers go, and this entry waits before the next one.
+        if let Some(o) = st.order.take() {
+            state.orphans.extend(o.published);
+        }
+        let failures = st
+            .backoff
+            .as_ref()
+            .map_or(0, |b| b.failures)
+            .saturating_add(1);
+        let wait = config
+            .backoff_seconds
+            .saturating_mul(1u64 << (failures - 1).min(20))
+            .min(BACKOFF_MAX);
+        let csr_sha256 = request::parse(&e.request)
+            .map(|r| r.csr_sha256)
+            .unwrap_or_default();
+        st.backoff = Some(Backoff {
+            until: now + wait,
+            failures,
+            reason: reason.clone(),
+            refused: refuse,
+            csr_sha256,
+        });
+        dirty = true;
+        if refuse {
+            output.refuse(e, &reason);
+            refused += 1;
+        } else {
+            output.pending(e, format!("{reason}; trying again in {wait} s"));
+            output.rerun_within(wait);
+            waiting += 1;
+        }
+    }
+
+    let mut revoked = 0usize;
+    for (key, certificate) in revocations {
+        match order::revoke(ctx, &certificate).await {
+            Ok(()) => {
+                revoked += 1;
+                state.entries.remove(&key);
+            }
+            // Already revoked, or the CA will not: nothing more to do for it.
+            Err(StepError::Ca { reason, .. }) => {
+                eprintln!("acme: revoking the certificate of {key}: {reason}");
+                state.entries.remove(&key);
+            }
+            Err(StepError::Down(why)) => failure = failure.or(Some(why)),
+        }
+    }
+
+    // Challenge answers of orders that ended; kept while they cannot be removed.
+    if !state.orphans.is_empty() {
+        let orphans = std::mem::take(&mut state.orphans);
+        for p in orphans {
+            if let Err(StepError::Down(why) | StepError::Ca { reason: why, .. }) =
+                order::unpublish(ctx, std::slice::from_ref(&p)).await
+            {
+                failure = failure.or(Some(why));
+                state.orphans.push(p);
+            }
+        }
+        dirty = true;
+    }
+
+    if dirty {
+        file.save(STATE_VERSION, &state)?;
+    }
+    if let Some(why) = failure {
+        anyhow::bail!("{why}; nothing is answered this run");
+    }
+    eprintln!(
+        "acme: {} entries: {issued} issued, {waiting} waiting, {refused} refused, {revoked} revoked; {} ms",
+        entries.len(),
+        started.elapsed().as_millis()
+    );
+    Ok(output)
+}

@@ -1,0 +1,381 @@
+//! `fort-handler acme` against Debian's pebble on loopback, run as the agent runs it
+//! (entries on stdin, answers on stdout): certificates for CSRs made here, through HTTP-01
+//! (nginx serving the webroot) and DNS-01 (knotd, RFC 2136 + TSIG) for a wildcard;
+//! names outside the caller's allowance refused before any request; unchanged entries
+//! answered with the CA stopped; renew issuing a new certificate; release revoking it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use fort_tests::dns::{DnsServer, Flavor};
+use fort_tests::pebble::{Pebble, Webroot};
+use serde_json::{json, Value};
+use x509_parser::pem::{parse_x509_pem, Pem};
+use x509_parser::prelude::*;
+
+const KEY: &str = "app:ssl-cert/web";
+
+/// A key and a CSR for `names`, as a consumer makes them.
+fn csr(names: &[&str]) -> (rcgen::KeyPair, String) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params =
+        rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    let csr = params.serialize_request(&key).unwrap().pem().unwrap();
+    (key, csr)
+}
+
+struct Run {
+    ok: bool,
+    out: Value,
+    stderr: String,
+}
+
+fn run(config: &Path, input: &Value) -> Run {
+    let mut child = Command::new(fort_tests::bin("fort-handler"))
+        .args(["acme", "--config"])
+        .arg(config)
+        .env("FORT_TRIGGER", "request")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    Run {
+        ok: out.status.success(),
+        out: serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Runs the handler as the agent would (again after `$fort_rerun_after`, the response
+/// kept) until the entry is answered; returns the response and every run's output.
+fn issue(
+    config: &Path,
+    request: &Value,
+    previous: Option<&Value>,
+    renew: bool,
+) -> (Value, Vec<Run>) {
+    let mut runs = Vec::new();
+    for _ in 0..40 {
+        let mut entry = json!({"request": request, "response": previous});
+        if renew {
+            entry["renew"] = json!(true);
+        }
+        let r = run(config, &json!({ KEY: entry }));
+        assert!(r.ok, "the run failed: {}", r.stderr);
+        let answer = r.out[KEY].clone();
+        if answer.get("certificate").is_some() {
+            runs.push(r);
+            return (answer, runs);
+        }
+        let pending = answer["$fort_pending"]
+            .as_str()
+            .unwrap_or_else(|| panic!("neither a certificate nor pending: {} {}", r.out, r.stderr));
+        assert!(!pending.is_empty());
+        let rerun = r.out["$fort_rerun_after"]
+            .as_u64()
+            .expect("a pending entry asks for a rerun");
+        assert!((1..=3600).contains(&rerun));
+        runs.push(r);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    panic!(
+        "no certificate after 40 runs: {:?}",
+        runs.last().map(|r| (&r.out, &r.stderr))
+    );
+}
+
+fn pem_blocks(text: &str) -> Vec<Vec<u8>> {
+    Pem::iter_from_buffer(text.as_bytes())
+        .map(|p| p.unwrap().contents)
+        .collect()
+}
+
+/// The response's leaf chains through its chain to `root`, is for `key`, and names
+/// exactly `names`; returns the leaf's serial in hex.
+fn assert_issued(response: &Value, root: &str, key: &rcgen::KeyPair, names: &[&str]) -> String {
+    let leaf_der = pem_blocks(response["certificate"].as_str().unwrap());
+    let chain_der = pem_blocks(response["chain"].as_str().unwrap());
+    let full = pem_blocks(response["fullchain"].as_str().unwrap());
+    assert_eq!(leaf_der.len(), 1);
+    assert!(!chain_der.is_empty());
+    assert_eq!(full, [leaf_der.clone(), chain_der.clone()].concat());
+    let root_der = pem_blocks(root);
+    let mut path: Vec<&Vec<u8>> = leaf_der.iter().chain(chain_der.iter()).collect();
+    path.push(&root_der[0]);
+    for pair in path.windows(2) {
+        let (_, child) = X509Certificate::from_der(pair[0]).unwrap();
+        let (_, parent) = X509Certificate::from_der(pair[1]).unwrap();
+        child
+            .verify_signature(Some(parent.public_key()))
+            .expect("each certificate is signed by the next, up to pebble's root");
+    }
+    let (_, leaf) = X509Certificate::from_der(&leaf_der[0]).unwrap();
+    assert_eq!(
+        leaf.public_key().raw,
+        rcgen::PublicKeyData::subject_public_key_info(key),
+        "the certificate is for the consumer's key"
+    );
+    let mut got: Vec<String> = leaf
+        .subject_alternative_name()
+        .unwrap()
+        .unwrap()
+        .value
+        .general_names
+        .iter()
+        .map(|n| match n {
+            GeneralName::DNSName(d) => d.to_string(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    got.sort();
+    let mut want: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    want.sort();
+    assert_eq!(got, want);
+    assert_eq!(
+        response["not_after"].as_i64().unwrap(),
+        leaf.validity().not_after.timestamp()
+    );
+    hex::encode(leaf.raw_serial())
+}
+
+fn write_config(dir: &Path, config: Value) -> PathBuf {
+    let path = dir.join("acme.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    path
+}
+
+fn dns01(dns: &DnsServer) -> Value {
+    let key_file = dns.dir.path().join("tsig.key");
+    dns.write_key(&key_file);
+    json!({"zone": dns.zone, "primary": dns.addr.to_string(),
+           "key": {"name": dns.key_name, "file": key_file}})
+}
+
+#[test]
+fn acme_http01_issue_keep_renew_and_revoke() {
+    const T: &str = "acme_http01_issue_keep_renew_and_revoke";
+    let records = "app IN A 127.0.0.1\nwww.app IN A 127.0.0.1\n";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let pebble = match Pebble::start(dns.addr, None) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state/acme.json");
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "contact": ["mailto:ops@example.test"],
+               "allow": {"app": ["app.example.test", "*.app.example.test"]},
+               "http01": {"webroot": web.path()},
+               "revoke_on_release": true, "rerun_seconds": 1, "state": state}),
+    );
+    let names = ["app.example.test", "www.app.example.test"];
+    let (key, csr_pem) = csr(&names);
+    let request = json!({"csr": csr_pem});
+
+    // Issued over a few runs, each answering pending with a reason until it is there.
+    let (first, runs) = issue(&config, &request, None, false);
+    assert!(runs.len() >= 2, "issuance takes more than one run");
+    let reason = runs[0].out[KEY]["$fort_pending"].as_str().unwrap();
+    assert!(
+        reason.contains("order placed at 127.0.0.1:") && reason.contains("waiting for validation"),
+        "{reason}"
+    );
+    let root = pebble.root();
+    let serial = assert_issued(&first, &root, &key, &names);
+    assert!(
+        web.access_log().contains("/.well-known/acme-challenge/"),
+        "pebble fetched the answer"
+    );
+    // The challenge answers are gone; the state is private and never held the key.
+    let challenge_dir = web.path().join(".well-known/acme-challenge");
+    assert_eq!(std::fs::read_dir(&challenge_dir).unwrap().count(), 0);
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&state).unwrap().mode() & 0o777, 0o600);
+    let key_pem = key.serialize_pem();
+    let secret_line = key_pem.lines().nth(1).unwrap();
+    let state_text = std::fs::read_to_string(&state).unwrap();
+    assert!(!state_text.contains(secret_line));
+    assert!(runs
+        .iter()
+        .all(|r| !r.stderr.contains(secret_line) && !r.out.to_string().contains(secret_line)));
+
+    // The same names for another caller: refused, named, before any request.
+    let other = run(
+        &config,
+        &json!({"web:ssl-cert/x": {"request": request}, KEY: {"request": request, "response": first}}),
+    );
+    assert!(other.ok);
+    assert_eq!(
+        other.out["web:ssl-cert/x"]["$fort_refused"],
+        "app.example.test is not a name web may get a certificate for"
+    );
+    assert_eq!(other.out[KEY], first);
+
+    // Unchanged: answered from the state with the directory pointing where nothing
+    // listens (any request to the CA would fail the run).
+    let dead = write_config(
+        dir.path(),
+        json!({"directory": "https://127.0.0.1:9/dir", "ca_root": pebble.tls_root,
+               "allow": {"app": ["app.example.test", "*.app.example.test"]},
+               "http01": {"webroot": web.path()},
+               "revoke_on_release": true, "rerun_seconds": 1, "state": state}),
+    );
+    let again = run(
+        &dead,
+        &json!({ KEY: {"request": request, "response": first} }),
+    );
+    assert!(again.ok, "{}", again.stderr);
+    assert_eq!(again.out[KEY], first);
+    assert!(again.out.get("$fort_rerun_after").is_none());
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["app.example.test", "*.app.example.test"]},
+               "http01": {"webroot": web.path()},
+               "revoke_on_release": true, "rerun_seconds": 1, "state": state}),
+    );
+
+    // renew: a new certificate for the same CSR, the old one kept while it is issued.
+    let (renewed, runs) = issue(&config, &request, Some(&first), true);
+    assert!(runs.len() >= 2);
+    let serial2 = assert_issued(&renewed, &pebble.root(), &key, &names);
+    assert_ne!(serial, serial2);
+    assert_ne!(renewed["certificate"], first["certificate"]);
+
+    // A new CSR (a new key) is a new certificate too.
+    let (key3, csr3) = csr(&["www.app.example.test"]);
+    let request3 = json!({"csr": csr3, "names": ["www.app.example.test"]});
+    let (third, _) = issue(&config, &request3, Some(&renewed), false);
+    let serial3 = assert_issued(&third, &pebble.root(), &key3, &["www.app.example.test"]);
+    assert_eq!(pebble.cert_status(&serial3), "Valid");
+
+    // Released: the entry is gone from the input; its certificate is revoked at the CA.
+    let released = run(&config, &json!({}));
+    assert!(released.ok, "{}", released.stderr);
+    assert_eq!(pebble.cert_status(&serial3), "Revoked");
+    let state_text = std::fs::read_to_string(&state).unwrap();
+    assert!(!state_text.contains(KEY), "the entry is forgotten");
+}
+
+#[test]
+fn acme_dns01_wildcard_through_knot() {
+    const T: &str = "acme_dns01_wildcard_through_knot";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", "") {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let pebble = match Pebble::start(dns.addr, None) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["*.app.example.test"]},
+               "dns01": dns01(&dns), "rerun_seconds": 1,
+               "state": dir.path().join("state.json")}),
+    );
+    let names = ["*.app.example.test"];
+    let (key, csr_pem) = csr(&names);
+    let request = json!({"csr": csr_pem});
+    // The first run places the order and publishes the TXT record at the primary.
+    let first = run(&config, &json!({ KEY: {"request": request} }));
+    assert!(first.ok, "{}", first.stderr);
+    assert!(first.out[KEY]["$fort_pending"].is_string(), "{}", first.out);
+    assert_eq!(
+        dns.dig("_acme-challenge.app.example.test", "TXT").len(),
+        1,
+        "the challenge record is published at the primary"
+    );
+    let (response, _) = issue(&config, &request, None, false);
+    assert_issued(&response, &pebble.root(), &key, &names);
+    assert!(
+        dns.dig("_acme-challenge.app.example.test", "TXT")
+            .is_empty(),
+        "the challenge record is removed"
+    );
+}
+
+#[test]
+fn acme_refusals_before_any_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let webroot = dir.path().join("www");
+    // Nothing listens at this directory: a refusal that reached it would fail the run.
+    let config = write_config(
+        dir.path(),
+        json!({"directory": "https://127.0.0.1:9/dir",
+               "allow": {"app": ["app.example.test"], "*": ["{origin}.hosts.example.test"]},
+               "http01": {"webroot": webroot}, "state": dir.path().join("state.json")}),
+    );
+    let (_, good) = csr(&["app.example.test"]);
+    let (_, outside) = csr(&["app.example.test", "evil.example.test"]);
+    let (_, wildcard) = csr(&["*.app.example.test"]);
+    let (_, own) = csr(&["web.hosts.example.test"]);
+    // A CSR whose signature no longer verifies: one byte of its signature flipped.
+    let tampered = {
+        use base64::Engine;
+        let (_, p) = parse_x509_pem(good.as_bytes()).unwrap();
+        let mut der = p.contents.clone();
+        let last = der.len() - 1;
+        der[last] ^= 1;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+        format!("-----BEGIN CERTIFICATE REQUEST-----\n{b64}\n-----END CERTIFICATE REQUEST-----\n")
+    };
+    let input = json!({
+        "app:ssl-cert/outside": {"request": {"csr": outside}},
+        "app:ssl-cert/names": {"request": {"csr": good, "names": ["app.example.test", "x.app.example.test"]}},
+        "app:ssl-cert/tampered": {"request": {"csr": tampered}},
+        "app:ssl-cert/wild": {"request": {"csr": wildcard}},
+        "app:ssl-cert/key": {"request": {"csr": good, "key": "-----BEGIN PRIVATE KEY-----"}},
+        "app:ssl-cert/garbage": {"request": {"csr": "hello"}},
+        "web:ssl-cert/own": {"request": {"csr": own, "names": ["app.example.test"]}},
+    });
+    let r = run(&config, &input);
+    assert!(r.ok, "{}", r.stderr);
+    let reason = |k: &str| {
+        r.out[k]["$fort_refused"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{k}: {}", r.out))
+            .to_owned()
+    };
+    assert_eq!(
+        reason("app:ssl-cert/outside"),
+        "evil.example.test is not a name app may get a certificate for"
+    );
+    assert!(reason("app:ssl-cert/names").contains("x.app.example.test"));
+    assert_eq!(
+        reason("app:ssl-cert/tampered"),
+        "the CSR's signature does not verify"
+    );
+    assert!(reason("app:ssl-cert/wild").contains("*.app.example.test"));
+    assert!(reason("app:ssl-cert/key").contains("key"));
+    assert!(reason("app:ssl-cert/garbage").contains("PEM"));
+    assert!(reason("web:ssl-cert/own").contains("not the names requested"));
+    assert!(
+        !dir.path().join("state.json").exists()
+            || !std::fs::read_to_string(dir.path().join("state.json"))
+                .unwrap()
+                .contains("order")
+    );
+}
