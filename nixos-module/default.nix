@@ -5,7 +5,7 @@
 # generation), assertions.nix and assertions-needs.nix (what a user can get wrong),
 # service.nix (files, agent unit, firewall, users, dry-activate plan), delivery.nix
 # (payload files as other services' credentials), fleet.nix (mkFleet), capabilities/
-# (options of the capabilities fort-handler serves).
+# (provider options and consumer conveniences of the capabilities fort-handler serves).
 {
   config,
   lib,
@@ -27,6 +27,7 @@ in
     ./capabilities/acme.nix
     ./capabilities/dns-record.nix
     ./capabilities/postgres.nix
+    ./capabilities/ssh-ca.nix
   ];
 
   config = {

@@ -1,14 +1,16 @@
 # The options reference (docs/options.md) from the module's own declarations, rendered
 # by the same code as the interfaces (interface.nix renderOptions). Only the option
 # files are evaluated, so no host, no NixOS and no real package set are needed: `pkgs`
-# only has to provide formats.toml (the type of `settings`).
+# only has to provide formats.toml (the type of `settings`), and the stubbed NixOS
+# options stand in for what the capability modules set.
 #
 #   nix-instantiate --eval --strict --json nixos-module/docs.nix \
 #     --arg lib 'import /path/to/nixpkgs/lib' | jq -r .
 # (nixos-module/tests/options-doc.sh does this, and checks docs/options.md with --check.)
 {
   lib,
-  pkgs ? (import ./tests/stubs.nix { inherit lib; }).pkgs,
+  stubs ? import ./tests/stubs.nix { inherit lib; },
+  pkgs ? stubs.pkgs,
 }:
 let
   inherit (import ./interface.nix { inherit lib; }) renderOptions;
@@ -20,8 +22,10 @@ let
         ./capabilities/acme.nix
         ./capabilities/dns-record.nix
         ./capabilities/postgres.nix
-        # The capability modules add assertions, which only NixOS declares.
-        { options.assertions = lib.mkOption { internal = true; }; }
+        ./capabilities/ssh-ca.nix
+        # The NixOS options the capability modules set (assertions, sshd's config),
+        # declared so the evaluation accepts their definitions; not rendered.
+        stubs.module
       ];
       specialArgs = { inherit pkgs; };
     })
@@ -32,7 +36,7 @@ in
 # One trailing newline (jq -r adds it), as an editor would save the file.
 lib.strings.trim (
 ''
-  <!-- Generated from nixos-module/options*.nix by nixos-module/tests/options-doc.sh; do not edit. -->
+  <!-- Generated from nixos-module/options*.nix and capabilities/*.nix by nixos-module/tests/options-doc.sh; do not edit. -->
   # fort NixOS module options
 
   The options of fort's NixOS module (`nixosModules.default`), with their types,

@@ -15,6 +15,7 @@ mod openbao;
 mod plan;
 mod postgres;
 mod schema;
+mod sshca;
 mod stall;
 mod status;
 mod util;
@@ -43,6 +44,7 @@ use clap::{Parser, Subcommand};
   fort-bench plan --needs 500 --entries 5000
   fort-bench dns-record --create 500 --unchanged 10000
   fort-bench postgres --entries 500 --unchanged 10000
+  fort-bench ssh-ca --certs 500 --unchanged 10000
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -93,6 +95,9 @@ enum Cmd {
     /// roles and databases, a run over 10,000 unchanged entries with the server stopped,
     /// and OpenBao's database engine issuing N credentials beside it (when `bao` is found).
     Postgres(postgres::PostgresArgs),
+    /// The SSH CA handler: N certificates issued in one run beside `ssh-keygen -s` once
+    /// per certificate, a run over M unchanged entries, and a release re-sending the KRL.
+    SshCa(sshca::SshCaArgs),
 }
 
 fn main() -> ExitCode {
@@ -127,6 +132,7 @@ fn main() -> ExitCode {
             Cmd::Plan(a) => plan::run(a, json).await,
             Cmd::DnsRecord(a) => dns_record::run(a, json).await,
             Cmd::Postgres(a) => postgres::run(a, json).await,
+            Cmd::SshCa(a) => sshca::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -337,6 +337,11 @@ pub fn thread_cpu() -> Duration {
     rusage(libc::RUSAGE_THREAD)
 }
 
+/// CPU time of this process's children that have been waited for.
+pub fn children_cpu() -> Duration {
+    rusage(libc::RUSAGE_CHILDREN)
+}
+
 /// CPU time of this whole process.
 pub fn self_cpu() -> Duration {
     rusage(libc::RUSAGE_SELF)

@@ -23,6 +23,7 @@ fn help_lists_every_benchmark() {
         "plan",
         "dns-record",
         "postgres",
+        "ssh-ca",
     ] {
         assert!(
             text.lines()

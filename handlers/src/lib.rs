@@ -9,6 +9,7 @@ pub mod common;
 pub mod dns;
 pub mod dns_record;
 pub mod postgres;
+pub mod ssh_ca;
 
 use std::future::Future;
 use std::path::Path;
@@ -37,6 +38,7 @@ pub const CAPABILITIES: &[Capability] = &[
     acme::CAPABILITY,
     dns_record::CAPABILITY,
     postgres::CAPABILITY,
+    ssh_ca::CAPABILITY,
 ];
 
 /// The capability named `name`.

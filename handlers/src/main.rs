@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use fort_handlers::{capability, common, CAPABILITIES};
+use fort_handlers::{capability, common, ssh_ca, CAPABILITIES};
 
 #[derive(Parser)]
 #[command(
@@ -32,6 +32,10 @@ fn after_help() -> String {
     for c in CAPABILITIES {
         text.push_str(&format!("  {:<12} {}\n", c.name, c.about));
     }
+    text.push_str(
+        "\nConsumer helpers (a need's handler, the payload on stdin):\n  \
+         ssh-ca-krl --out PATH   installs an ssh-ca payload's KRL for sshd's RevokedKeys\n",
+    );
     text
 }
 
@@ -46,6 +50,10 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == ssh_ca::install::NAME) {
+        return ssh_ca::install::main(args[1..].to_vec());
+    }
     let cli = Cli::parse();
     let Some(cap) = capability(&cli.capability) else {
         eprintln!(
@@ -92,7 +100,7 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(output) => {
-            let text = output.to_json().to_string();
+            let text = output.into_json().to_string();
             let mut stdout = std::io::stdout().lock();
             if stdout
                 .write_all(text.as_bytes())

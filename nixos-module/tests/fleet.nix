@@ -1,8 +1,9 @@
 # The three-host fleet of the evaluation test, as lib.mkFleet arguments. Interfaces are
 # the example set (nixos-module/interfaces), fleet-wide.
-#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup), ssl-cert and
-#           postgres (fort-handler postgres through its options); handler environment;
-#           metrics
+#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup), ssl-cert,
+#           postgres (fort-handler postgres through its options) and ssh-ca (fort-handler's
+#           SSH CA), and consumes its own sshd host certificate (fort.host.sshCertificate);
+#           handler environment; metrics
 #   beacon: provides proxy (async), ping (rpc, its own interface) and dns-record
 #           (fort-handler dns-record through its options); consumes oidc (two
 #           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
@@ -114,7 +115,20 @@ in
               connectionLimit = 20;
               allow.app = [ "wiki" ];
             };
+            # fort's SSH CA: handler, args, interface and config file come from the
+            # module.
+            ssh-ca.sshCa = {
+              hostPrincipals."*" = [
+                "{origin}"
+                "{origin}.example.org"
+              ];
+              userPrincipals.ops = [ "root" ];
+              userValidity = "1h";
+            };
           };
+          # Its own sshd's host certificate from its own CA, in one line (the agent's
+          # key is the sshd host key, so the request needs nothing else).
+          fort.host.sshCertificate.from = "forge";
         }
       )
     ] ++ more "forge";

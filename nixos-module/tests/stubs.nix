@@ -165,6 +165,14 @@ in
           }
         );
       };
+      systemd.tmpfiles.rules = mkOption {
+        type = types.listOf types.str;
+        default = [ ];
+      };
+      services.openssh.extraConfig = mkOption {
+        type = types.lines;
+        default = "";
+      };
       users.users = mkOption {
         type = types.attrsOf freeform;
         default = { };

@@ -40,8 +40,14 @@ impl Allowances {
 
     /// Whether `origin` may claim `name`.
     pub fn permits(&self, origin: &str, name: &str) -> bool {
+        Allowances::any_permits(&self.patterns(origin), name)
+    }
+
+    /// Whether one of `patterns` (from `patterns`) allows `name`: for checking several
+    /// names of one caller without filling in its patterns each time.
+    pub fn any_permits(patterns: &[String], name: &str) -> bool {
         let name = name.to_ascii_lowercase();
-        self.patterns(origin).iter().any(|p| matches(p, &name))
+        patterns.iter().any(|p| matches(p, &name))
     }
 
     /// The first of `names` that `origin` may not claim, for a refusal that names it.

@@ -150,6 +150,33 @@ impl Output {
         self.rerun_after = Some(self.rerun_after.map_or(s, |t| t.min(s)));
     }
 
+    /// The JSON the agent reads (docs/protocol.md §9), without copying the responses
+    /// (10,000 certificates are megabytes).
+    pub fn into_json(self) -> Value {
+        let mut map = serde_json::Map::new();
+        let rerun = self.rerun_after;
+        for (key, answer) in self.answers {
+            let value = match answer {
+                Answer::Response(v) => v,
+                other => Output::marker(&other),
+            };
+            map.insert(key, value);
+        }
+        if let Some(s) = rerun {
+            map.insert("$fort_rerun_after".into(), Value::from(s));
+        }
+        Value::Object(map)
+    }
+
+    fn marker(answer: &Answer) -> Value {
+        match answer {
+            Answer::Refused(r) => serde_json::json!({"$fort_refused": r}),
+            Answer::Pending(r) => serde_json::json!({"$fort_pending": r}),
+            Answer::Response(v) => v.clone(),
+            Answer::Nothing => Value::Null,
+        }
+    }
+
     /// The JSON the agent reads (docs/protocol.md §9).
     pub fn to_json(&self) -> Value {
         #[derive(Serialize)]
@@ -210,6 +237,8 @@ mod tests {
                    "ops:ssl-cert/x": {"$fort_pending": "order placed"},
                    "$fort_rerun_after": 5})
         );
+        let json = out.to_json();
+        assert_eq!(out.into_json(), json);
         assert!(parse_input(br#"{"nokey":{"request":{}}}"#).is_err());
         assert!(parse_input(br#"{"a:b/c":{"request":{},"extra":1}}"#).is_err());
     }

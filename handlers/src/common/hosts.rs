@@ -32,6 +32,11 @@ impl Fleet {
         Some(host.to_owned())
     }
 
+    /// Whether `name` is a host of hosts.json (not a principal, not unknown).
+    pub fn is_host(&self, name: &str) -> bool {
+        self.registry.is_host(name)
+    }
+
     /// `origin`'s address as an IP address, when hosts.json gives one.
     pub fn ip_of(&self, origin: &str) -> Option<IpAddr> {
         self.host_of(origin)?.parse().ok()
@@ -63,5 +68,6 @@ mod tests {
         assert_eq!(fleet.ip_of("six"), Some("fd00::2".parse().unwrap()));
         assert_eq!(fleet.host_of("ops"), None);
         assert_eq!(fleet.host_of("nobody"), None);
+        assert!(fleet.is_host("app") && !fleet.is_host("ops") && !fleet.is_host("nobody"));
     }
 }

@@ -1,0 +1,144 @@
+//! The certificate authority's key: loaded from its file (an unencrypted OpenSSH ed25519
+//! key that only its owner may read), made on the first run when the operator asks for
+//! that, and used to sign host and user certificates with `ssh-key`'s builder.
+
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+use ssh_key::certificate::{Builder, CertType};
+use ssh_key::rand_core::OsRng;
+use ssh_key::{Algorithm, HashAlg, LineEnding, PrivateKey, PublicKey};
+
+/// What one certificate says.
+pub struct CertSpec<'a> {
+    pub subject: &'a PublicKey,
+    pub kind: CertType,
+    pub serial: u64,
+    pub key_id: &'a str,
+    pub principals: &'a [String],
+    pub valid_after: u64,
+    pub valid_before: u64,
+    /// Extensions (user certificates: `permit-pty`, …), each with empty data.
+    pub extensions: &'a [String],
+}
+
+/// The CA: its private key and the public forms consumers install.
+pub struct Ca {
+    key: PrivateKey,
+    /// `ssh-ed25519 AAAA… COMMENT`, for `TrustedUserCAKeys` and `@cert-authority`.
+    pub public_line: String,
+    /// SHA256 fingerprint, recorded in the state to notice a new CA key.
+    pub fingerprint: String,
+    /// The public key's SSH wire encoding, as a KRL names the CA.
+    pub blob: Vec<u8>,
+}
+
+impl Ca {
+    /// Loads the key at `path`; when it does not exist and `generate` is set, makes an
+    /// ed25519 key there first (mode 0400, never replacing a file that appeared
+    /// meanwhile). `comment` ends the public line.
+    pub fn load(path: &Path, generate: bool, comment: &str) -> anyhow::Result<Ca> {
+        if generate && !path.exists() {
+            generate_key(path)?;
+        }
+        let meta = std::fs::metadata(path)
+            .map_err(|e| anyhow::anyhow!("cannot read the CA key {}: {e}", path.display()))?;
+        if !meta.is_file() {
+            anyhow::bail!("the CA key {} is not a regular file", path.display());
+        }
+        if meta.mode() & 0o077 != 0 {
+            anyhow::bail!(
+                "the CA key {} is readable by others (mode {:04o}); make it 0400",
+                path.display(),
+                meta.mode() & 0o7777
+            );
+        }
+        let text = std::fs::read(path)
+            .map_err(|e| anyhow::anyhow!("cannot read the CA key {}: {e}", path.display()))?;
+        let key = PrivateKey::from_openssh(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "the CA key {} is not an OpenSSH private key ({e})",
+                path.display()
+            )
+        })?;
+        if key.is_encrypted() {
+            anyhow::bail!(
+                "the CA key {} is encrypted; the handler needs it unencrypted (protect the file instead)",
+                path.display()
+            );
+        }
+        if key.algorithm() != Algorithm::Ed25519 {
+            anyhow::bail!(
+                "the CA key {} is {}; the CA signs with ed25519 keys only",
+                path.display(),
+                key.algorithm()
+            );
+        }
+        Ca::from_key(key, comment)
+    }
+
+    pub fn from_key(key: PrivateKey, comment: &str) -> anyhow::Result<Ca> {
+        let public = PublicKey::new(key.public_key().key_data().clone(), comment);
+        Ok(Ca {
+            public_line: public.to_openssh()?,
+            fingerprint: public.fingerprint(HashAlg::Sha256).to_string(),
+            blob: public.to_bytes()?,
+            key,
+        })
+    }
+
+    /// Signs one certificate and returns it as an OpenSSH line (`…-cert-v01@openssh.com
+    /// AAAA… KEY_ID`).
+    pub fn sign(&self, spec: &CertSpec<'_>) -> anyhow::Result<String> {
+        let mut b = Builder::new_with_random_nonce(
+            &mut OsRng,
+            spec.subject.key_data().clone(),
+            spec.valid_after,
+            spec.valid_before,
+        )?;
+        b.serial(spec.serial)?
+            .key_id(spec.key_id)?
+            .cert_type(spec.kind)?
+            .comment(spec.key_id)?;
+        for p in spec.principals {
+            b.valid_principal(p.as_str())?;
+        }
+        for e in spec.extensions {
+            b.extension(e.as_str(), "")?;
+        }
+        Ok(b.sign(&self.key)?.to_openssh()?)
+    }
+}
+
+/// Writes a new ed25519 key to `path`, mode 0400: a temporary file in the same
+/// directory, then a hard link to the final name, which fails rather than replace a key.
+fn generate_key(path: &Path) -> anyhow::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    crate::common::state::create_private_dir(dir)?;
+    let key = PrivateKey::random(&mut OsRng, Algorithm::Ed25519)?;
+    let text = key.to_openssh(LineEnding::LF)?;
+    let tmp = dir.join(format!(".ssh-ca-key.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let result = (|| -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o400)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::hard_link(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    match result {
+        Ok(()) => {
+            tracing::info!(path = %path.display(), "made a new ed25519 CA key");
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.exists() => Ok(()),
+        Err(e) => anyhow::bail!("cannot write a new CA key to {}: {e}", path.display()),
+    }
+}

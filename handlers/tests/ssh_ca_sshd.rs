@@ -1,0 +1,418 @@
+//! The SSH CA end to end, as a user meets it: real fort agents (a provider running
+//! `fort-handler ssh-ca`, a consumer writing the delivered files), a real `sshd` on
+//! loopback started from those files, and OpenSSH's `ssh` client. The host certificate
+//! is presented and trusted through the `@cert-authority` line alone; a user
+//! certificate logs in through `TrustedUserCAKeys`; once released, its serial is in the
+//! KRL the consumer installed for `RevokedKeys` and the same certificate is refused.
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fort_tests::{bin, eventually, free_addr, skip, Fleet};
+use serde_json::{json, Value};
+use ssh_key::rand_core::OsRng;
+use ssh_key::{Algorithm, LineEnding, PrivateKey};
+
+const SSHD: &str = "/usr/sbin/sshd";
+
+/// A private key (0600) and its public half beside it, as OpenSSH keeps them.
+fn key_pair(path: &Path) -> String {
+    let k = PrivateKey::random(&mut OsRng, Algorithm::Ed25519).unwrap();
+    k.write_openssh_file(path, LineEnding::LF).unwrap();
+    let public = k.public_key().to_openssh().unwrap();
+    std::fs::write(path.with_extension("pub"), &public).unwrap();
+    public
+}
+
+/// `sshd -D -e -f CONFIG` on loopback, killed on drop; its log in `sshd.log`.
+struct Sshd {
+    child: Child,
+    addr: SocketAddr,
+    log: PathBuf,
+}
+
+impl Sshd {
+    fn start(dir: &Path, addr: SocketAddr) -> Sshd {
+        // sshd refuses to start without its privilege separation directory.
+        let _ = std::fs::create_dir_all("/run/sshd");
+        let config = dir.join("sshd_config");
+        std::fs::write(
+            &config,
+            format!(
+                "ListenAddress {addr}\n\
+                 HostKey {d}/ssh_host_ed25519_key\n\
+                 HostCertificate {d}/ssh_host_ed25519_key-cert.pub\n\
+                 TrustedUserCAKeys {d}/ca.pub\n\
+                 RevokedKeys {d}/revoked.krl\n\
+                 AuthorizedKeysFile none\n\
+                 PubkeyAuthentication yes\n\
+                 PasswordAuthentication no\n\
+                 KbdInteractiveAuthentication no\n\
+                 PermitRootLogin prohibit-password\n\
+                 UsePAM no\n\
+                 StrictModes no\n\
+                 PidFile {d}/sshd.pid\n\
+                 LogLevel VERBOSE\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        let log = dir.join("sshd.log");
+        let child = Command::new(SSHD)
+            .args(["-D", "-e", "-f"])
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start sshd");
+        let mut sshd = Sshd { child, addr, log };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+            if let Ok(Some(status)) = sshd.child.try_wait() {
+                panic!("sshd exited ({status}):\n{}", sshd.log_text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sshd did not listen:\n{}",
+                sshd.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        sshd
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `ssh -v root@ADDR echo fort-ok` with nothing but the given known_hosts file and key
+/// (its certificate, if any, beside it as `<key>-cert.pub`): (success, stdout, stderr).
+fn ssh(sshd: &Sshd, known_hosts: &Path, key: &Path) -> (bool, String, String) {
+    let out = Command::new("ssh")
+        .args([
+            "-F",
+            "/dev/null",
+            "-v",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+        ])
+        .arg(format!("UserKnownHostsFile={}", known_hosts.display()))
+        .args([
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "ConnectTimeout=10",
+            // The name the host certificate is checked against; the address is loopback.
+            "-o",
+            "HostKeyAlias=app.example.test",
+            "-i",
+        ])
+        .arg(key)
+        .args(["-p", &sshd.addr.port().to_string()])
+        .arg(format!("root@{}", sshd.addr.ip()))
+        .args(["echo", "fort-ok"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ssh");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `ssh-keygen -Q -f KRL CERT` says REVOKED.
+fn krl_revokes(krl: &Path, cert: &Path) -> bool {
+    Command::new("ssh-keygen")
+        .args(["-Q", "-f"])
+        .arg(krl)
+        .arg(cert)
+        .output()
+        .is_ok_and(|o| o.status.code() == Some(1))
+}
+
+fn can_run(test: &str) -> bool {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    if !root {
+        skip(
+            test,
+            "sshd must be started as root (openssh-server's privilege separation)",
+        );
+        return false;
+    }
+    if !Path::new(SSHD).exists() {
+        skip(test, "openssh-server is not installed (no /usr/sbin/sshd)");
+        return false;
+    }
+    for tool in ["ssh", "ssh-keygen"] {
+        if Command::new(tool)
+            .arg("-V")
+            .stderr(Stdio::null())
+            .status()
+            .is_err()
+        {
+            skip(test, &format!("{tool} (openssh-client) is not installed"));
+            return false;
+        }
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
+    let test = "ssh_ca_sshd::sshd_presents_the_delivered_host_certificate_and_honours_the_krl";
+    if !can_run(test) {
+        return;
+    }
+    let mut f = Fleet::new();
+    let root = f.dir.path().to_path_buf();
+    let sshd_dir = root.join("app-sshd");
+    let client = root.join("client");
+    std::fs::create_dir_all(&sshd_dir).unwrap();
+    std::fs::create_dir_all(&client).unwrap();
+    let host_public = key_pair(&sshd_dir.join("ssh_host_ed25519_key"));
+    let user_public = key_pair(&client.join("id_ed25519"));
+
+    // Provider `forge`: the CA key is made on the first run.
+    f.host("forge");
+    f.host("app");
+    let config = root.join("ssh-ca.json");
+    std::fs::write(
+        &config,
+        json!({
+            "ca_key_file": root.join("ca/ca_key"),
+            "generate_ca_key": true,
+            "state_file": root.join("ca/state.json"),
+            "hosts_file": f.host_dir("forge").join("hosts.json"),
+            "host_principals": {"*": ["{origin}", "{origin}.example.test"]},
+            "user_principals": {"app": ["root"]},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    // The request schema the NixOS module ships for the ssh-ca interface: the agent
+    // compiles it and checks every request against it.
+    let schemas: Value = serde_json::from_slice(
+        &std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../nixos-module/tests/expected/schemas.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let schema = schemas["schemas"]["ssh-ca"].clone();
+    assert!(schema.is_object());
+    f.capability(
+        "forge",
+        "ssh-ca",
+        json!({"handler": bin("fort-handler"), "args": ["ssh-ca", "--config", config],
+               "mode": "async", "cacheResponse": true, "request_schema": schema}),
+    );
+    let file = |name: &str, path: PathBuf, pointer: &str, mode: &str| json!({"name": name, "path": path, "pointer": pointer, "mode": mode});
+    let krl_handler = f.script(
+        "install-krl",
+        &format!(
+            "exec {} ssh-ca-krl --out {}",
+            bin("fort-handler").display(),
+            sshd_dir.join("revoked.krl").display()
+        ),
+    );
+    // Consumer `app`: its sshd's host certificate, the CA for user certificates, the
+    // KRL, and (for the client) the @cert-authority line.
+    f.need(
+        "app",
+        "ssh-ca/host",
+        "forge",
+        json!({
+            // As the NixOS module ships it: unset options are null.
+            "request": {"kind": "host", "public_key": host_public, "principals": null,
+                        "validity_seconds": null},
+            "files": [
+                file("cert", sshd_dir.join("ssh_host_ed25519_key-cert.pub"), "/certificate", "0644"),
+                file("ca", sshd_dir.join("ca.pub"), "/ca_public_key", "0644"),
+                file("known_hosts", client.join("known_hosts"), "/known_hosts_line", "0644"),
+            ],
+            "handler": krl_handler,
+        }),
+    );
+    f.need(
+        "app",
+        "ssh-ca/login",
+        "forge",
+        json!({
+            "request": {"kind": "user", "public_key": user_public, "principals": ["root"]},
+            "files": [file("cert", client.join("id_ed25519-cert.pub"), "/certificate", "0600")],
+        }),
+    );
+    // A host certificate for another host's name: refused, nothing delivered.
+    f.need(
+        "app",
+        "ssh-ca/impostor",
+        "forge",
+        json!({
+            "request": {"kind": "host", "public_key": host_public, "principals": ["forge.example.test"]},
+            "files": [file("cert", sshd_dir.join("impostor-cert.pub"), "/certificate", "0644")],
+        }),
+    );
+    f.start();
+    let satisfied = |f: &Fleet, need: &str| f.need_status("app", need)["state"] == "satisfied";
+    assert!(
+        eventually(Duration::from_secs(30), || satisfied(&f, "ssh-ca/host")
+            && satisfied(&f, "ssh-ca/login"))
+        .await,
+        "needs not satisfied: {}\nforge log:\n{}",
+        f.status("app"),
+        std::fs::read_to_string(f.host_dir("forge").join("agent.log")).unwrap_or_default()
+    );
+    // The consumer's need state says why (protocol §11.9).
+    let impostor_reason = |f: &Fleet| {
+        f.need_status("app", "ssh-ca/impostor")["reason"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    };
+    assert!(
+        eventually(Duration::from_secs(30), || impostor_reason(&f)
+            == "refused by forge: principal forge.example.test is not one app may have on a host certificate")
+        .await,
+        "{}",
+        f.need_status("app", "ssh-ca/impostor")
+    );
+    assert_ne!(
+        f.need_status("app", "ssh-ca/impostor")["state"],
+        "satisfied"
+    );
+    assert!(!sshd_dir.join("impostor-cert.pub").exists());
+    let known_hosts = std::fs::read_to_string(client.join("known_hosts")).unwrap();
+    assert!(
+        known_hosts.starts_with("@cert-authority * ssh-ed25519 "),
+        "{known_hosts}"
+    );
+
+    let sshd = Sshd::start(&sshd_dir, free_addr("127.0.0.1"));
+
+    // The host certificate is presented and trusted through the @cert-authority line
+    // alone (StrictHostKeyChecking=yes: no prompt, no learning); the user certificate
+    // logs in with no authorized_keys anywhere.
+    let (ok, stdout, stderr) = ssh(
+        &sshd,
+        &client.join("known_hosts"),
+        &client.join("id_ed25519"),
+    );
+    assert!(
+        ok && stdout.trim() == "fort-ok",
+        "ssh failed:\n{stderr}\nsshd:\n{}",
+        sshd.log_text()
+    );
+    assert!(
+        stderr.contains("Server host certificate: ssh-ed25519-cert-v01@openssh.com")
+            && stderr.contains("ID \"app:ssh-ca/host\""),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("Host '")
+            && stderr.contains("is known and matches the ED25519-CERT host certificate"),
+        "{stderr}"
+    );
+    assert!(
+        sshd.log_text().contains("ID app:ssh-ca/login"),
+        "{}",
+        sshd.log_text()
+    );
+
+    // Controls: without the @cert-authority line the host is not trusted; without the
+    // certificate the key alone does not log in.
+    let empty = root.join("empty_known_hosts");
+    std::fs::write(&empty, "").unwrap();
+    let (ok, _, stderr) = ssh(&sshd, &empty, &client.join("id_ed25519"));
+    assert!(
+        !ok && stderr.contains("Host key verification failed"),
+        "{stderr}"
+    );
+    let bare = root.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(client.join("id_ed25519"), bare.join("id_ed25519")).unwrap();
+    let (ok, _, stderr) = ssh(&sshd, &client.join("known_hosts"), &bare.join("id_ed25519"));
+    assert!(!ok && stderr.contains("Permission denied"), "{stderr}");
+
+    // The certificate is kept aside (as a leaked copy would be), then the need released.
+    let kept = root.join("kept");
+    std::fs::create_dir_all(&kept).unwrap();
+    std::fs::copy(client.join("id_ed25519"), kept.join("id_ed25519")).unwrap();
+    std::fs::copy(
+        client.join("id_ed25519-cert.pub"),
+        kept.join("id_ed25519-cert.pub"),
+    )
+    .unwrap();
+    let serial = cert_serial(&kept.join("id_ed25519-cert.pub"));
+    f.host("app").needs.remove("ssh-ca/login");
+    f.write_files();
+    f.agents["app"].hup();
+    let krl = sshd_dir.join("revoked.krl");
+    assert!(
+        eventually(Duration::from_secs(30), || krl_revokes(
+            &krl,
+            &kept.join("id_ed25519-cert.pub")
+        ))
+        .await,
+        "serial {serial} never reached the installed KRL; app: {}",
+        f.status("app")
+    );
+    let listed = Command::new("ssh-keygen")
+        .args(["-Q", "-l", "-f"])
+        .arg(&krl)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&listed.stdout).contains(&format!("serial: {serial}")));
+
+    // The same sshd, unchanged, reads the new KRL: the kept certificate is refused, and
+    // the host certificate still works.
+    let (ok, _, stderr) = ssh(&sshd, &client.join("known_hosts"), &kept.join("id_ed25519"));
+    assert!(!ok && stderr.contains("Permission denied"), "{stderr}");
+    assert!(
+        eventually(Duration::from_secs(5), || sshd
+            .log_text()
+            .contains("revoked by file"))
+        .await,
+        "sshd did not say why:\n{}",
+        sshd.log_text()
+    );
+    let (_, _, stderr) = ssh(&sshd, &client.join("known_hosts"), &kept.join("id_ed25519"));
+    assert!(stderr.contains("Server host certificate"), "{stderr}");
+    let status: Value = f.need_status("app", "ssh-ca/host");
+    assert_eq!(status["state"], "satisfied", "{status}");
+}
+
+/// The serial of a certificate file, as `ssh-keygen -L` reads it.
+fn cert_serial(path: &Path) -> u64 {
+    let out = Command::new("ssh-keygen")
+        .arg("-L")
+        .arg("-f")
+        .arg(path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("Serial: "))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no serial in {text}"))
+}
