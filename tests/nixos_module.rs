@@ -131,11 +131,16 @@ fn module_generates_the_expected_files_and_they_pass_check() {
     };
     let (ok, out, err) = fleet_check(out_dir.path());
     assert!(ok, "{err}");
-    for pair in ["app → forge: ok", "app → beacon: ok", "beacon → forge: ok"] {
+    for pair in [
+        "app → forge: ok",
+        "app → beacon: ok",
+        "beacon → forge: ok",
+        "forge → forge: ok",
+    ] {
         assert!(out.contains(pair), "{out}");
     }
     assert!(
-        out.ends_with("ok: 3 hosts, 3 consumer → provider pairs checked\n"),
+        out.ends_with("ok: 3 hosts, 4 consumer → provider pairs checked\n"),
         "{out}"
     );
     // The demo fleet as NixOS configuration passes the same.

@@ -15,7 +15,7 @@ in
       description = "`host`: a host certificate for this host's own SSH host key; `user`: a user certificate.";
     };
     public_key = mkOption {
-      type = types.strMatching "(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa|sk-ssh-ed25519@openssh[.]com|sk-ecdsa-sha2-nistp256@openssh[.]com) [A-Za-z0-9+/]+=*( [[:print:]]*)?";
+      type = types.strMatching "(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa|sk-ssh-ed25519@openssh[.]com|sk-ecdsa-sha2-nistp256@openssh[.]com) [A-Za-z0-9+/]+=*( [ -~]*)?";
       example = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1AF8PoQ4lakrcKp00bfrycmCzPLsSWjMDNVfEq9GYM root@app";
       description = "The key to certify, as an OpenSSH public key line (the comment is ignored).";
     };
