@@ -258,6 +258,9 @@ impl Fulfiller {
         let keep_payload = self.inner.view.lock().referenced.contains(key);
         let key_s = key.to_string();
         let mut restart = written.changed;
+        // Units restarted besides the need's own: those reading, as a credential, a file
+        // that was there before and whose content differs from the last recorded outcome.
+        let mut units = spec.restart_units.clone();
         let recorded = self
             .inner
             .store
@@ -279,6 +282,18 @@ impl Fulfiller {
                     .files
                     .iter()
                     .any(|(path, sha)| st.files.get(path) != Some(sha));
+                for f in &spec.files {
+                    let path = f.path.to_string_lossy();
+                    let (Some(now), Some(recorded)) = (
+                        written.files.get(path.as_ref()),
+                        st.files.get(path.as_ref()),
+                    ) else {
+                        continue;
+                    };
+                    if now != recorded {
+                        units.extend(f.credential_for.iter().cloned());
+                    }
+                }
                 self.record_satisfied(&mut st, spec, now, expires_at, digest, &written);
                 st.payload =
                     keep_payload.then(|| base64::engine::general_purpose::STANDARD.encode(payload));
@@ -291,7 +306,7 @@ impl Fulfiller {
         if restart {
             self.inner
                 .units
-                .request(&written.restarts(&spec.restart_units), &spec.reload_units);
+                .request(&written.restarts(&units), &spec.reload_units);
         }
         let state = match recorded {
             Ok(Some(Some(st))) => st,
