@@ -12,7 +12,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use fort_tests::dns::{DnsServer, Flavor};
 use serde_json::{json, Map, Value};
 
-use crate::util::{ms, percentile, Report};
+use crate::util::{self, ms, percentile, Report};
 
 #[derive(clap::Args, Debug)]
 pub struct DnsRecordArgs {
@@ -36,24 +36,6 @@ pub struct DnsRecordArgs {
 const ZONE: &str = "bench.test";
 /// Unchanged runs must take less than this (the design's goal for 10,000 entries).
 const GOAL: Duration = Duration::from_millis(200);
-
-fn handler_bin(explicit: Option<PathBuf>) -> Result<PathBuf> {
-    let path =
-        match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_HANDLER").map(PathBuf::from)) {
-            Some(p) => p,
-            None => std::env::current_exe()?
-                .parent()
-                .ok_or_else(|| anyhow!("exe has no directory"))?
-                .join("fort-handler"),
-        };
-    if !path.is_file() {
-        bail!(
-            "{} not found: build it next to fort-bench (`cargo build --release -p fort-handlers -p fort-bench`) or pass --handler-bin",
-            path.display()
-        );
-    }
-    Ok(path)
-}
 
 struct Run {
     ok: bool,
@@ -128,7 +110,7 @@ pub async fn run(args: DnsRecordArgs, json_out: bool) -> Result<()> {
     if args.create == 0 || args.unchanged < args.create {
         bail!("--create must be at least 1 and --unchanged at least --create");
     }
-    let bin = handler_bin(args.handler_bin.clone())?;
+    let bin = util::handler_bin(args.handler_bin.clone())?;
     let flavors: Vec<Flavor> = match args.server.as_str() {
         "knot" => vec![Flavor::Knot],
         "bind" => vec![Flavor::Bind],

@@ -18,7 +18,7 @@ use fort_tests::postgres::{Postgres, ADMIN};
 use serde_json::{json, Map, Value};
 
 use crate::openbao;
-use crate::util::{ms, Report};
+use crate::util::{self, ms, Report};
 
 #[derive(clap::Args, Debug)]
 pub struct PostgresArgs {
@@ -42,24 +42,6 @@ pub struct PostgresArgs {
     /// Leave OpenBao out.
     #[arg(long)]
     no_openbao: bool,
-}
-
-fn handler_bin(explicit: Option<PathBuf>) -> Result<PathBuf> {
-    let path =
-        match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_HANDLER").map(PathBuf::from)) {
-            Some(p) => p,
-            None => std::env::current_exe()?
-                .parent()
-                .ok_or_else(|| anyhow!("exe has no directory"))?
-                .join("fort-handler"),
-        };
-    if !path.is_file() {
-        bail!(
-            "{} not found: build it next to fort-bench (`cargo build --release -p fort-handlers -p fort-bench`) or pass --handler-bin",
-            path.display()
-        );
-    }
-    Ok(path)
 }
 
 /// One handler run as the agent makes it: (wall time, output).
@@ -100,7 +82,7 @@ fn key(i: usize) -> String {
 }
 
 pub async fn run(args: PostgresArgs, json_out: bool) -> Result<()> {
-    let bin = handler_bin(args.handler_bin.clone())?;
+    let bin = util::handler_bin(args.handler_bin.clone())?;
     let pg = Postgres::start(true).map_err(|e| anyhow!("no PostgreSQL: {e}"))?;
     let dir = tempfile::tempdir()?;
     let config_path = dir.path().join("postgres.json");

@@ -94,24 +94,6 @@ impl Bench {
     }
 }
 
-fn handler_bin(explicit: Option<PathBuf>) -> Result<PathBuf> {
-    let path =
-        match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_HANDLER").map(PathBuf::from)) {
-            Some(p) => p,
-            None => std::env::current_exe()?
-                .parent()
-                .ok_or_else(|| anyhow!("exe has no directory"))?
-                .join("fort-handler"),
-        };
-    if !path.is_file() {
-        bail!(
-            "{} not found: build it next to fort-bench (`cargo build --release -p fort-handlers -p fort-bench`) or pass --handler-bin",
-            path.display()
-        );
-    }
-    Ok(path)
-}
-
 fn public(k: &PrivateKey) -> String {
     k.public_key().to_openssh().expect("encodes")
 }
@@ -160,7 +142,7 @@ fn certificates(output: &Value) -> usize {
 }
 
 pub async fn run(args: SshCaArgs, json_out: bool) -> Result<()> {
-    let handler = handler_bin(args.handler_bin)?;
+    let handler = util::handler_bin(args.handler_bin)?;
     let fleet = util::new_fleet();
     let dir = fleet.dir.path().to_path_buf();
     let bench = Bench {

@@ -431,3 +431,23 @@ impl Report {
         }
     }
 }
+
+/// The `fort-handler` binary the capability benchmarks run: `--handler-bin`,
+/// `FORT_BIN_FORT_HANDLER`, or the one next to `fort-bench`.
+pub fn handler_bin(explicit: Option<PathBuf>) -> Result<PathBuf> {
+    let path =
+        match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_HANDLER").map(PathBuf::from)) {
+            Some(p) => p,
+            None => std::env::current_exe()?
+                .parent()
+                .ok_or_else(|| anyhow!("exe has no directory"))?
+                .join("fort-handler"),
+        };
+    if !path.is_file() {
+        bail!(
+            "{} not found: build it next to fort-bench (`cargo build --release -p fort-handlers -p fort-bench`) or pass --handler-bin",
+            path.display()
+        );
+    }
+    Ok(path)
+}
