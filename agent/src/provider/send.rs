@@ -202,19 +202,7 @@ pub async fn batch(
         match send_batch(app, origin, items).await {
             Sent::Results(results) => {
                 for ((owed, _), result) in owed_items.into_iter().zip(results) {
-                    let retry = match (result.status, result.retry_after) {
-                        (200, _) => {
-                            acknowledged(app, &owed);
-                            None
-                        }
-                        // Busy with the batch's earlier items: not a failed attempt.
-                        (503, Some(after)) => Some(Duration::from_secs(after.clamp(1, 60))),
-                        (status, _) => failed(
-                            app,
-                            &owed,
-                            &format!("consumer answered {status} in a batch"),
-                        ),
-                    };
+                    let retry = item_outcome(app, &owed, &result, "in a batch");
                     outcomes.push((owed.key, retry));
                 }
             }
@@ -240,6 +228,24 @@ pub async fn batch(
         app.provider.deliveries.enqueue(key, force);
     }
     outcomes
+}
+
+/// What one item's result in a batch reply means for its entry: acknowledged, busy with
+/// the batch's earlier items (not a failed attempt), or a failed attempt.
+fn item_outcome(
+    app: &App,
+    owed: &Owed,
+    result: &fort_core::wire::ItemResult,
+    what: &str,
+) -> Option<Duration> {
+    match (result.status, result.retry_after) {
+        (200, _) => {
+            acknowledged(app, owed);
+            None
+        }
+        (503, Some(after)) => Some(Duration::from_secs(after.clamp(1, 60))),
+        (status, _) => failed(app, owed, &format!("consumer answered {status} {what}")),
+    }
 }
 
 /// The verdicts owed to `origin`, sent now in one batch of their own (a lone one through
@@ -270,18 +276,7 @@ async fn verdicts(
             .into_iter()
             .zip(results)
             .map(|((owed, _), result)| {
-                let retry = match (result.status, result.retry_after) {
-                    (200, _) => {
-                        acknowledged(app, &owed);
-                        None
-                    }
-                    (503, Some(after)) => Some(Duration::from_secs(after.clamp(1, 60))),
-                    (status, _) => failed(
-                        app,
-                        &owed,
-                        &format!("consumer answered {status} to the verdict"),
-                    ),
-                };
+                let retry = item_outcome(app, &owed, &result, "to the verdict");
                 (owed.key, retry)
             })
             .collect(),
