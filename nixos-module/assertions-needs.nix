@@ -150,6 +150,38 @@ let
         "${where}.after: ${quote a} is not a need host ${self} declares (${optionOf a}); after names needs of this host as <type>/<id>."
     )
   ) allNeeds;
+  # docs/protocol.md §11.10: a $fort_key names a key of its own need, in a form the agent
+  # makes; a CSR needs names; OpenSSH's own format is for ed25519 keys.
+  keyAssertions = concatMap (
+    n:
+    let
+      where = optionOf n.key;
+    in
+    map (
+      r:
+      let
+        v = r.ref.${fortLib.keyRefKey};
+        form = r.ref.as or "public";
+      in
+      if
+        !(builtins.isString v)
+        || builtins.any (k: k != fortLib.keyRefKey && k != "as") (attrNames r.ref)
+      then
+        check false ''${where}.${r.path}: a key reference is exactly { "$fort_key" = "<name>"; as = "csr"; } (config.fort.lib.key builds one).''
+      else if !(n.keys ? ${v}) then
+        check false "${where}.${r.path}: $fort_key ${quote v} names no key of this need; declare it in ${where}.keys.${v}."
+      else if !(builtins.elem form [ "csr" "public" "openssh" ]) then
+        check false "${where}.${r.path}: $fort_key ${quote v}: as must be \"csr\", \"public\" or \"openssh\", not ${quote (toString form)}."
+      else
+        check (form != "csr" || n.keys.${v}.names != [ ])
+          "${where}.${r.path}: $fort_key ${quote v} asks for a CSR, but ${where}.keys.${v}.names is empty."
+    ) (fortLib.keyRefsIn "request" n.request)
+    ++ lib.mapAttrsToList (
+      name: k:
+      check (k.format != "openssh" || k.type == "ed25519")
+        "${where}.keys.${name}: format \"openssh\" is for ed25519 keys; OpenSSH reads ecdsa-p256 keys as PEM."
+    ) n.keys
+  ) allNeeds;
   cycle = fortLib.findCycle (lib.mapAttrs (_: fortLib.waitsFor) declared);
   cycleAssertion =
     check (cycle == null)
@@ -166,6 +198,18 @@ let
         at = "${optionOf n.key}.files.${lib.strings.escapeNixIdentifier name}";
       }
     ) n.files
+    # A key lands like a file (docs/protocol.md §11.10): the same rules for its path and
+    # owner, and no file or other key on the same path.
+    ++ mapAttrsToList (
+      name: k:
+      k
+      // {
+        inherit name;
+        pointer = "";
+        credentialFor = [ ];
+        at = "${optionOf n.key}.keys.${lib.strings.escapeNixIdentifier name}";
+      }
+    ) n.keys
   ) allNeeds;
   credentials = concatMap (
     f:
@@ -219,6 +263,6 @@ in
 {
   config = lib.mkIf cfg.enable {
     assertions =
-      basicAssertions ++ interfaceAssertions ++ referenceAssertions ++ [ cycleAssertion ] ++ fileAssertions;
+      basicAssertions ++ interfaceAssertions ++ referenceAssertions ++ keyAssertions ++ [ cycleAssertion ] ++ fileAssertions;
   };
 }

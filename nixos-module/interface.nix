@@ -8,9 +8,9 @@
 #     which the provider's agent checks every incoming request against;
 #   - renderInterfaces / renderOptions: Markdown, also used for docs/options.md.
 #
-# Values `{ "$fort_ref" = "<type>/<id>#<pointer>"; }` are accepted for any option type:
-# the consumer's agent resolves them before sending, and the provider checks the resolved
-# request against the schema.
+# Values `{ "$fort_ref" = "<type>/<id>#<pointer>"; }` and `{ "$fort_key" = "<name>"; as =
+# "csr"; }` are accepted for any option type: the consumer's agent resolves them before
+# sending, and the provider checks the resolved request against the schema.
 #
 # An interface is data about requests, so its defaults must be constants (they are read
 # without a request: a default that reads `config` fails), and values must be JSON.
@@ -43,6 +43,10 @@ let
 
   refKey = "$fort_ref";
   isRef = v: isAttrs v && v ? ${refKey};
+  keyRefKey = "$fort_key";
+  isKeyRef = v: isAttrs v && v ? ${keyRefKey};
+  # What the agent replaces before sending: never checked against the option's type.
+  isPlaceholder = v: isRef v || isKeyRef v;
 
   # `apply`-free option tree of a module or a submodule type, without the module
   # system's own `_module` options.
@@ -80,7 +84,7 @@ let
     let
       n = nameOf type;
     in
-    if isRef v then
+    if isPlaceholder v then
       [ ]
     else if n == "submodule" then
       checkObject path (subOptionsOf type) v
@@ -113,7 +117,7 @@ let
   # (`options.tls.enable = ...`) are objects too.
   checkObject =
     path: opts: value:
-    if isRef value then
+    if isPlaceholder value then
       [ ]
     else if !(isAttrs value) then
       [
@@ -156,7 +160,7 @@ let
     let
       n = nameOf type;
     in
-    if isRef v then
+    if isPlaceholder v then
       v
     else if n == "submodule" then
       fillObject (subOptionsOf type) v
@@ -177,7 +181,7 @@ let
   # the problems; nothing here throws on a bad request).
   fillObject =
     opts: value:
-    if isRef value || !(isAttrs value) then
+    if isPlaceholder value || !(isAttrs value) then
       value
     else
       value
@@ -441,6 +445,8 @@ in
   inherit
     isRef
     refKey
+    isKeyRef
+    keyRefKey
     ;
 
   # The option tree an interface module declares, evaluated without any host. The

@@ -223,6 +223,34 @@ rec {
     ${interface.refKey} = if pointer == "" then need else "${need}#${pointer}";
   };
 
+  # docs/protocol.md §11.10: a request value naming one of the need's own keys, replaced
+  # by the agent with a CSR or public key made with it.
+  # key "tls" "csr" -> { "$fort_key" = "tls"; as = "csr"; }
+  inherit (interface) keyRefKey isKeyRef;
+  key = name: form: {
+    ${interface.keyRefKey} = name;
+    "as" = form;
+  };
+
+  # Every $fort_key in a request: [ { path; ref = <the attrset>; } ].
+  keyRefsIn =
+    path: v:
+    if interface.isKeyRef v then
+      [
+        {
+          inherit path;
+          ref = v;
+        }
+      ]
+    else if lib.isDerivation v then
+      [ ]
+    else if builtins.isAttrs v then
+      concatLists (mapAttrsToList (k: keyRefsIn "${path}.${k}") v)
+    else if builtins.isList v then
+      concatLists (lib.imap0 (i: keyRefsIn "${path}[${toString i}]") v)
+    else
+      [ ];
+
   # "<type>/<id>#<pointer>" -> { need; pointer (null without '#'); }
   parseRef =
     s:
@@ -421,6 +449,22 @@ rec {
           reload_units = unique n.reloadUnits;
           renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;
           after = unique n.after;
+        }
+        # Written only when the need has keys, as the agent hashes its declaration.
+        // lib.optionalAttrs (n.keys != { }) {
+          keys = mapAttrs (_: k: {
+            type = k.type;
+            inherit (k)
+              path
+              owner
+              group
+              mode
+              format
+              names
+              certificate
+              reuse
+              ;
+          }) n.keys;
         }
       ) (needList needs)
     );

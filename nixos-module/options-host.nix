@@ -92,6 +92,96 @@ let
     }
   );
 
+  # A key the host makes for a need (docs/protocol.md §11.10).
+  key = types.submodule (
+    { name, options, ... }:
+    let
+      loc = options.path.loc;
+      at = i: lib.elemAt loc (lib.length loc - i);
+    in
+    {
+      options = {
+        type = mkOption {
+          type = types.enum [
+            "ecdsa-p256"
+            "ed25519"
+          ];
+          default = "ecdsa-p256";
+          description = ''
+            The key's algorithm. `ecdsa-p256` for TLS (every ACME CA takes it) and for
+            SSH; `ed25519` for SSH (with `format = "openssh"`).
+          '';
+        };
+        path = mkOption {
+          type = types.str;
+          default = "/run/fort/needs/${at 5}/${at 4}/${name}.key";
+          defaultText = literalExpression ''"/run/fort/needs/<type>/<id>/<name>.key"'';
+          example = "/var/lib/acme/wiki/key.pem";
+          description = ''
+            Where the private key is installed, together with the certificate that
+            matches it. The key is made on this host and never leaves it: requests carry
+            its public half or a CSR. Until the certificate arrives the key waits in the
+            agent's state directory, and the previous key stays here.
+          '';
+        };
+        owner = mkOption {
+          type = types.str;
+          default = "root";
+          example = "nginx";
+          description = "Owner of the key file (a user name).";
+        };
+        group = mkOption {
+          type = types.str;
+          default = "root";
+          description = "Group of the key file.";
+        };
+        mode = mkOption {
+          type = types.strMatching "[0-7]{3,4}";
+          default = "0400";
+          description = "Permissions of the key file, in octal.";
+        };
+        format = mkOption {
+          type = types.enum [
+            "pem"
+            "openssh"
+          ];
+          default = "pem";
+          description = ''
+            `pem`: PKCS#8 (`BEGIN PRIVATE KEY`), what TLS servers read, and OpenSSH for
+            P-256 keys. `openssh`: OpenSSH's own format, for `ed25519` keys used by
+            `ssh` or `sshd`.
+          '';
+        };
+        names = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          example = [
+            "wiki.example.org"
+            "*.wiki.example.org"
+          ];
+          description = ''
+            DNS names (or IP addresses) of the certificate signing request made with
+            the key; the first is its common name. Needed for `as = "csr"`.
+          '';
+        };
+        certificate = mkOption {
+          type = types.str;
+          default = "/certificate";
+          description = ''
+            JSON pointer to the certificate in the payload (PEM X.509, or an OpenSSH
+            certificate). A payload whose certificate is not for this key (the one
+            installed or the one asked with) is refused and nothing is written.
+          '';
+        };
+        reuse = mkOption {
+          type = types.bool;
+          default = false;
+          description = "Keep the key across renewals; by default every renewal asks with a new key.";
+        };
+      };
+    }
+  );
+
   need = types.submodule (
     { options, ... }:
     {
@@ -159,6 +249,21 @@ let
             Files the agent writes from the payload (docs/protocol.md §11.3), before the
             handler runs. A need with files is satisfied once every file is written (and
             the handler, if any, exits 0).
+          '';
+        };
+        keys = mkOption {
+          type = attrsNamed "name" key;
+          default = { };
+          example = literalExpression ''
+            { tls = { names = [ "wiki.example.org" ]; owner = "nginx"; }; }
+          '';
+          description = ''
+            Private keys this host makes for the need and never sends
+            (docs/protocol.md §11.10). The request refers to one with
+            `config.fort.lib.key "<name>" "csr"` (or `"public"`, `"openssh"`); the agent
+            puts the CSR or public key there before sending, and installs the key with
+            the certificate the payload brings for it, in one go, with one restart or
+            reload of the need's units.
           '';
         };
         restartUnits = unitList [ "outline.service" ] ''
@@ -343,15 +448,18 @@ in
     lib = mkOption {
       type = types.attrsOf types.raw;
       default = {
-        inherit (fortLib) ref;
+        inherit (fortLib) ref key;
       };
-      defaultText = literalExpression "{ ref = need: pointer: ...; }";
+      defaultText = literalExpression "{ ref = need: pointer: ...; key = name: form: ...; }";
       readOnly = true;
       description = ''
         Helpers for host modules, the same as the flake's `lib`:
         `config.fort.lib.ref "ssl-cert/outline" "/fingerprint"` is
         `{ "$fort_ref" = "ssl-cert/outline#/fingerprint"; }`, a request value the agent
         replaces with that need's payload at that JSON pointer (`""`: the whole payload).
+        `config.fort.lib.key "tls" "csr"` is `{ "$fort_key" = "tls"; as = "csr"; }`, a
+        request value the agent replaces with a CSR (`"public"`: the PEM public key,
+        `"openssh"`: an OpenSSH public key line) made with the need's own key `tls`.
       '';
     };
   };

@@ -239,6 +239,7 @@ impl App {
                     .collect(),
                 systemctl: config.systemctl.clone(),
                 batches: config.batches,
+                key_dir: config.state_dir.join("keys"),
             },
             fulfill_store,
             client.clone(),

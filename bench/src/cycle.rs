@@ -83,6 +83,7 @@ async fn build(
             handler_environment: Vec::new(),
             systemctl: "systemctl".into(),
             batches,
+            key_dir: dir.join("keys"),
         },
         store,
         client,

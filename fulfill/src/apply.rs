@@ -333,12 +333,12 @@ impl Fulfiller {
         origin: &str,
         payload: &[u8],
     ) -> Result<Written, String> {
-        let written = if spec.files.is_empty() {
+        let written = if spec.files.is_empty() && spec.keys.is_empty() {
             Written::default()
         } else {
-            let files = spec.files.clone();
-            let data = payload.to_vec();
-            tokio::task::spawn_blocking(move || crate::files::write_all(&files, &data))
+            let (me, need, spec, data) =
+                (self.clone(), key.clone(), spec.clone(), payload.to_vec());
+            tokio::task::spawn_blocking(move || me.write_files(&need, &spec, &data))
                 .await
                 .map_err(|e| format!("writing files failed: {e}"))??
         };
@@ -363,6 +363,33 @@ impl Fulfiller {
                 payload.len(),
                 &sha256_hex(payload)[..16]
             ));
+        }
+        Ok(written)
+    }
+
+    /// The payload's files, and the keys its certificates are for (§11.10): a
+    /// certificate for neither the next key nor the installed one writes nothing.
+    fn write_files(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        payload: &[u8],
+    ) -> Result<Written, String> {
+        if spec.keys.is_empty() {
+            return crate::files::write_all(&spec.files, payload, Vec::new());
+        }
+        let recorded = self.state(key).files;
+        let keys = crate::keys::to_install(&self.inner.keys, key, spec, &recorded, payload)?;
+        let installed: Vec<String> = keys
+            .iter()
+            .filter(|k| k.was_next)
+            .map(|k| k.name.clone())
+            .collect();
+        let extra = keys.into_iter().map(|k| (k.file, k.content)).collect();
+        let written = crate::files::write_all(&spec.files, payload, extra)?;
+        for name in installed {
+            tracing::info!(need = %key, key = name.as_str(), "installed the new key with its certificate");
+            self.inner.keys.remove_next(key, &name);
         }
         Ok(written)
     }

@@ -125,11 +125,22 @@ pub fn account_id(name: &str, group: bool) -> Result<u32, String> {
 /// Writes every file of a need from `payload`. Everything that can fail before a byte
 /// is written (a pointer, an owner that does not exist yet) is checked for all files
 /// first, so a payload is applied to all of its files or to none.
-pub fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> {
-    let mut planned = Vec::with_capacity(files.len());
+///
+/// `extra` are files whose content is not in the payload (keys made here, §11.10),
+/// written first, so a service restarted for the payload finds its new key already there.
+pub fn write_all(
+    files: &[FileSpec],
+    payload: &[u8],
+    extra: Vec<(FileSpec, Vec<u8>)>,
+) -> Result<Written, String> {
+    let mut contents = extra;
     for f in files {
+        let data = content(payload, &f.pointer).map_err(|e| format!("file {}: {e}", f.label()))?;
+        contents.push((f.clone(), data));
+    }
+    let mut planned = Vec::with_capacity(contents.len());
+    for (f, data) in contents {
         let label = f.label();
-        let data = content(payload, &f.pointer).map_err(|e| format!("file {label}: {e}"))?;
         let uid = account_id(&f.owner, false).map_err(|e| format!("file {label}: {e}"))?;
         let gid = account_id(&f.group, true).map_err(|e| format!("file {label}: {e}"))?;
         planned.push((f, data, uid, gid));
@@ -283,6 +294,11 @@ fn remove_one(path: &Path) -> std::io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The payload's files alone, as most tests write them.
+    fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> {
+        super::write_all(files, payload, Vec::new())
+    }
     use std::os::unix::fs::MetadataExt;
 
     fn spec(path: &Path, pointer: &str) -> FileSpec {

@@ -41,6 +41,8 @@ pub struct FulfillOptions {
     pub systemctl: std::path::PathBuf,
     /// Send requests that come due together in batches (§11.8).
     pub batches: bool,
+    /// Where keys made for needs wait for their certificate (§11.10): the agent's own.
+    pub key_dir: std::path::PathBuf,
 }
 
 /// Payloads with files or a handler applied at once, across all needs: as many as two
@@ -108,6 +110,8 @@ pub(crate) struct Inner {
     /// Payloads being applied at once (files, handlers): callbacks must not turn into
     /// dozens of processes.
     pub(crate) appliers: Semaphore,
+    /// Keys made for needs and not installed yet (§11.10).
+    pub(crate) keys: crate::keys::KeyStore,
     pub tasks: TaskTracker,
     pub(crate) shutdown: CancellationToken,
     pub spawned: std::sync::atomic::AtomicU64,
@@ -170,8 +174,10 @@ impl Fulfiller {
             opts.handler_timeout,
             opts.handler_environment.clone(),
         );
+        let keys = crate::keys::KeyStore::new(opts.key_dir.clone());
         Fulfiller {
             inner: Arc::new(Inner {
+                keys,
                 opts,
                 store,
                 client,
@@ -348,6 +354,9 @@ impl Fulfiller {
                 // Declared again meanwhile: the files are the new declaration's.
                 let again = NeedKey::parse(&key).is_some_and(|k| me.spec(&k).is_some());
                 if !again {
+                    if let Some(need) = NeedKey::parse(&key) {
+                        me.inner.keys.remove_need(&need);
+                    }
                     let _ =
                         tokio::task::spawn_blocking(move || crate::files::remove_all(&files)).await;
                 }
@@ -537,12 +546,25 @@ impl Fulfiller {
     }
 
     /// The request with every reference replaced by the referenced payload.
-    fn resolved(&self, spec: &NeedSpec) -> Result<serde_json::Value, String> {
-        if spec.references().is_empty() {
+    fn resolved(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        renewal: bool,
+    ) -> Result<serde_json::Value, String> {
+        if !spec.resolved_at_send() {
             return Ok(spec.request.clone());
         }
+        let request = if spec.keys.is_empty() {
+            spec.request.clone()
+        } else {
+            self.with_keys(key, spec, renewal)?
+        };
+        if spec.references().is_empty() {
+            return Ok(request);
+        }
         let states = self.inner.store.read(|s| s.clone());
-        resolve(&spec.request, &mut |r| {
+        resolve(&request, &mut |r| {
             let payload = states
                 .get(r.need.as_str())
                 .and_then(|s| s.payload.as_deref())
@@ -553,6 +575,32 @@ impl Fulfiller {
                 .ok_or_else(|| format!("{} has no payload yet", r.need))?;
             extract(&payload, &r.pointer).map_err(|e| format!("{r}: {e}"))
         })
+    }
+
+    /// The request with its `$fort_key` references replaced (§11.10): by the next key,
+    /// the installed one, or a key made now.
+    fn with_keys(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        renewal: bool,
+    ) -> Result<serde_json::Value, String> {
+        let st = self.state(key);
+        let materials = crate::keys::for_request(&self.inner.keys, key, spec, &st.files, renewal)?;
+        let mut records = st.keys.clone();
+        let request = fort_core::schema::keys::resolve_keys(&spec.request, &mut |r| {
+            let (Some(k), Some(m)) = (spec.keys.get(&r.key), materials.get(&r.key)) else {
+                return Err(format!("no key {:?}", r.key));
+            };
+            crate::keys::form(&r.key, k, m, r.form, &mut records)
+        })?;
+        if records != st.keys {
+            self.update_lazy(key, |st| {
+                st.keys = records;
+                true
+            });
+        }
+        Ok(request)
     }
 
     /// Whether a reload changed the need's request after this one was sent.
@@ -625,7 +673,7 @@ impl Fulfiller {
             }
             self.set_phase(key, phase, Some(reason));
         }
-        let resolved = match self.resolved(&spec) {
+        let resolved = match self.resolved(key, &spec, renewal.is_some()) {
             Ok(r) => r,
             Err(e) => {
                 tracing::info!(need = %key, error = %e, "request cannot be built yet");
@@ -639,8 +687,8 @@ impl Fulfiller {
             }
         };
         let resolved_hash = sha256_hex(&serde_json::to_vec(&resolved).expect("serialises"));
-        let refs_changed = !spec.references().is_empty()
-            && st.sent_sha256.as_deref() != Some(resolved_hash.as_str());
+        let refs_changed =
+            spec.resolved_at_send() && st.sent_sha256.as_deref() != Some(resolved_hash.as_str());
         if st.satisfied
             && !spec.never_satisfied
             && !self.superseded(key)

@@ -9,6 +9,7 @@ mod deliver;
 pub mod expiry;
 pub mod files;
 mod fulfiller;
+pub mod keys;
 mod preview;
 mod request;
 mod safe_path;

@@ -111,6 +111,10 @@ pub struct NeedState {
     /// per nag interval, whatever the provider answers meanwhile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renewal_sought_at: Option<u64>,
+    /// Per key the need declares, the public key and the CSR its requests carry
+    /// (§11.10); never a private key.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub keys: BTreeMap<String, crate::keys::KeyRecord>,
 }
 
 /// A payload waiting to be applied.

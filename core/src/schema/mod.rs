@@ -5,6 +5,7 @@
 
 mod capabilities;
 mod hosts;
+pub mod keys;
 mod needs;
 pub mod refs;
 

@@ -7,6 +7,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::hosts::Registry;
+use super::keys::{check_keys, KeySpec};
 use super::refs::{references, NeedRef};
 use super::{invalid, parse_json, read, SchemaError};
 use crate::names::{is_unit_name, NeedKey};
@@ -47,12 +48,22 @@ pub struct NeedSpec {
     /// Needs that must be satisfied before this one is sent (§11.5).
     #[serde(default)]
     pub after: Vec<String>,
+    /// Keys this host makes for the need and never sends (§11.10). Not written when
+    /// empty, so that declarations hashed before keys existed hash the same.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub keys: BTreeMap<String, KeySpec>,
 }
 
 impl NeedSpec {
     /// Side-effect-only: no handler and no files, satisfied by the payload `OK` (§7).
     pub fn side_effect_only(&self) -> bool {
-        self.handler.is_none() && self.files.is_empty()
+        self.handler.is_none() && self.files.is_empty() && self.keys.is_empty()
+    }
+
+    /// Whether the request sent can differ from the request written: it holds references
+    /// to other needs' payloads or to keys, resolved at send time.
+    pub fn resolved_at_send(&self) -> bool {
+        !self.keys.is_empty() || !self.references().is_empty()
     }
 
     /// Every need this one waits for: its references and its `after`, once each.
@@ -244,6 +255,27 @@ pub fn validate_needs(
                 return Err(bad(format!(
                     "file {} is also written by need {other:?}",
                     f.path.display()
+                )));
+            }
+        }
+        check_keys(&spec.keys, &spec.request).map_err(bad)?;
+        for (name, k) in &spec.keys {
+            // A key lands like a file: the same rules for where and whose.
+            let as_file = FileSpec {
+                name: Some(name.clone()),
+                path: k.path.clone(),
+                pointer: String::new(),
+                owner: k.owner.clone(),
+                group: k.group.clone(),
+                mode: k.mode.clone(),
+                credential_for: Vec::new(),
+            };
+            check_file(&key, &as_file)
+                .map_err(|m| invalid(file, m.replacen(": file ", ": key ", 1)))?;
+            if let Some(other) = paths.insert(k.path.clone(), key.clone()) {
+                return Err(bad(format!(
+                    "key {name:?}: {} is also written by need {other:?}",
+                    k.path.display()
                 )));
             }
         }

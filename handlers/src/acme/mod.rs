@@ -73,6 +73,9 @@ pub fn response(i: &Issued) -> serde_json::Value {
         "chain": i.chain,
         "fullchain": format!("{}{}", i.certificate, i.chain),
         "not_after": i.not_after,
+        // What the consumer's agent reads the expiry from (protocol §11.4): the PEM sits
+        // inside JSON strings, where it does not look for certificates.
+        "expires_at": i.not_after,
     })
 }
 

@@ -1,0 +1,471 @@
+//! Keys the consumer makes for its needs (docs/protocol.md §11.10). A key is made here,
+//! kept as the need's *next* key in the agent's own directory until a certificate for it
+//! arrives, then installed at its path together with the payload's files. Requests carry
+//! only its public half or a CSR; a payload whose certificate is for another key is not
+//! applied.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use ed25519_dalek::pkcs8::{DecodePrivateKey, EncodePrivateKey};
+use fort_core::canonical::sha256_hex;
+use fort_core::names::NeedKey;
+use fort_core::schema::keys::{KeyForm, KeyFormat, KeySpec, KeyType};
+use fort_core::schema::{FileSpec, NeedSpec};
+use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, PublicKeyData};
+use serde::{Deserialize, Serialize};
+
+use crate::safe_path::{open_parent, open_regular};
+
+/// A key file larger than this is not one fort wrote.
+const MAX_KEY_FILE: u64 = 64 * 1024;
+
+/// What the need's state keeps about a key: its public half and the CSR made with it,
+/// so that every request carries the same bytes (an ECDSA signature differs each time).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KeyRecord {
+    /// SHA-256 of the raw public key the CSR was made with.
+    pub public_sha256: String,
+    /// The names the CSR was made for.
+    pub names: Vec<String>,
+    /// The CSR, PEM.
+    pub csr: String,
+}
+
+/// A private key in memory.
+pub(crate) struct Material {
+    pair: KeyPair,
+    key_type: KeyType,
+}
+
+fn algorithm(t: KeyType) -> &'static rcgen::SignatureAlgorithm {
+    match t {
+        KeyType::EcdsaP256 => &rcgen::PKCS_ECDSA_P256_SHA256,
+        KeyType::Ed25519 => &rcgen::PKCS_ED25519,
+    }
+}
+
+impl Material {
+    /// A new key from the operating system's random source (ring).
+    pub(crate) fn generate(t: KeyType) -> Result<Material, String> {
+        let pair = KeyPair::generate_for(algorithm(t))
+            .map_err(|e| format!("cannot make a {} key: {e}", t.as_str()))?;
+        Ok(Material { pair, key_type: t })
+    }
+
+    /// A PKCS#8 PEM key, which must be of type `t`.
+    fn from_pem(t: KeyType, pem: &str) -> Result<Material, String> {
+        let pair = KeyPair::from_pem(pem).map_err(|e| format!("not a PKCS#8 key: {e}"))?;
+        if !pair.is_compatible(algorithm(t)) {
+            return Err(format!("not an {} key", t.as_str()));
+        }
+        Ok(Material { pair, key_type: t })
+    }
+
+    /// A key as it was installed, in `format`.
+    fn from_file(t: KeyType, format: KeyFormat, bytes: &[u8]) -> Result<Material, String> {
+        let text = std::str::from_utf8(bytes).map_err(|_| "not a key file".to_owned())?;
+        match format {
+            KeyFormat::Pem => Material::from_pem(t, text),
+            KeyFormat::Openssh => {
+                let key = ssh_key::PrivateKey::from_openssh(text)
+                    .map_err(|e| format!("not an OpenSSH key: {e}"))?;
+                let pair = key
+                    .key_data()
+                    .ed25519()
+                    .ok_or_else(|| "not an ed25519 key".to_owned())?;
+                let signing = ed25519_dalek::SigningKey::from_bytes(&pair.private.to_bytes());
+                let der = signing
+                    .to_pkcs8_der()
+                    .map_err(|e| format!("cannot encode the key: {e}"))?;
+                let pair = KeyPair::try_from(der.as_bytes())
+                    .map_err(|e| format!("cannot read the key: {e}"))?;
+                Ok(Material { pair, key_type: t })
+            }
+        }
+    }
+
+    /// The private key as PKCS#8 PEM (how the next key is kept).
+    fn pem(&self) -> String {
+        self.pair.serialize_pem()
+    }
+
+    /// The private key file's content in `format`.
+    pub(crate) fn file_content(&self, format: KeyFormat) -> Result<Vec<u8>, String> {
+        match format {
+            KeyFormat::Pem => Ok(self.pem().into_bytes()),
+            KeyFormat::Openssh => {
+                let signing = ed25519_dalek::SigningKey::from_pkcs8_der(self.pair.serialized_der())
+                    .map_err(|e| format!("not an ed25519 key: {e}"))?;
+                let pair = ssh_key::private::Ed25519Keypair::from_seed(&signing.to_bytes());
+                let key = ssh_key::PrivateKey::from(pair);
+                let text = key
+                    .to_openssh(ssh_key::LineEnding::LF)
+                    .map_err(|e| format!("cannot encode the key: {e}"))?;
+                Ok(text.as_bytes().to_vec())
+            }
+        }
+    }
+
+    fn public_raw(&self) -> &[u8] {
+        self.pair.der_bytes()
+    }
+
+    fn public_sha256(&self) -> String {
+        sha256_hex(self.public_raw())
+    }
+
+    fn ssh_public(&self) -> Result<ssh_key::public::KeyData, String> {
+        let raw = self.public_raw();
+        match self.key_type {
+            KeyType::Ed25519 => {
+                let bytes: [u8; 32] = raw
+                    .try_into()
+                    .map_err(|_| "an ed25519 public key is 32 bytes".to_owned())?;
+                Ok(ssh_key::public::KeyData::Ed25519(
+                    ssh_key::public::Ed25519PublicKey(bytes),
+                ))
+            }
+            KeyType::EcdsaP256 => ssh_key::public::EcdsaPublicKey::from_sec1_bytes(raw)
+                .map(ssh_key::public::KeyData::Ecdsa)
+                .map_err(|e| format!("not a P-256 point: {e}")),
+        }
+    }
+
+    /// The public key as an OpenSSH line, without a comment.
+    fn openssh(&self) -> Result<String, String> {
+        ssh_key::PublicKey::new(self.ssh_public()?, "")
+            .to_openssh()
+            .map_err(|e| format!("cannot encode the public key: {e}"))
+    }
+
+    /// A PKCS#10 request for `names`; the first is the common name.
+    fn csr(&self, names: &[String]) -> Result<String, String> {
+        let mut params = CertificateParams::new(names.to_vec())
+            .map_err(|e| format!("cannot make a CSR for {names:?}: {e}"))?;
+        let mut dn = DistinguishedName::new();
+        if let Some(first) = names.first() {
+            dn.push(DnType::CommonName, first.as_str());
+        }
+        params.distinguished_name = dn;
+        params
+            .serialize_request(&self.pair)
+            .and_then(|csr| csr.pem())
+            .map_err(|e| format!("cannot make a CSR: {e}"))
+    }
+
+    /// Whether `certificate` (a PEM X.509 certificate, the first one counting, or an
+    /// OpenSSH certificate) is for this key.
+    fn certifies(&self, certificate: &str) -> Result<bool, String> {
+        let text = certificate.trim_start();
+        if text.starts_with("-----BEGIN") {
+            let (_, pem) = x509_parser::pem::parse_x509_pem(text.as_bytes())
+                .map_err(|e| format!("not a PEM certificate: {e}"))?;
+            let cert = pem
+                .parse_x509()
+                .map_err(|e| format!("not an X.509 certificate: {e}"))?;
+            return Ok(cert.public_key().subject_public_key.data.as_ref() == self.public_raw());
+        }
+        let cert = ssh_key::Certificate::from_openssh(text.trim_end())
+            .map_err(|_| "neither a PEM X.509 certificate nor an OpenSSH certificate".to_owned())?;
+        Ok(*cert.public_key() == self.ssh_public()?)
+    }
+}
+
+/// Where next keys are kept: the agent's own directory, 0700, one 0600 file per key.
+#[derive(Debug, Clone)]
+pub(crate) struct KeyStore {
+    dir: PathBuf,
+}
+
+impl KeyStore {
+    pub(crate) fn new(dir: PathBuf) -> KeyStore {
+        KeyStore { dir }
+    }
+
+    /// `<type>.<id>.<key name>.pem`: need types and ids have no `.`, so the name reads
+    /// back as one need and key.
+    fn next_path(&self, need: &NeedKey, name: &str) -> PathBuf {
+        self.dir
+            .join(format!("{}.{}.{name}.pem", need.kind(), need.id()))
+    }
+
+    fn load_next(&self, need: &NeedKey, name: &str, t: KeyType) -> Option<Material> {
+        let path = self.next_path(need, name);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .ok()?;
+        let mut text = String::new();
+        file.take(MAX_KEY_FILE).read_to_string(&mut text).ok()?;
+        match Material::from_pem(t, &text) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                // A key of another type (the declaration changed) or a damaged file: a new
+                // one is made in its place.
+                tracing::info!(need = %need, key = name, error = %e, "next key not usable; making a new one");
+                None
+            }
+        }
+    }
+
+    fn save_next(&self, need: &NeedKey, name: &str, m: &Material) -> Result<(), String> {
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .recursive(true)
+            .create(&self.dir)
+            .map_err(|e| format!("cannot create {}: {e}", self.dir.display()))?;
+        let path = self.next_path(need, name);
+        fort_core::store::write_atomic(&path, m.pem().as_bytes())
+            .map_err(|e| format!("cannot keep the new key in {}: {e}", path.display()))
+    }
+
+    /// Forgets the next key once it is installed (or the need is gone).
+    pub(crate) fn remove_next(&self, need: &NeedKey, name: &str) {
+        let path = self.next_path(need, name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "cannot remove a next key")
+            }
+        }
+    }
+
+    /// Forgets every next key of a need that is gone.
+    pub(crate) fn remove_need(&self, need: &NeedKey) {
+        let prefix = format!("{}.{}.", need.kind(), need.id());
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(key) = name
+                .strip_prefix(&prefix)
+                .and_then(|r| r.strip_suffix(".pem"))
+            {
+                self.remove_next(need, key);
+            }
+        }
+    }
+}
+
+/// The key installed at `spec.path`, if the file there still holds exactly what was
+/// written (`recorded`, its SHA-256 in the need's state): a key someone else put there is
+/// never used or trusted.
+fn installed(spec: &KeySpec, recorded: Option<&String>) -> Option<(Material, Vec<u8>)> {
+    let recorded = recorded?;
+    let (dir, name) = open_parent(&spec.path, false).ok()?;
+    let (fd, stat) = open_regular(&dir, name).ok()??;
+    if stat.st_size < 0 || stat.st_size as u64 > MAX_KEY_FILE {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::from(fd)
+        .take(MAX_KEY_FILE)
+        .read_to_end(&mut bytes)
+        .ok()?;
+    if sha256_hex(&bytes) != *recorded {
+        return None;
+    }
+    let m = Material::from_file(spec.key_type, spec.format, &bytes).ok()?;
+    Some((m, bytes))
+}
+
+/// The keys a request is built with, one per declared key: the next key if there is one;
+/// else the installed key, unless this is a renewal that wants a new key; else a new key,
+/// kept as the next one before any request carries it.
+pub(crate) fn for_request(
+    store: &KeyStore,
+    need: &NeedKey,
+    spec: &NeedSpec,
+    files: &BTreeMap<String, String>,
+    renewal: bool,
+) -> Result<BTreeMap<String, Material>, String> {
+    let mut out = BTreeMap::new();
+    for (name, k) in &spec.keys {
+        let m = match store.load_next(need, name, k.key_type) {
+            Some(m) => m,
+            None => {
+                let current = (!renewal || k.reuse)
+                    .then(|| installed(k, files.get(&k.path.display().to_string())))
+                    .flatten();
+                match current {
+                    Some((m, _)) => m,
+                    None => {
+                        let m = Material::generate(k.key_type)?;
+                        store.save_next(need, name, &m)?;
+                        tracing::info!(need = %need, key = name.as_str(), "made a new {} key", k.key_type.as_str());
+                        m
+                    }
+                }
+            }
+        };
+        out.insert(name.clone(), m);
+    }
+    Ok(out)
+}
+
+/// The string a `$fort_key` reference stands for. A CSR is taken from `records` when it
+/// was made with this key for these names, else made and recorded there.
+pub(crate) fn form(
+    name: &str,
+    spec: &KeySpec,
+    m: &Material,
+    form: KeyForm,
+    records: &mut BTreeMap<String, KeyRecord>,
+) -> Result<String, String> {
+    match form {
+        KeyForm::Public => Ok(m.pair.public_key_pem()),
+        KeyForm::Openssh => m.openssh(),
+        KeyForm::Csr => {
+            let public = m.public_sha256();
+            if let Some(r) = records.get(name) {
+                if r.public_sha256 == public && r.names == spec.names {
+                    return Ok(r.csr.clone());
+                }
+            }
+            let csr = m.csr(&spec.names)?;
+            records.insert(
+                name.to_owned(),
+                KeyRecord {
+                    public_sha256: public,
+                    names: spec.names.clone(),
+                    csr: csr.clone(),
+                },
+            );
+            Ok(csr)
+        }
+    }
+}
+
+/// A key file to write with a payload's files.
+pub(crate) struct KeyFile {
+    pub name: String,
+    pub file: FileSpec,
+    pub content: Vec<u8>,
+    /// The key was the next one: forgotten once it is installed.
+    pub was_next: bool,
+}
+
+/// For a payload about to be applied: each key's certificate must be for the next key or
+/// the installed one; the key it certifies is the file to write beside the payload's.
+pub(crate) fn to_install(
+    store: &KeyStore,
+    need: &NeedKey,
+    spec: &NeedSpec,
+    files: &BTreeMap<String, String>,
+    payload: &[u8],
+) -> Result<Vec<KeyFile>, String> {
+    let json: serde_json::Value = serde_json::from_slice(payload).map_err(|_| {
+        "the payload is not JSON, so no certificate can be found for the keys".to_owned()
+    })?;
+    let mut out = Vec::new();
+    for (name, k) in &spec.keys {
+        let certificate = json
+            .pointer(&k.certificate)
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| {
+                format!(
+                    "the payload has no certificate (a string) at {:?} for key {name}",
+                    k.certificate
+                )
+            })?;
+        let mismatch = || {
+            format!(
+                "the certificate at {:?} does not match key {name} (neither the key in use nor the one asked with); not installed",
+                k.certificate
+            )
+        };
+        let as_file = FileSpec {
+            name: Some(name.clone()),
+            path: k.path.clone(),
+            pointer: String::new(),
+            owner: k.owner.clone(),
+            group: k.group.clone(),
+            mode: k.mode.clone(),
+            credential_for: Vec::new(),
+        };
+        if let Some(next) = store.load_next(need, name, k.key_type) {
+            if next
+                .certifies(certificate)
+                .map_err(|e| format!("key {name}: the value at {:?} is {e}", k.certificate))?
+            {
+                out.push(KeyFile {
+                    name: name.clone(),
+                    file: as_file,
+                    content: next.file_content(k.format)?,
+                    was_next: true,
+                });
+                continue;
+            }
+        }
+        let (current, bytes) =
+            installed(k, files.get(&k.path.display().to_string())).ok_or_else(mismatch)?;
+        if !current
+            .certifies(certificate)
+            .map_err(|e| format!("key {name}: the value at {:?} is {e}", k.certificate))?
+        {
+            return Err(mismatch());
+        }
+        out.push(KeyFile {
+            name: name.clone(),
+            file: as_file,
+            content: bytes,
+            was_next: false,
+        });
+    }
+    Ok(out)
+}
+
+/// For tests: the next key of a need, as its public OpenSSH line.
+#[doc(hidden)]
+pub fn next_key_public(dir: &Path, need: &NeedKey, name: &str, t: KeyType) -> Option<String> {
+    KeyStore::new(dir.to_owned())
+        .load_next(need, name, t)
+        .and_then(|m| m.openssh().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forms_and_matching() {
+        for t in [KeyType::EcdsaP256, KeyType::Ed25519] {
+            let m = Material::generate(t).unwrap();
+            let names = vec!["a.example.org".to_owned(), "*.b.example.org".to_owned()];
+            let csr = m.csr(&names).unwrap();
+            assert!(csr.starts_with("-----BEGIN CERTIFICATE REQUEST-----"));
+            let line = m.openssh().unwrap();
+            assert!(
+                line.starts_with("ecdsa-sha2-nistp256 ") || line.starts_with("ssh-ed25519 "),
+                "{line}"
+            );
+            // A certificate for this key, and one for another.
+            let params = CertificateParams::new(names.clone()).unwrap();
+            let mine = params.self_signed(&m.pair).unwrap().pem();
+            assert!(m.certifies(&mine).unwrap());
+            let other = Material::generate(t).unwrap();
+            let theirs = params.self_signed(&other.pair).unwrap().pem();
+            assert!(!m.certifies(&theirs).unwrap());
+            assert!(m.certifies("garbage").is_err());
+            // PEM round trip, and OpenSSH for ed25519.
+            let back = Material::from_pem(t, &m.pem()).unwrap();
+            assert_eq!(back.public_raw(), m.public_raw());
+            if t == KeyType::Ed25519 {
+                let file = m.file_content(KeyFormat::Openssh).unwrap();
+                assert!(file.starts_with(b"-----BEGIN OPENSSH PRIVATE KEY-----"));
+                let back = Material::from_file(t, KeyFormat::Openssh, &file).unwrap();
+                assert_eq!(back.public_raw(), m.public_raw());
+            }
+        }
+        let ec = Material::generate(KeyType::EcdsaP256).unwrap();
+        assert!(Material::from_pem(KeyType::Ed25519, &ec.pem()).is_err());
+    }
+}
