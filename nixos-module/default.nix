@@ -25,6 +25,7 @@ in
     ./service.nix
     ./delivery.nix
     ./capabilities/acme.nix
+    ./capabilities/certificates.nix
     ./capabilities/dns-record.nix
     ./capabilities/postgres.nix
     ./capabilities/ssh-ca.nix

@@ -20,6 +20,7 @@ let
         ./options.nix
         ./options-host.nix
         ./capabilities/acme.nix
+        ./capabilities/certificates.nix
         ./capabilities/dns-record.nix
         ./capabilities/postgres.nix
         ./capabilities/ssh-ca.nix

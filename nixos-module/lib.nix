@@ -424,48 +424,50 @@ rec {
     listToAttrs (
       map (
         n:
-        nameValuePair n.key {
-          inherit (n) from;
-          request = requestOf n;
-          nag_seconds = durationSeconds n.nag;
-          handler = storeString n.handler;
-          check = storeString n.check;
-          never_satisfied = n.neverSatisfied;
-          # mapAttrsToList: sorted by name.
-          # A credential's service is restarted when the file changes, but not when
-          # it first appears: its path unit starts it then (docs/protocol.md §11.3).
-          files = mapAttrsToList (name: f: {
-            inherit name;
-            inherit (f)
-              path
-              pointer
-              owner
-              group
-              mode
-              ;
-            credential_for = unique f.credentialFor;
-          }) n.files;
-          restart_units = unique n.restartUnits;
-          reload_units = unique n.reloadUnits;
-          renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;
-          after = unique n.after;
-        }
-        # Written only when the need has keys, as the agent hashes its declaration.
-        // lib.optionalAttrs (n.keys != { }) {
-          keys = mapAttrs (_: k: {
-            type = k.type;
-            inherit (k)
-              path
-              owner
-              group
-              mode
-              format
-              names
-              certificate
-              reuse
-              ;
-          }) n.keys;
-        }
+        nameValuePair n.key (
+          {
+            inherit (n) from;
+            request = requestOf n;
+            nag_seconds = durationSeconds n.nag;
+            handler = storeString n.handler;
+            check = storeString n.check;
+            never_satisfied = n.neverSatisfied;
+            # mapAttrsToList: sorted by name.
+            # A credential's service is restarted when the file changes, but not when
+            # it first appears: its path unit starts it then (docs/protocol.md §11.3).
+            files = mapAttrsToList (name: f: {
+              inherit name;
+              inherit (f)
+                path
+                pointer
+                owner
+                group
+                mode
+                ;
+              credential_for = unique f.credentialFor;
+            }) n.files;
+            restart_units = unique n.restartUnits;
+            reload_units = unique n.reloadUnits;
+            renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;
+            after = unique n.after;
+          }
+          # Written only when the need has keys, as the agent hashes its declaration.
+          // lib.optionalAttrs (n.keys != { }) {
+            keys = mapAttrs (_: k: {
+              type = k.type;
+              inherit (k)
+                path
+                owner
+                group
+                mode
+                format
+                names
+                certificate
+                reuse
+                ;
+            }) n.keys;
+          }
+        )
       ) (needList needs)
     );
 

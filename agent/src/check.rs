@@ -114,13 +114,15 @@ pub fn check(config_path: &Path, options: CheckOptions) -> anyhow::Result<Checke
         // agent never follows a symlink there, but such a user still decides what lies
         // beside the secret; the path is worth moving.
         for (key, spec) in &loaded.needs {
-            for f in &spec.files {
-                let owner = fort_fulfill::files::account_id(&f.owner, false).ok();
-                if let Some(why) = fort_fulfill::files::unsafe_parent(&f.path, owner) {
+            let files = spec.files.iter().map(|f| ("file", &f.path, &f.owner));
+            let keys = spec.keys.values().map(|k| ("key", &k.path, &k.owner));
+            for (what, path, owner) in files.chain(keys) {
+                let owner = fort_fulfill::files::account_id(owner, false).ok();
+                if let Some(why) = fort_fulfill::files::unsafe_parent(path, owner) {
                     warnings.push(format!(
-                        "need {:?}: file {}: unsafe directory: {why}",
+                        "need {:?}: {what} {}: unsafe directory: {why}",
                         key.as_str(),
-                        f.path.display()
+                        path.display()
                     ));
                 }
             }

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use fort_core::schema::keys::KEY_REF;
 use fort_core::schema::refs::REF_KEY;
 use fort_core::schema::{load_capabilities, load_needs, Registry};
 use serde_json::Value;
@@ -22,10 +23,13 @@ pub struct RequestCheck {
     pub consumer: Option<String>,
 }
 
-/// JSON pointers of every reference in `v`: their values are only known at run time.
+/// JSON pointers of every reference in `v` (to a payload or a key): their values are only
+/// known at run time.
 fn reference_paths(v: &Value, at: &str, out: &mut Vec<String>) {
     match v {
-        Value::Object(map) if map.contains_key(REF_KEY) => out.push(at.to_owned()),
+        Value::Object(map) if map.contains_key(REF_KEY) || map.contains_key(KEY_REF) => {
+            out.push(at.to_owned())
+        }
         Value::Object(map) => {
             for (k, child) in map {
                 let k = k.replace('~', "~0").replace('/', "~1");

@@ -138,12 +138,22 @@ pub enum DeliverError {
 /// in place, without asking again (and without it, a declaration hashes as it did
 /// before files had the field).
 pub(crate) fn declaration_hash(spec: &NeedSpec) -> String {
-    let declared = serde_json::json!({
+    let mut declared = serde_json::json!({
         "from": spec.from,
         "request": spec.request,
         "files": declared_files(spec),
     });
+    // Only when there are keys: declarations made before keys existed hash the same.
+    if !spec.keys.is_empty() {
+        declared["keys"] = serde_json::json!(spec.keys);
+    }
     sha256_hex(&serde_json::to_vec(&declared).expect("declaration serialises"))
+}
+
+/// Whether `path` is one of the need's files or keys.
+pub(crate) fn declares_path(spec: &NeedSpec, path: &str) -> bool {
+    spec.files.iter().any(|f| f.path.to_string_lossy() == path)
+        || spec.keys.values().any(|k| k.path.to_string_lossy() == path)
 }
 
 /// A need's files without their `credential_for` units.
@@ -266,7 +276,7 @@ impl Fulfiller {
                     let stale: Vec<String> = st
                         .files
                         .keys()
-                        .filter(|p| !spec.files.iter().any(|f| f.path.to_string_lossy() == **p))
+                        .filter(|p| !declares_path(spec, p))
                         .cloned()
                         .collect();
                     if !st.from.is_empty() && st.from != spec.from {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use fort_core::schema::{NeedSpec, Needs};
 use serde::{Deserialize, Serialize};
 
-use crate::fulfiller::{declaration_hash, declared_files};
+use crate::fulfiller::{declaration_hash, declared_files, declares_path};
 use crate::Fulfiller;
 
 /// One need that would be asked for, released, asked again, or updated in place.
@@ -75,6 +75,7 @@ fn differing(old: &NeedSpec, new: &NeedSpec) -> Vec<String> {
         ("from", old.from != new.from),
         ("request", old.request != new.request),
         ("files", declared_files(old) != declared_files(new)),
+        ("keys", old.keys != new.keys),
         ("nag_seconds", old.nag_seconds != new.nag_seconds),
         ("handler", old.handler != new.handler),
         ("check", old.check != new.check),
@@ -153,9 +154,7 @@ impl Fulfiller {
                         out.files_removed.extend(
                             st.files
                                 .keys()
-                                .filter(|p| {
-                                    !spec.files.iter().any(|f| f.path.to_string_lossy() == **p)
-                                })
+                                .filter(|p| !declares_path(spec, p))
                                 .map(|path| NeedFile {
                                     path: path.clone(),
                                     need: need.clone(),

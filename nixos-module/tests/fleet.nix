@@ -1,6 +1,7 @@
 # The three-host fleet of the evaluation test, as lib.mkFleet arguments. Interfaces are
 # the example set (nixos-module/interfaces), fleet-wide.
-#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup), ssl-cert,
+#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup), ssl-cert, tls
+#           (fort-handler acme through its options),
 #           postgres (fort-handler postgres through its options) and ssh-ca (fort-handler's
 #           SSH CA), and consumes its own sshd host certificate (fort.host.sshCertificate);
 #           handler environment; metrics
@@ -10,7 +11,9 @@
 #           runs as user "fort" under strictSandbox; its port set through settings.listen
 #   app:    consumes oidc (instance wiki, by name and by tag) with two payload files, one
 #           a credential of the wiki service (which also reads the other's path);
-#           ssl-cert with a file, renewal and restart; proxy referring to the certificate
+#           ssl-cert with a file, renewal and restart; a certificate from forge's ACME
+#           capability (tls) for a key it makes (fort.host.certificates); proxy referring
+#           to the certificate
 #           and waiting for oidc; dns-record for its own address under a name beacon
 #           allows it; postgres under a name forge allows it
 # `extra.<host>` adds modules to a host (the broken fleets use it).
@@ -104,6 +107,12 @@ in
               triggers.initialize = true;
               triggers.systemd = [ "pocket-id-setup.service" ];
               description = "OIDC clients in pocket-id";
+            };
+            # Certificates from an ACME CA for keys the consumers make.
+            tls.acme = {
+              directory = "https://acme-v02.api.letsencrypt.org/directory";
+              webroot = "/var/lib/acme/acme-challenge";
+              allow.app = [ "app.example.org" ];
             };
             ssl-cert = {
               handler = pkgs.writeShellScript "ssl-cert-issue" "exit 0";
@@ -207,6 +216,13 @@ in
         in
         {
           services.fort-agent.hostKeyFile = "/var/lib/secrets/fort-key";
+          # A TLS key made here and never sent, with its certificate from forge's CA.
+          fort.host.certificates.web = {
+            from = "forge";
+            capability = "tls";
+            domains = [ "app.example.org" ];
+            reloadUnits = [ "nginx.service" ];
+          };
           fort.host.needs = {
             # Extends the instance's need: the handler and the files are this host's
             # business.

@@ -122,9 +122,11 @@ fn as_key_ref(v: &Value) -> Result<Option<KeyRef>, String> {
         Some(Value::String(s)) if s == "csr" => KeyForm::Csr,
         Some(Value::String(s)) if s == "public" => KeyForm::Public,
         Some(Value::String(s)) if s == "openssh" => KeyForm::Openssh,
-        Some(other) => return Err(format!(
+        Some(other) => {
+            return Err(format!(
             "{KEY_REF} {key:?}: \"{AS}\" must be \"csr\", \"public\" or \"openssh\", not {other}"
-        )),
+        ))
+        }
     };
     Ok(Some(KeyRef {
         key: key.to_owned(),

@@ -462,6 +462,31 @@ mod tests {
     }
 
     #[test]
+    fn keys_land_like_files() {
+        let ok = needs(
+            r#"{"tls/web":{"from":"forge","nag_seconds":5,
+                "request":{"csr":{"$fort_key":"tls","as":"csr"}},
+                "keys":{"tls":{"type":"ecdsa-p256","path":"/run/k/key.pem","names":["a.example.org"]}}}}"#,
+        )
+        .unwrap();
+        let spec = &ok[&NeedKey::parse("tls/web").unwrap()];
+        assert!(spec.resolved_at_send() && !spec.side_effect_only());
+        for (bad, says) in [
+            (r#""type":"ecdsa-p256","path":"relative""#, "absolute"),
+            (r#""type":"ecdsa-p256","path":"/k","mode":"4755""#, "mode"),
+            (r#""type":"ecdsa-p256","path":"/f""#, "also written"),
+        ] {
+            let err = needs(&format!(
+                r#"{{"tls/web":{{"from":"forge","request":{{}},"nag_seconds":5,
+                    "files":[{{"path":"/f"}}],"keys":{{"tls":{{{bad}}}}}}}}}"#
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn deep_requests_are_refused() {
         let mut v = String::from("1");
         for _ in 0..40 {
