@@ -8,6 +8,7 @@ pub mod acme;
 pub mod common;
 pub mod dns;
 pub mod dns_record;
+pub mod oidc;
 pub mod postgres;
 pub mod ssh_ca;
 
@@ -37,6 +38,7 @@ pub struct Capability {
 pub const CAPABILITIES: &[Capability] = &[
     acme::CAPABILITY,
     dns_record::CAPABILITY,
+    oidc::CAPABILITY,
     postgres::CAPABILITY,
     ssh_ca::CAPABILITY,
 ];

@@ -1,0 +1,155 @@
+//! An OpenID provider on loopback for tests and benchmarks: npm's `oidc-provider`, run by
+//! node with `tests/oidc/server.mjs` (dynamic registration behind an initial access
+//! token, RFC 7592 management, client_credentials, storage in memory), over https with a
+//! certificate for 127.0.0.1 from a CA made here; killed on drop.
+//!
+//! The package comes from `$FORT_OIDC_PROVIDER_DIR` or `~/.cache/fort/oidc-provider`
+//! (`.ci/run` installs it there with npm).
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::dns::find_program;
+
+/// The `oidc-provider` version `.ci/run` installs and the tests were written against.
+pub const PACKAGE_VERSION: &str = "9.13.3";
+
+/// A running provider.
+pub struct OidcProvider {
+    pub dir: tempfile::TempDir,
+    /// `https://127.0.0.1:PORT`, as its discovery document says.
+    pub issuer: String,
+    /// The initial access token registrations need, and the file holding it.
+    pub initial_token: String,
+    pub token_file: PathBuf,
+    /// The CA the provider's TLS certificate chains to.
+    pub ca_file: PathBuf,
+    child: Option<Child>,
+}
+
+/// Where the package is installed: `$FORT_OIDC_PROVIDER_DIR`, else
+/// `~/.cache/fort/oidc-provider`.
+pub fn package_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("FORT_OIDC_PROVIDER_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/fort/oidc-provider"))
+}
+
+impl OidcProvider {
+    /// Starts the provider. `Err` says why it cannot run here (node or the package
+    /// missing), for `skip`.
+    pub fn start() -> Result<OidcProvider, String> {
+        let node = find_program("node").ok_or("node is not installed")?;
+        let package = package_dir().ok_or("no HOME and no FORT_OIDC_PROVIDER_DIR")?;
+        if !package
+            .join("node_modules/oidc-provider/package.json")
+            .exists()
+        {
+            return Err(format!(
+                "npm's oidc-provider is not installed in {} (.ci/run installs it)",
+                package.display()
+            ));
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("oidc/server.mjs");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ca_key = rcgen::KeyPair::generate().expect("key");
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            "fort test OpenID provider TLS CA",
+        );
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("CA");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params
+            .subject_alt_names
+            .push(rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()));
+        let cert = params.signed_by(&key, &ca).expect("leaf");
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca.pem()).expect("write");
+        std::fs::write(dir.path().join("cert.pem"), cert.pem()).expect("write");
+        std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).expect("write");
+        let mut secret = [0u8; 24];
+        std::io::Read::read_exact(
+            &mut std::fs::File::open("/dev/urandom").expect("urandom"),
+            &mut secret,
+        )
+        .expect("read /dev/urandom");
+        let initial_token =
+            base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, secret);
+        let token_file = dir.path().join("initial-access-token");
+        std::fs::write(&token_file, format!("{initial_token}\n")).expect("write");
+        let listen = crate::free_addr("127.0.0.1");
+        let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
+        let child = Command::new(node)
+            .arg(&script)
+            .env("FORT_OIDC_PROVIDER_DIR", &package)
+            .env("FORT_OIDC_PORT", listen.port().to_string())
+            .env("FORT_OIDC_TOKEN_FILE", &token_file)
+            .env("FORT_OIDC_TLS_CERT", dir.path().join("cert.pem"))
+            .env("FORT_OIDC_TLS_KEY", dir.path().join("key.pem"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("cannot start node: {e}"))?;
+        let mut p = OidcProvider {
+            dir,
+            issuer: format!("https://{listen}"),
+            initial_token,
+            token_file,
+            ca_file,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while TcpStream::connect(listen).is_err() {
+            if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
+                return Err(format!("oidc-provider exited ({status}):\n{}", p.log()));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("oidc-provider did not listen:\n{}", p.log()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(p)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+
+    /// The registration endpoint (`<issuer>/reg`) and the token endpoint.
+    pub fn registration_endpoint(&self) -> String {
+        format!("{}/reg", self.issuer)
+    }
+    pub fn token_endpoint(&self) -> String {
+        format!("{}/token", self.issuer)
+    }
+
+    /// Stops the provider (a test of a provider that is down).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for OidcProvider {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "----- oidc-provider log (last 30 lines) -----\n{}",
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            );
+        }
+        self.stop();
+    }
+}
