@@ -1,0 +1,176 @@
+//! The oidc capability in a fleet of real agents: a provider whose capability runs
+//! `fort-handler oidc` against a real OpenID provider (npm's oidc-provider), consumers
+//! whose client lands as files a service would read, and the provider's token endpoint
+//! taking what was delivered, through rotation and release; a client name outside the
+//! caller's allowance shows its reason in the need's state.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fort_tests::oidc::OidcProvider;
+use fort_tests::{eventually, Fleet};
+use serde_json::{json, Value};
+
+const TEST: &str = "consumers_get_tokens_with_delivered_clients_through_rotation_and_release";
+
+/// The test's own user and group, as numbers: the files go to whoever runs the test.
+fn owner() -> (String, String) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata("/proc/self").expect("/proc/self");
+    (m.uid().to_string(), m.gid().to_string())
+}
+
+/// The need: the client as files a service would read.
+fn need(f: &Fleet, host: &str, id: &str, request: Value) -> Value {
+    let dir = f.dir.path().join(format!("run/{host}/{id}"));
+    let (user, group) = owner();
+    let file = |name: &str| {
+        json!({"name": name, "path": dir.join(name), "pointer": format!("/{name}"),
+               "owner": user, "group": group, "mode": "0400"})
+    };
+    json!({"nag_seconds": 2, "request": request,
+           "files": [file("client_id"), file("client_secret"), file("issuer")]})
+}
+
+fn read(f: &Fleet, host: &str, id: &str, name: &str) -> String {
+    std::fs::read_to_string(f.dir.path().join(format!("run/{host}/{id}/{name}")))
+        .unwrap_or_default()
+}
+
+fn config(op: &OidcProvider, dir: &Path) -> PathBuf {
+    let path = dir.join("oidc.json");
+    std::fs::write(
+        &path,
+        json!({
+            "issuer": op.issuer,
+            "initial_access_token_file": op.token_file,
+            "state_file": dir.join("handler-state/oidc.json"),
+            "ca_file": op.ca_file,
+            "allow": {"*": ["{origin}"]},
+            "allow_grant_types": {"*": ["client_credentials"]},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    path
+}
+
+/// Whether the token endpoint gives an access token for `id` and `secret`.
+async fn gets_token(op: &OidcProvider, id: &str, secret: &str) -> bool {
+    fort_core::tls::install_default_provider();
+    let ca = std::fs::read(&op.ca_file).unwrap();
+    let http = reqwest::Client::builder()
+        .tls_certs_only(reqwest::Certificate::from_pem_bundle(&ca).unwrap())
+        .build()
+        .unwrap();
+    let r = http
+        .post(op.token_endpoint())
+        .basic_auth(id, Some(secret))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("grant_type=client_credentials")
+        .send()
+        .await
+        .unwrap();
+    r.status().is_success()
+}
+
+fn m2m(name: &str, rotate: u64) -> Value {
+    json!({"client_name": name, "grant_types": ["client_credentials"], "rotate": rotate})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_get_tokens_with_delivered_clients_through_rotation_and_release() {
+    let op = match OidcProvider::start() {
+        Ok(op) => op,
+        Err(reason) => return fort_tests::skip(TEST, &reason),
+    };
+    let mut f = Fleet::new();
+    let cfg = config(&op, f.dir.path());
+    f.capability(
+        "id",
+        "oidc",
+        json!({"handler": fort_tests::bin("fort-handler"), "args": ["oidc", "--config", cfg],
+               "mode": "async", "cacheResponse": true}),
+    );
+    let app = need(&f, "app", "wiki", m2m("app", 0));
+    f.need("app", "oidc/wiki", "id", app);
+    let web = need(&f, "web", "wiki", m2m("web", 0));
+    f.need("web", "oidc/wiki", "id", web);
+    let evil = need(&f, "web", "evil", m2m("app", 0));
+    f.need("web", "oidc/evil", "id", evil);
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(30), || !read(
+            &f,
+            "app",
+            "wiki",
+            "client_secret"
+        )
+        .is_empty()
+            && !read(&f, "web", "wiki", "client_secret").is_empty())
+        .await,
+        "not delivered: app {} web {}",
+        f.status("app")["needs"],
+        f.status("web")["needs"]
+    );
+
+    // Each consumer's client gets tokens; the issuer is the provider's.
+    let (app_id, app_secret) = (
+        read(&f, "app", "wiki", "client_id"),
+        read(&f, "app", "wiki", "client_secret"),
+    );
+    assert_eq!(read(&f, "app", "wiki", "issuer"), op.issuer);
+    assert!(gets_token(&op, &app_id, &app_secret).await);
+    let (web_id, web_secret) = (
+        read(&f, "web", "wiki", "client_id"),
+        read(&f, "web", "wiki", "client_secret"),
+    );
+    assert_ne!(app_id, web_id);
+    assert!(gets_token(&op, &web_id, &web_secret).await);
+    assert!(!gets_token(&op, &app_id, &web_secret).await);
+
+    // web may not register a client named app: the need says why and gets nothing.
+    let refused = eventually(Duration::from_secs(20), || {
+        f.need_status("web", "oidc/evil")["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("web may not register the client name app"))
+    })
+    .await;
+    assert!(refused, "{}", f.need_status("web", "oidc/evil"));
+    assert!(read(&f, "web", "evil", "client_secret").is_empty());
+
+    // The consumer raises `rotate`: a new secret arrives, the old one stops working.
+    f.host("app").needs.get_mut("oidc/wiki").unwrap()["request"] = m2m("app", 1);
+    f.write_files();
+    f.agents["app"].hup();
+    assert!(
+        eventually(Duration::from_secs(15), || {
+            let now = read(&f, "app", "wiki", "client_secret");
+            !now.is_empty() && now != app_secret
+        })
+        .await,
+        "rotate did not bring a new secret"
+    );
+    let (new_id, new_secret) = (
+        read(&f, "app", "wiki", "client_id"),
+        read(&f, "app", "wiki", "client_secret"),
+    );
+    assert!(gets_token(&op, &new_id, &new_secret).await);
+    assert!(!gets_token(&op, &app_id, &app_secret).await);
+
+    // app drops the need: its client is deleted at the provider; web keeps its own.
+    f.host("app").needs.clear();
+    f.write_files();
+    let (ok, out) = f.admin("app", &["reload"]);
+    assert!(ok, "{out}");
+    let mut gone = false;
+    for _ in 0..100 {
+        if !gets_token(&op, &new_id, &new_secret).await {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(gone, "the released client still gets tokens");
+    assert!(gets_token(&op, &web_id, &web_secret).await);
+}
