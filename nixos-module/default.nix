@@ -27,6 +27,7 @@ in
     ./capabilities/acme.nix
     ./capabilities/certificates.nix
     ./capabilities/dns-record.nix
+    ./capabilities/oidc.nix
     ./capabilities/postgres.nix
     ./capabilities/ssh-ca.nix
   ];

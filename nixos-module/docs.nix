@@ -22,6 +22,7 @@ let
         ./capabilities/acme.nix
         ./capabilities/certificates.nix
         ./capabilities/dns-record.nix
+        ./capabilities/oidc.nix
         ./capabilities/postgres.nix
         ./capabilities/ssh-ca.nix
         # The NixOS options the capability modules set (assertions, sshd's config),

@@ -1,7 +1,7 @@
 # The three-host fleet of the evaluation test, as lib.mkFleet arguments. Interfaces are
 # the example set (nixos-module/interfaces), fleet-wide.
-#   forge:  provides oidc (async, cacheResponse, triggered by pocket-id-setup), ssl-cert, tls
-#           (fort-handler acme through its options),
+#   forge:  provides oidc (fort-handler oidc through its options, triggered by
+#           pocket-id-setup), ssl-cert, tls (fort-handler acme through its options),
 #           postgres (fort-handler postgres through its options) and ssh-ca (fort-handler's
 #           SSH CA), and consumes its own sshd host certificate (fort.host.sshCertificate);
 #           handler environment; metrics
@@ -100,9 +100,18 @@ in
             serviceConfig.Type = "oneshot";
           };
           fort.host.capabilities = {
+            # fort's OIDC client registration: handler, args, interface and config file
+            # come from the module.
             oidc = {
-              handler = pkgs.writeShellScript "oidc-reconcile" "exit 0";
-              cacheResponse = true;
+              oidc = {
+                issuer = "https://id.example.org";
+                initialAccessTokenFile = "/run/secrets/oidc-initial-access-token";
+                allow."*" = [
+                  "wiki"
+                  "grafana"
+                ];
+                allowRedirectUris.app = [ "https://wiki.example.org/" ];
+              };
               allowed = [ "ops" ];
               triggers.initialize = true;
               triggers.systemd = [ "pocket-id-setup.service" ];
