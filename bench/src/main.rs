@@ -11,6 +11,7 @@ mod cycle;
 mod deliver;
 mod dns_record;
 mod gc;
+mod oidc;
 mod openbao;
 mod plan;
 mod postgres;
@@ -43,6 +44,7 @@ use clap::{Parser, Subcommand};
   fort-bench schema --requests 2000 --rounds 3
   fort-bench plan --needs 500 --entries 5000
   fort-bench dns-record --create 500 --unchanged 10000
+  fort-bench oidc --entries 500 --unchanged 10000
   fort-bench postgres --entries 500 --unchanged 10000
   fort-bench ssh-ca --certs 500 --unchanged 10000
   fort-bench --json converge")]
@@ -91,6 +93,9 @@ enum Cmd {
     /// The dns-record handler against knotd and named: one run creating N records, and
     /// runs over M unchanged entries with the primary stopped.
     DnsRecord(dns_record::DnsRecordArgs),
+    /// The oidc capability's handler against a real OpenID provider (npm's oidc-provider):
+    /// one run registering N clients, a run over 10,000 unchanged entries with it stopped.
+    Oidc(oidc::OidcArgs),
     /// The postgres capability's handler against a real PostgreSQL: one run creating N
     /// roles and databases, a run over 10,000 unchanged entries with the server stopped,
     /// and OpenBao's database engine issuing N credentials beside it (when `bao` is found).
@@ -131,6 +136,7 @@ fn main() -> ExitCode {
             Cmd::Schema(a) => schema::run(a, json).await,
             Cmd::Plan(a) => plan::run(a, json).await,
             Cmd::DnsRecord(a) => dns_record::run(a, json).await,
+            Cmd::Oidc(a) => oidc::run(a, json).await,
             Cmd::Postgres(a) => postgres::run(a, json).await,
             Cmd::SshCa(a) => sshca::run(a, json).await,
         }
