@@ -39,6 +39,9 @@ pub struct CapDecl {
     pub host: &'static str,
     pub name: &'static str,
     pub handler: &'static str,
+    /// A program and its arguments to serve the capability with, instead of the example
+    /// handler `handler` (fort-handler, for the ACME step).
+    pub command: Option<(PathBuf, Vec<String>)>,
     pub cache_response: bool,
     pub description: &'static str,
 }
@@ -190,7 +193,8 @@ impl Fleet {
             out.insert(
                 c.name.to_owned(),
                 json!({
-                    "handler": self.script(c.handler),
+                    "handler": c.command.as_ref().map_or_else(|| self.script(c.handler), |(p, _)| p.clone()),
+                    "args": c.command.as_ref().map(|(_, a)| a.clone()).unwrap_or_default(),
                     "mode": "async",
                     "cacheResponse": c.cache_response,
                     "callers": callers,

@@ -5,6 +5,7 @@
 //! and the files the example handlers write, and fails the demo when it does not hold, so
 //! the demo doubles as an end-to-end test in CI.
 
+mod acme;
 mod examples;
 mod fleet;
 mod steps;
@@ -41,6 +42,7 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
         host,
         name,
         handler,
+        command: None,
         cache_response,
         description,
     };
@@ -168,11 +170,27 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             (Some(t), root)
         }
     };
-    let (caps, needs) = declarations();
+    let (mut caps, mut needs) = declarations();
+    // The ACME step's CA, when Debian's pebble is installed.
+    let ca = match acme::DemoCa::start(&root).and_then(|ca| {
+        ca.map(|ca| ca.declarations(&root).map(|d| (ca, d)))
+            .transpose()
+    }) {
+        Ok(Some((ca, (cap, need)))) => {
+            caps.push(cap);
+            needs.push(need);
+            Some(ca)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            println!("pebble could not be used ({e:#}); the ACME step is skipped");
+            None
+        }
+    };
     let mut fleet = Fleet::create(&root, &["forge", "beacon", "app"], caps, needs)?;
     // Ctrl-C or SIGTERM ends the demo through the normal path, so the agents are killed.
     let outcome = tokio::select! {
-        r = walkthrough(&mut fleet) => r,
+        r = walkthrough(&mut fleet, ca.as_ref()) => r,
         s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}")),
     };
     match outcome {
@@ -218,7 +236,7 @@ fn secs(since: Instant) -> String {
     format!("{:.2}s", since.elapsed().as_secs_f64())
 }
 
-async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
+async fn walkthrough(fleet: &mut Fleet, ca: Option<&acme::DemoCa>) -> anyhow::Result<()> {
     println!(
         "fort demo: three agents on loopback, files in {}",
         fleet.root.display()
@@ -241,8 +259,10 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
         for n in fleet.needs.iter().filter(|n| n.consumer == h.name) {
             let later = if n.from_start {
                 ""
+            } else if n.key == acme::NEED {
+                " (added in step 6)"
             } else {
-                " (added in step 4)"
+                " (added in step 5)"
             };
             line(format!("needs  {:<14} from {}{later}", n.key, n.from));
         }
@@ -361,7 +381,7 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
         s["needs"]["total"],
         converged.as_secs_f64()
     )];
-    let steps: [(&str, &str); 5] = [
+    let steps: [(&str, &str); 6] = [
         ("rotation", "certificate rotation reaches only its consumer"),
         (
             "reference",
@@ -373,6 +393,10 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
             "renewal",
             "a certificate living seconds is renewed before it expires",
         ),
+        (
+            "acme",
+            "a certificate from an ACME CA for a key app made itself",
+        ),
     ];
     for (i, (short, title)) in steps.iter().enumerate() {
         println!("Step {}/{}: {title}", i + 1, steps.len());
@@ -382,7 +406,8 @@ async fn walkthrough(fleet: &mut Fleet) -> anyhow::Result<()> {
             1 => steps::reference(fleet).await,
             2 => steps::release(fleet).await,
             3 => steps::kill_and_restart(fleet).await,
-            _ => steps::renewal(fleet).await,
+            4 => steps::renewal(fleet).await,
+            _ => acme::step(fleet, ca).await,
         }
         .with_context(|| format!("step {} ({title}) failed", i + 1))?;
         let took = secs(started);

@@ -81,7 +81,7 @@ async fn received(fleet: &Fleet, need: &str) -> anyhow::Result<u64> {
 }
 
 /// One need's status row.
-async fn need_row(fleet: &Fleet, need: &str) -> anyhow::Result<Value> {
+pub(super) async fn need_row(fleet: &Fleet, need: &str) -> anyhow::Result<Value> {
     let s = fleet.status("app").await?;
     Ok(need_items(&s)
         .into_iter()
@@ -434,7 +434,9 @@ pub(super) async fn renewal(fleet: &Fleet) -> anyhow::Result<String> {
     println!("  app now also declares {NEED}: a certificate living {SHORT_LIFETIME}s, to be renewed {SHORT_RENEW_BEFORE}s");
     println!("  before it expires (renew_before_seconds). In the renewal window the need is `expiring` and");
     println!("  is asked for again with \"renew\": true, which forge's handler honours.");
-    fleet.write_needs("app", |n| n.key != "proxy/wiki")?;
+    fleet.write_needs("app", |n| {
+        n.key != "proxy/wiki" && n.key != super::acme::NEED
+    })?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await
