@@ -41,10 +41,12 @@ let
   byService = lib.groupBy (c: c.service) credentials;
 
   # Under strictSandbox the file system is read-only except the state and runtime
-  # directories; files delivered elsewhere need their directory writable ("-": the
+  # directories; files and keys delivered elsewhere need their directory writable ("-": the
   # directory may not exist yet, which is no reason to refuse to start).
   outsideRuntime = lib.filter (p: !lib.hasPrefix "/run/fort/" p) (
-    lib.concatMap (n: lib.mapAttrsToList (_: f: f.path) n.files) (fortLib.needList config.fort.host.needs)
+    lib.concatMap (n: lib.mapAttrsToList (_: f: f.path) (n.files // lib.mapAttrs' (k: v: lib.nameValuePair "key ${k}" v) n.keys)) (
+      fortLib.needList config.fort.host.needs
+    )
   );
 in
 {

@@ -114,6 +114,12 @@ pub fn check(config_path: &Path, options: CheckOptions) -> anyhow::Result<Checke
         // agent never follows a symlink there, but such a user still decides what lies
         // beside the secret; the path is worth moving.
         for (key, spec) in &loaded.needs {
+            for unused in fort_core::schema::keys::unused_keys(&spec.keys, &spec.request) {
+                warnings.push(format!(
+                    "need {:?}: key {unused:?} is not used by the request (no $fort_key names it): no certificate will ever be for it",
+                    key.as_str()
+                ));
+            }
             let files = spec.files.iter().map(|f| ("file", &f.path, &f.owner));
             let keys = spec.keys.values().map(|k| ("key", &k.path, &k.owner));
             for (what, path, owner) in files.chain(keys) {

@@ -301,6 +301,12 @@ impl Fulfiller {
                 Some(Some(st))
             })
             .await;
+        if recorded.is_ok() {
+            for name in &written.installed_keys {
+                tracing::info!(need = %key, key = name.as_str(), "installed the new key with its certificate");
+                self.inner.keys.remove_next(key, name);
+            }
+        }
         // The files on disk changed whoever decides the need's state now (a later
         // payload with the same content writes nothing and would restart nothing).
         if restart {
@@ -386,11 +392,11 @@ impl Fulfiller {
             .map(|k| k.name.clone())
             .collect();
         let extra = keys.into_iter().map(|k| (k.file, k.content)).collect();
-        let written = crate::files::write_all(&spec.files, payload, extra)?;
-        for name in installed {
-            tracing::info!(need = %key, key = name.as_str(), "installed the new key with its certificate");
-            self.inner.keys.remove_next(key, &name);
-        }
+        let mut written = crate::files::write_all(&spec.files, payload, extra)?;
+        // Forgotten as next keys only once the outcome is recorded (record_applied): until
+        // then the recorded files still name the previous key, and after a crash the
+        // payload, applied again, must find its key as the next one.
+        written.installed_keys = installed;
         Ok(written)
     }
 

@@ -30,6 +30,9 @@ pub struct Written {
     pub created: bool,
     /// `credential_for` units of files whose content was replaced: restarted.
     pub credentials_replaced: BTreeSet<String>,
+    /// Keys installed from the need's next keys (§11.10), forgotten as next keys once
+    /// the outcome is recorded.
+    pub installed_keys: Vec<String>,
     /// `credential_for` units of files that did not exist: not running without them,
     /// and started by their path unit now that they appear (§11.3, step 5).
     pub credentials_created: BTreeSet<String>,

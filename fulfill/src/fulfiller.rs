@@ -318,6 +318,12 @@ impl Fulfiller {
             (removed, fresh)
         })?;
         self.inner.store.wait(ticket).await?;
+        {
+            // Next keys of needs or keys no longer declared (an agent stopped before a
+            // release finished leaves them too).
+            let (store, declared) = (self.inner.keys.clone(), needs.clone());
+            let _ = tokio::task::spawn_blocking(move || store.remove_undeclared(&declared)).await;
+        }
         if !stale_files.is_empty() {
             let _ =
                 tokio::task::spawn_blocking(move || crate::files::remove_all(&stale_files)).await;
@@ -596,7 +602,17 @@ impl Fulfiller {
         renewal: bool,
     ) -> Result<serde_json::Value, String> {
         let st = self.state(key);
-        let materials = crate::keys::for_request(&self.inner.keys, key, spec, &st.files, renewal)?;
+        // A payload that came already inside its renewal window (a certificate living
+        // less than renew_before) is renewed with the key in use: a new key every time
+        // would order a new certificate at every nag.
+        let arrived_renewing = match (st.received_at, st.expires_at) {
+            (Some(received), Some(expires)) => {
+                received >= expires.saturating_sub(spec.renew_before_seconds.unwrap_or(0))
+            }
+            _ => false,
+        };
+        let new_key = renewal && !arrived_renewing;
+        let materials = crate::keys::for_request(&self.inner.keys, key, spec, &st.files, new_key)?;
         let mut records = st.keys.clone();
         let request = fort_core::schema::keys::resolve_keys(&spec.request, &mut |r| {
             let (Some(k), Some(m)) = (spec.keys.get(&r.key), materials.get(&r.key)) else {

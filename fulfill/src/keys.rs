@@ -167,7 +167,9 @@ impl Material {
             let cert = pem
                 .parse_x509()
                 .map_err(|e| format!("not an X.509 certificate: {e}"))?;
-            return Ok(cert.public_key().subject_public_key.data.as_ref() == self.public_raw());
+            // The whole SubjectPublicKeyInfo: the algorithm and curve too, not only the
+            // key's bits (an X25519 key has the same 32 bytes as an ed25519 one).
+            return Ok(cert.public_key().raw == self.pair.subject_public_key_info().as_slice());
         }
         let cert = ssh_key::Certificate::from_openssh(text.trim_end())
             .map_err(|_| "neither a PEM X.509 certificate nor an OpenSSH certificate".to_owned())?;
@@ -232,6 +234,42 @@ impl KeyStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => {
                 tracing::warn!(file = %path.display(), error = %e, "cannot remove a next key")
+            }
+        }
+    }
+
+    /// Removes next keys (and leftover temporary files) no declared need and key owns.
+    pub(crate) fn remove_undeclared(&self, needs: &fort_core::schema::Needs) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let mine = format!(".tmp.{}.", std::process::id());
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let keep = if name.starts_with('.') {
+                // A temporary file of this process may be being written right now.
+                name.contains(&mine)
+            } else {
+                name.strip_suffix(".pem")
+                    .and_then(|rest| {
+                        let mut parts = rest.splitn(3, '.');
+                        let (kind, id, key) = (parts.next()?, parts.next()?, parts.next()?);
+                        let need = NeedKey::parse(&format!("{kind}/{id}"))?;
+                        Some(needs.get(&need)?.keys.contains_key(key))
+                    })
+                    .unwrap_or(false)
+            };
+            if !keep {
+                let path = entry.path();
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {
+                        tracing::info!(file = %path.display(), "removed a key no need declares")
+                    }
+                    Err(e) => {
+                        tracing::warn!(file = %path.display(), error = %e, "cannot remove a key no need declares")
+                    }
+                }
             }
         }
     }

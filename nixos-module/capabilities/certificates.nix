@@ -57,9 +57,13 @@ let
         };
         directory = mkOption {
           type = types.str;
-          default = "/run/fort/needs/${config.capability}/${name}";
-          defaultText = literalExpression ''"/run/fort/needs/<capability>/<name>"'';
-          description = "Where `key.pem`, `cert.pem`, `chain.pem` and `fullchain.pem` land.";
+          default = "/var/lib/fort-certificates/${name}";
+          defaultText = literalExpression ''"/var/lib/fort-certificates/<name>"'';
+          description = ''
+            Where `key.pem`, `cert.pem`, `chain.pem` and `fullchain.pem` land. On disk
+            rather than in `/run`: a key lost to a reboot would be replaced by a new one,
+            and every reboot would cost an order at the CA.
+          '';
         };
         owner = mkOption {
           type = types.str;

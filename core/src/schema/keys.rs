@@ -134,6 +134,16 @@ fn as_key_ref(v: &Value) -> Result<Option<KeyRef>, String> {
     }))
 }
 
+/// The declared keys no reference in `request` names: no certificate can ever be for
+/// them, so the need cannot be satisfied (`fort-agent check` warns).
+pub fn unused_keys<'a>(keys: &'a BTreeMap<String, KeySpec>, request: &Value) -> Vec<&'a str> {
+    let refs = key_refs(request).unwrap_or_default();
+    keys.keys()
+        .filter(|k| !refs.iter().any(|r| &r.key == *k))
+        .map(String::as_str)
+        .collect()
+}
+
 /// Every key reference inside `request`.
 pub fn key_refs(request: &Value) -> Result<Vec<KeyRef>, String> {
     let mut out = Vec::new();

@@ -272,6 +272,12 @@ pub fn validate_needs(
             };
             check_file(&key, &as_file)
                 .map_err(|m| invalid(file, m.replacen(": file ", ": key ", 1)))?;
+            if as_file.mode_bits() & 0o027 != 0 {
+                return Err(bad(format!(
+                    "key {name:?}: mode {} lets other users read it or its group change it; a private key is at most 0640",
+                    k.mode
+                )));
+            }
             if let Some(other) = paths.insert(k.path.clone(), key.clone()) {
                 return Err(bad(format!(
                     "key {name:?}: {} is also written by need {other:?}",
@@ -474,6 +480,7 @@ mod tests {
         for (bad, says) in [
             (r#""type":"ecdsa-p256","path":"relative""#, "absolute"),
             (r#""type":"ecdsa-p256","path":"/k","mode":"4755""#, "mode"),
+            (r#""type":"ecdsa-p256","path":"/k","mode":"0644""#, "at most 0640"),
             (r#""type":"ecdsa-p256","path":"/f""#, "also written"),
         ] {
             let err = needs(&format!(
