@@ -480,7 +480,10 @@ mod tests {
         for (bad, says) in [
             (r#""type":"ecdsa-p256","path":"relative""#, "absolute"),
             (r#""type":"ecdsa-p256","path":"/k","mode":"4755""#, "mode"),
-            (r#""type":"ecdsa-p256","path":"/k","mode":"0644""#, "at most 0640"),
+            (
+                r#""type":"ecdsa-p256","path":"/k","mode":"0644""#,
+                "at most 0640",
+            ),
             (r#""type":"ecdsa-p256","path":"/f""#, "also written"),
         ] {
             let err = needs(&format!(
