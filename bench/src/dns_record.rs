@@ -154,7 +154,14 @@ fn one_server(args: &DnsRecordArgs, bin: &Path, flavor: Flavor, json_out: bool) 
         server
             .zone_records()
             .iter()
-            .filter(|l| l.split_whitespace().nth(3) == Some("A") && l.starts_with('n'))
+            // The benchmark's own names (n00042.…), not the zone's name server (ns.…).
+            .filter(|l| {
+                let label = l.split('.').next().unwrap_or("");
+                l.split_whitespace().nth(3) == Some("A")
+                    && label.len() > 1
+                    && label.starts_with('n')
+                    && label[1..].bytes().all(|c| c.is_ascii_digit())
+            })
             .count()
     };
 

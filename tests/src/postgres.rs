@@ -295,6 +295,10 @@ impl Postgres {
                 "-m",
                 "fast",
                 "-w",
+                // A cluster holding hundreds of databases (the benchmark's) takes longer
+                // than pg_ctl's default minute to shut down.
+                "-t",
+                "300",
                 "stop",
             ],
         )
@@ -329,6 +333,8 @@ impl Drop for Postgres {
                 "-m",
                 "immediate",
                 "-w",
+                "-t",
+                "300",
                 "stop",
             ],
         );
