@@ -2,7 +2,8 @@
 //! `fort-handler ssh-ca`, a consumer writing the delivered files), a real `sshd` on
 //! loopback started from those files, and OpenSSH's `ssh` client. The host certificate
 //! is presented and trusted through the `@cert-authority` line alone; a user
-//! certificate logs in through `TrustedUserCAKeys`; once released, its serial is in the
+//! certificate, for a key the consumer's agent made and installed with it, logs in
+//! through `TrustedUserCAKeys`; once released, its serial is in the
 //! KRL the consumer installed for `RevokedKeys` and the same certificate is refused.
 
 use std::net::{SocketAddr, TcpStream};
@@ -190,7 +191,6 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
     std::fs::create_dir_all(&sshd_dir).unwrap();
     std::fs::create_dir_all(&client).unwrap();
     let host_public = key_pair(&sshd_dir.join("ssh_host_ed25519_key"));
-    let user_public = key_pair(&client.join("id_ed25519"));
 
     // Provider `forge`: the CA key is made on the first run.
     f.host("forge");
@@ -259,7 +259,13 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
         "ssh-ca/login",
         "forge",
         json!({
-            "request": {"kind": "user", "public_key": user_public, "principals": ["root"]},
+            // The user's key is made by app's agent (protocol §11.10), in OpenSSH's format
+            // for ssh; only its public line is sent, and it is installed with the
+            // certificate that is for it.
+            "request": {"kind": "user", "public_key": {"$fort_key": "id", "as": "openssh"},
+                        "principals": ["root"]},
+            "keys": {"id": {"type": "ed25519", "format": "openssh",
+                            "path": client.join("id_ed25519"), "mode": "0600"}},
             "files": [file("cert", client.join("id_ed25519-cert.pub"), "/certificate", "0600")],
         }),
     );
@@ -282,6 +288,16 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
         "needs not satisfied: {}\nforge log:\n{}",
         f.status("app"),
         std::fs::read_to_string(f.host_dir("forge").join("agent.log")).unwrap_or_default()
+    );
+    // The user's key, made by app's agent, in OpenSSH's format and only for its owner.
+    let id = client.join("id_ed25519");
+    assert!(std::fs::read_to_string(&id)
+        .unwrap()
+        .starts_with("-----BEGIN OPENSSH PRIVATE KEY-----"));
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&id).unwrap().permissions().mode() & 0o777,
+        0o600
     );
     // The consumer's need state says why (protocol §11.9).
     let impostor_reason = |f: &Fleet| {
