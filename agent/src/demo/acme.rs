@@ -38,7 +38,7 @@ fn free_port() -> std::io::Result<SocketAddr> {
     TcpListener::bind("127.0.0.1:0")?.local_addr()
 }
 
-fn find(program: &str) -> Option<PathBuf> {
+pub(super) fn find(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
@@ -231,7 +231,9 @@ pub(super) async fn step(fleet: &Fleet, ca: Option<&DemoCa>) -> anyhow::Result<S
     println!(
         "  makes: the request carries {{\"$fort_key\": \"key\", \"as\": \"csr\"}}, only a CSR."
     );
-    fleet.write_needs("app", |n| n.key != "proxy/wiki")?;
+    fleet.write_needs("app", |n| {
+        n.key != "proxy/wiki" && n.key != super::oidc::NEED
+    })?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await

@@ -8,6 +8,7 @@
 mod acme;
 mod examples;
 mod fleet;
+mod oidc;
 mod steps;
 
 use std::path::{Path, PathBuf};
@@ -187,10 +188,26 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             None
         }
     };
+    // The OpenID step's provider, when node and npm's oidc-provider are installed.
+    let idp = match oidc::DemoIdp::start(&root).and_then(|idp| {
+        idp.map(|i| i.declarations(&root).map(|d| (i, d)))
+            .transpose()
+    }) {
+        Ok(Some((idp, (cap, need)))) => {
+            caps.push(cap);
+            needs.push(need);
+            Some(idp)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            println!("the OpenID provider could not be used ({e:#}); the OpenID step is skipped");
+            None
+        }
+    };
     let mut fleet = Fleet::create(&root, &["forge", "beacon", "app"], caps, needs)?;
     // Ctrl-C or SIGTERM ends the demo through the normal path, so the agents are killed.
     let outcome = tokio::select! {
-        r = walkthrough(&mut fleet, ca.as_ref()) => r,
+        r = walkthrough(&mut fleet, ca.as_ref(), idp.as_ref()) => r,
         s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}")),
     };
     match outcome {
@@ -236,7 +253,11 @@ fn secs(since: Instant) -> String {
     format!("{:.2}s", since.elapsed().as_secs_f64())
 }
 
-async fn walkthrough(fleet: &mut Fleet, ca: Option<&acme::DemoCa>) -> anyhow::Result<()> {
+async fn walkthrough(
+    fleet: &mut Fleet,
+    ca: Option<&acme::DemoCa>,
+    idp: Option<&oidc::DemoIdp>,
+) -> anyhow::Result<()> {
     println!(
         "fort demo: three agents on loopback, files in {}",
         fleet.root.display()
@@ -261,6 +282,8 @@ async fn walkthrough(fleet: &mut Fleet, ca: Option<&acme::DemoCa>) -> anyhow::Re
                 ""
             } else if n.key == acme::NEED {
                 " (added in step 6)"
+            } else if n.key == oidc::NEED {
+                " (added in step 7)"
             } else {
                 " (added in step 5)"
             };
@@ -381,7 +404,7 @@ async fn walkthrough(fleet: &mut Fleet, ca: Option<&acme::DemoCa>) -> anyhow::Re
         s["needs"]["total"],
         converged.as_secs_f64()
     )];
-    let steps: [(&str, &str); 6] = [
+    let steps: [(&str, &str); 7] = [
         ("rotation", "certificate rotation reaches only its consumer"),
         (
             "reference",
@@ -397,6 +420,10 @@ async fn walkthrough(fleet: &mut Fleet, ca: Option<&acme::DemoCa>) -> anyhow::Re
             "acme",
             "a certificate from an ACME CA for a key app made itself",
         ),
+        (
+            "oidc",
+            "an OIDC client registered at a real OpenID provider",
+        ),
     ];
     for (i, (short, title)) in steps.iter().enumerate() {
         println!("Step {}/{}: {title}", i + 1, steps.len());
@@ -407,7 +434,8 @@ async fn walkthrough(fleet: &mut Fleet, ca: Option<&acme::DemoCa>) -> anyhow::Re
             2 => steps::release(fleet).await,
             3 => steps::kill_and_restart(fleet).await,
             4 => steps::renewal(fleet).await,
-            _ => acme::step(fleet, ca).await,
+            5 => acme::step(fleet, ca).await,
+            _ => oidc::step(fleet, idp).await,
         }
         .with_context(|| format!("step {} ({title}) failed", i + 1))?;
         let took = secs(started);
