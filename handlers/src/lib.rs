@@ -10,6 +10,7 @@ pub mod dns;
 pub mod dns_record;
 pub mod oidc;
 pub mod postgres;
+pub mod proxy;
 pub mod ssh_ca;
 
 use std::future::Future;
@@ -40,6 +41,7 @@ pub const CAPABILITIES: &[Capability] = &[
     dns_record::CAPABILITY,
     oidc::CAPABILITY,
     postgres::CAPABILITY,
+    proxy::CAPABILITY,
     ssh_ca::CAPABILITY,
 ];
 

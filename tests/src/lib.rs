@@ -3,6 +3,7 @@
 //! and is killed on drop.
 
 pub mod dns;
+pub mod nginx;
 pub mod oidc;
 pub mod pebble;
 pub mod postgres;

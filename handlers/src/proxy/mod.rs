@@ -1,0 +1,442 @@
+//! `proxy`: an nginx vhost per entry, a file in the directory the provider's nginx.conf
+//! includes, forwarding the entry's server names to its caller's own address (or a host
+//! the provider lets it name), over TLS with a certificate set the provider declared.
+//!
+//! A run writes every new or changed vhost, removes released ones, and runs the test
+//! command once. When the test fails, the changes are taken back, the configuration
+//! without them is tested, and the changed entries are tested again in halves (bisection)
+//! until the ones that break it are found: those are refused with nginx's reason, the
+//! rest is kept, and nginx is reloaded once. Unchanged entries cost no write and no
+//! command; a run with nothing to change runs neither.
+
+pub mod config;
+pub mod nginx;
+pub mod reconcile;
+pub mod request;
+pub mod vhost;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::common::hosts::Fleet;
+use crate::common::state::StateFile;
+use crate::common::{Entry, Output, Trigger};
+use crate::{Capability, RunFuture};
+
+use config::Config;
+use nginx::{Dir, Ran};
+use reconcile::{Broken, State, Want, STATE_VERSION};
+
+pub const CAPABILITY: Capability = Capability {
+    name: "proxy",
+    about: "an nginx vhost per entry, tested with nginx -t before every reload",
+    check,
+    run,
+};
+
+/// Past this, no further test is started: the agent kills a run at 60 s.
+const BUDGET: Duration = Duration::from_secs(40);
+
+fn check(path: &Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    Fleet::load(&config.hosts)?;
+    Ok(())
+}
+
+fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
+    Box::pin(async move {
+        let config = Config::load(path)?;
+        reconcile_all(&config, entries, trigger).await
+    })
+}
+
+/// Counts for the run's notes (stderr).
+#[derive(Default)]
+struct Notes {
+    written: usize,
+    removed: usize,
+    tests: usize,
+    reloaded: bool,
+    refused: Vec<String>,
+}
+
+/// The test command, counted.
+async fn test(config: &Config, notes: &mut Notes) -> anyhow::Result<Ran> {
+    notes.tests += 1;
+    nginx::run(&config.test_command, timeout(config)).await
+}
+
+fn timeout(config: &Config) -> Duration {
+    Duration::from_secs(config.command_timeout_seconds)
+}
+
+pub async fn reconcile_all(
+    config: &Config,
+    entries: Vec<Entry>,
+    trigger: Trigger,
+) -> anyhow::Result<Output> {
+    let started = Instant::now();
+    let fleet = Fleet::load(&config.hosts)?;
+    let file = StateFile::new(&config.state_file);
+    let mut state: State = file.load(STATE_VERSION)?;
+    let plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o));
+    let wanted = plan.wanted;
+    let mut refused = plan.refused;
+    let reconciling = trigger.reconciles();
+    let mut dir = Dir::new(&config.include_dir);
+    let mut notes = Notes::default();
+    let mut save = false;
+
+    // Vhosts the test refused before, asked for unchanged: refused again without a test.
+    let before = state.broken.len();
+    state
+        .broken
+        .retain(|key, b| !reconciling && wanted.get(key).is_some_and(|w| w.digest == b.digest));
+    save |= state.broken.len() != before;
+    for (key, b) in &state.broken {
+        refused.insert(
+            key.clone(),
+            refusal(&b.reason, state.held.contains_key(key)),
+        );
+    }
+
+    // New and changed vhosts; on reconciling runs also those changed on disk.
+    let mut changes: Vec<String> = Vec::new();
+    for (key, want) in &wanted {
+        if refused.contains_key(key) {
+            continue;
+        }
+        match state.held.get(key) {
+            Some(h) if h.file == want.file && h.digest == want.digest => {
+                if reconciling && dir.read(&want.file)?.as_deref() != Some(&want.text) {
+                    changes.push(key.clone());
+                }
+            }
+            _ => changes.push(key.clone()),
+        }
+    }
+    // A file that is there must carry this entry's marker: anything else is the admin's.
+    let mut foreign = Vec::new();
+    for key in &changes {
+        let want = &wanted[key];
+        if let Some(text) = dir.read(&want.file)? {
+            if !vhost::has_marker(&text, Some(key)) {
+                foreign.push(key.clone());
+            }
+        }
+    }
+    for key in foreign {
+        changes.retain(|k| *k != key);
+        let path = dir.path_of(&wanted[&key].file);
+        refused.insert(
+            key.clone(),
+            format!(
+                "{} was not written by fort; it is left alone",
+                path.display()
+            ),
+        );
+        if state.held.remove(&key).is_some() {
+            save = true;
+        }
+    }
+    // Files of entries no longer wanted, or refused for what they ask now; on reconciling
+    // runs also files with fort's marker that no state records (a run cut short).
+    let mut removals: Vec<String> = Vec::new();
+    let mut forget: Vec<String> = Vec::new();
+    for (key, h) in &state.held {
+        if wanted.contains_key(key) {
+            continue;
+        }
+        match dir.read(&h.file)? {
+            Some(text) if vhost::has_marker(&text, Some(key)) => removals.push(h.file.clone()),
+            _ => {}
+        }
+        forget.push(key.clone());
+    }
+    if reconciling {
+        removals.extend(orphans(config, &state, &wanted, &mut dir)?);
+    }
+
+    if changes.is_empty() && removals.is_empty() && !state.reload_owed {
+        for key in forget {
+            state.held.remove(&key);
+            save = true;
+        }
+        if save {
+            file.save(STATE_VERSION, &state)?;
+        }
+        return Ok(answer(
+            &entries,
+            &state,
+            &wanted,
+            &refused,
+            &BTreeSet::new(),
+            &mut notes,
+            started,
+        ));
+    }
+
+    // Previous contents, to take a change back.
+    let mut previous: BTreeMap<String, Option<String>> = BTreeMap::new();
+    for f in changes.iter().map(|k| &wanted[k].file).chain(&removals) {
+        previous.insert(f.clone(), dir.read(f)?);
+    }
+    for f in &removals {
+        dir.set(f, None)?;
+    }
+    for key in &changes {
+        let w = &wanted[key];
+        dir.set(&w.file, Some(&w.text))?;
+    }
+    let mut accepted: Vec<String> = Vec::new();
+    let mut untested: BTreeSet<String> = BTreeSet::new();
+    if !changes.is_empty() {
+        match test(config, &mut notes).await {
+            Err(e) => {
+                restore(&mut dir, &previous)?;
+                return Err(e.context("the vhosts could not be tested; nothing changed"));
+            }
+            Ok(Ran::Passed) => accepted = changes.clone(),
+            Ok(Ran::Failed(output)) => {
+                for key in &changes {
+                    dir.set(&wanted[key].file, previous[&wanted[key].file].as_deref())?;
+                }
+                match test(config, &mut notes).await {
+                    Ok(Ran::Passed) => {}
+                    Ok(Ran::Failed(base)) => {
+                        restore(&mut dir, &previous)?;
+                        anyhow::bail!(
+                            "the nginx configuration fails its test without any of this run's \
+                             changes, so none is made and nginx is not reloaded: {}",
+                            nginx::reason(&base)
+                        );
+                    }
+                    Err(e) => {
+                        restore(&mut dir, &previous)?;
+                        return Err(e.context("the vhosts could not be tested; nothing changed"));
+                    }
+                }
+                let found = bisect(
+                    config, &mut dir, &wanted, &changes, &previous, output, started, &mut notes,
+                )
+                .await;
+                let found = match found {
+                    Ok(f) => f,
+                    Err(e) => {
+                        restore(&mut dir, &previous)?;
+                        return Err(e.context("the vhosts could not be tested; nothing changed"));
+                    }
+                };
+                accepted = found.accepted;
+                untested = found.untested;
+                for (key, reason) in found.culprits {
+                    refused.insert(key.clone(), refusal(&reason, state.held.contains_key(&key)));
+                    state.broken.insert(
+                        key.clone(),
+                        Broken {
+                            digest: wanted[&key].digest.clone(),
+                            reason,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    // The directory now holds what was accepted: flushed, recorded, then loaded.
+    dir.sync()?;
+    for key in forget {
+        state.held.remove(&key);
+    }
+    for key in &accepted {
+        state.held.insert(key.clone(), wanted[key].held());
+        state.broken.remove(key);
+    }
+    notes.written = accepted.len();
+    notes.removed = removals.len();
+    if !accepted.is_empty() || !removals.is_empty() {
+        state.reload_owed = true;
+    }
+    if state.reload_owed {
+        file.save(STATE_VERSION, &state)?;
+        match nginx::run(&config.reload_command, timeout(config)).await {
+            Ok(Ran::Passed) => state.reload_owed = false,
+            Ok(Ran::Failed(out)) => {
+                anyhow::bail!(
+                    "the reload failed (tried again next run): {}",
+                    nginx::reason(&out)
+                )
+            }
+            Err(e) => return Err(e.context("the reload failed (tried again next run)")),
+        }
+        notes.reloaded = true;
+    }
+    file.save(STATE_VERSION, &state)?;
+    Ok(answer(
+        &entries, &state, &wanted, &refused, &untested, &mut notes, started,
+    ))
+}
+
+/// The reason an entry whose vhost failed the test gets.
+fn refusal(reason: &str, has_previous: bool) -> String {
+    if has_previous {
+        format!("nginx refuses the new vhost, the previous one stays: {reason}")
+    } else {
+        format!("nginx refuses the vhost: {reason}")
+    }
+}
+
+/// Puts every file back as it was before the run.
+fn restore(dir: &mut Dir, previous: &BTreeMap<String, Option<String>>) -> anyhow::Result<()> {
+    for (f, text) in previous {
+        dir.set(f, text.as_deref())?;
+    }
+    dir.sync()
+}
+
+/// Files named and marked as the handler's that no state records and no entry wants.
+fn orphans(
+    config: &Config,
+    state: &State,
+    wanted: &BTreeMap<String, Want>,
+    dir: &mut Dir,
+) -> anyhow::Result<Vec<String>> {
+    let known: BTreeSet<&str> = state
+        .held
+        .values()
+        .map(|h| h.file.as_str())
+        .chain(wanted.values().map(|w| w.file.as_str()))
+        .collect();
+    let listing = match std::fs::read_dir(&config.include_dir) {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => anyhow::bail!("cannot list {}: {e}", config.include_dir.display()),
+    };
+    let mut out = Vec::new();
+    for item in listing.flatten() {
+        let Ok(name) = item.file_name().into_string() else {
+            continue;
+        };
+        if !vhost::is_ours_by_name(&name) || known.contains(name.as_str()) {
+            continue;
+        }
+        if dir
+            .read(&name)?
+            .is_some_and(|t| vhost::has_marker(&t, None))
+        {
+            out.push(name);
+        }
+    }
+    Ok(out)
+}
+
+/// What bisection found.
+struct Found {
+    accepted: Vec<String>,
+    culprits: Vec<(String, String)>,
+    /// Not tested within the budget: taken back, tried next run.
+    untested: BTreeSet<String>,
+}
+
+/// Finds the changed entries that make the test fail. The directory holds the run's
+/// removals and none of `changes`; groups are added on top of what passed so far and
+/// halved while they fail, so the directory always ends holding a tested configuration.
+#[allow(clippy::too_many_arguments)]
+async fn bisect(
+    config: &Config,
+    dir: &mut Dir,
+    wanted: &BTreeMap<String, Want>,
+    changes: &[String],
+    previous: &BTreeMap<String, Option<String>>,
+    first_failure: String,
+    started: Instant,
+    notes: &mut Notes,
+) -> anyhow::Result<Found> {
+    let mut found = Found {
+        accepted: Vec::new(),
+        culprits: Vec::new(),
+        untested: BTreeSet::new(),
+    };
+    if changes.len() == 1 {
+        found
+            .culprits
+            .push((changes[0].clone(), nginx::reason(&first_failure)));
+        return Ok(found);
+    }
+    let half = changes.len() / 2;
+    let mut stack: Vec<Vec<String>> = vec![changes[half..].to_vec(), changes[..half].to_vec()];
+    while let Some(group) = stack.pop() {
+        if started.elapsed() >= BUDGET {
+            found.untested.extend(group);
+            continue;
+        }
+        for key in &group {
+            dir.set(&wanted[key].file, Some(&wanted[key].text))?;
+        }
+        let ran = test(config, notes).await?;
+        if ran == Ran::Passed {
+            found.accepted.extend(group);
+            continue;
+        }
+        for key in &group {
+            dir.set(&wanted[key].file, previous[&wanted[key].file].as_deref())?;
+        }
+        if group.len() == 1 {
+            let Ran::Failed(out) = ran else {
+                unreachable!()
+            };
+            found.culprits.push((group[0].clone(), nginx::reason(&out)));
+        } else {
+            let half = group.len() / 2;
+            stack.push(group[half..].to_vec());
+            stack.push(group[..half].to_vec());
+        }
+    }
+    Ok(found)
+}
+
+/// One answer per entry, and the run's notes.
+fn answer(
+    entries: &[Entry],
+    state: &State,
+    wanted: &BTreeMap<String, Want>,
+    refused: &BTreeMap<String, String>,
+    untested: &BTreeSet<String>,
+    notes: &mut Notes,
+    started: Instant,
+) -> Output {
+    let mut output = Output::default();
+    let mut pending = 0;
+    for e in entries {
+        if let Some(why) = refused.get(&e.key) {
+            output.refuse(e, why);
+            notes.refused.push(format!("{}: {why}", e.key));
+        } else if untested.contains(&e.key) {
+            output.pending(e, "waiting for its turn at nginx's test");
+            pending += 1;
+        } else if let Some(w) = wanted
+            .get(&e.key)
+            .filter(|w| state.held.get(&e.key).is_some_and(|h| h.digest == w.digest))
+        {
+            output.respond(e, reconcile::response(&w.vhost));
+        }
+    }
+    if pending > 0 {
+        output.rerun_within(1);
+    }
+    eprintln!(
+        "proxy: {} entries: {} vhosts written, {} removed, {} refused, {pending} waiting; {} tests, {}; {} ms",
+        entries.len(),
+        notes.written,
+        notes.removed,
+        notes.refused.len(),
+        notes.tests,
+        if notes.reloaded { "reloaded" } else { "no reload" },
+        started.elapsed().as_millis()
+    );
+    for line in notes.refused.iter().take(20) {
+        eprintln!("proxy: refused {line}");
+    }
+    output
+}

@@ -1,0 +1,140 @@
+//! One entry's vhost file: its name in the include directory (from the entry key, whose
+//! parts are fort names), the marker line that says the handler wrote it and for which
+//! entry, and the nginx config it holds. Only checked values go in (request.rs,
+//! config.rs), so nothing here quotes or escapes.
+
+use fort_core::names::{is_capability_name, is_host_name, is_principal_name};
+use sha2::{Digest, Sha256};
+
+use super::config::Config;
+use super::request::Vhost;
+use crate::common::Entry;
+
+/// The first line of every file the handler writes, followed by the entry key.
+pub const MARKER: &str = "# fort-handler proxy: ";
+
+/// `fort.<origin>.<type>.<id>.conf`: the parts are fort names (no dots, no slashes), so
+/// two entries never share a file and no name leaves the directory. `None` for a key
+/// whose origin is no fort name.
+pub fn file_name(entry: &Entry) -> Option<String> {
+    let origin_ok = is_host_name(&entry.origin) || is_principal_name(&entry.origin);
+    let (kind, id) = (entry.need.kind(), entry.need.id());
+    (origin_ok && is_capability_name(kind) && is_capability_name(id))
+        .then(|| format!("fort.{}.{kind}.{id}.conf", entry.origin))
+}
+
+/// Whether `name` is a file name this handler could have written (`fort.*.conf`).
+pub fn is_ours_by_name(name: &str) -> bool {
+    name.starts_with("fort.") && name.ends_with(".conf")
+}
+
+/// The marker line for `key`.
+pub fn marker(key: &str) -> String {
+    format!("{MARKER}{key}; written by fort, replaced and removed by it")
+}
+
+/// Whether `text` starts with the marker of `key` (of any entry when `key` is `None`).
+pub fn has_marker(text: &str, key: Option<&str>) -> bool {
+    let first = text.lines().next().unwrap_or("");
+    match key {
+        Some(k) => first == marker(k),
+        None => first.starts_with(MARKER),
+    }
+}
+
+/// The file's content.
+pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
+    let names = vhost.server_names.join(" ");
+    let mut out = marker(key);
+    out.push('\n');
+    let location = format!(
+        "    location / {{\n        proxy_pass {};\n        proxy_http_version 1.1;\n        \
+         proxy_set_header Host $host;\n        proxy_set_header X-Real-IP $remote_addr;\n        \
+         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n        \
+         proxy_set_header X-Forwarded-Proto $scheme;\n    }}\n",
+        vhost.upstream()
+    );
+    match vhost.tls.as_deref().and_then(|t| config.tls.get(t)) {
+        None => {
+            out.push_str("server {\n");
+            for l in &config.listen {
+                out.push_str(&format!("    listen {l};\n"));
+            }
+            out.push_str(&format!("    server_name {names};\n"));
+            out.push_str(&location);
+            out.push_str("}\n");
+        }
+        Some(set) => {
+            out.push_str("server {\n");
+            for l in &config.listen_tls {
+                out.push_str(&format!("    listen {l} ssl;\n"));
+            }
+            out.push_str(&format!("    server_name {names};\n"));
+            out.push_str(&format!(
+                "    ssl_certificate {};\n    ssl_certificate_key {};\n",
+                set.certificate.display(),
+                set.key.display()
+            ));
+            out.push_str(&location);
+            out.push_str("}\nserver {\n");
+            for l in &config.listen {
+                out.push_str(&format!("    listen {l};\n"));
+            }
+            out.push_str(&format!(
+                "    server_name {names};\n    return 301 https://$host$request_uri;\n}}\n"
+            ));
+        }
+    }
+    out
+}
+
+/// The digest the state keeps of a file's content.
+pub fn digest(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::common::parse_input;
+    use serde_json::json;
+
+    #[test]
+    fn names_markers_and_text() {
+        let entries = parse_input(
+            br#"{"app:proxy/wiki":{"request":{}},"a.b:proxy/x":{"request":{}},"A:proxy/x":{"request":{}}}"#,
+        )
+        .unwrap();
+        let names: Vec<Option<String>> = entries.iter().map(file_name).collect();
+        assert_eq!(names, [None, None, Some("fort.app.proxy.wiki.conf".into())]);
+        let config: Config = serde_json::from_value(json!({
+            "include_dir": "/d", "state_file": "/s", "listen": ["127.0.0.1:8080"],
+            "tls": {"t": {"certificate": "/c.pem", "key": "/k.pem"}}}))
+        .unwrap();
+        let vhost = Vhost {
+            server_names: vec!["a.example.org".into(), "b.example.org".into()],
+            upstream_host: "10.0.0.3".into(),
+            port: 3000,
+            path: None,
+            tls: None,
+        };
+        let text = render(&config, "app:proxy/wiki", &vhost);
+        assert!(has_marker(&text, Some("app:proxy/wiki")));
+        assert!(!has_marker(&text, Some("app:proxy/wik")));
+        assert!(text.contains(
+            "    listen 127.0.0.1:8080;\n    server_name a.example.org b.example.org;\n"
+        ));
+        assert!(text.contains("proxy_pass http://10.0.0.3:3000;"));
+        let tls = render(
+            &config,
+            "k",
+            &Vhost {
+                tls: Some("t".into()),
+                ..vhost
+            },
+        );
+        assert!(tls.contains("listen 443 ssl;") && tls.contains("ssl_certificate_key /k.pem;"));
+        assert!(tls.contains("return 301"));
+        assert_eq!(digest("x").len(), 64);
+    }
+}
