@@ -15,6 +15,7 @@ mod oidc;
 mod openbao;
 mod plan;
 mod postgres;
+mod proxy;
 mod schema;
 mod sshca;
 mod stall;
@@ -46,6 +47,7 @@ use clap::{Parser, Subcommand};
   fort-bench dns-record --create 500 --unchanged 10000
   fort-bench oidc --entries 500 --unchanged 10000
   fort-bench postgres --entries 500 --unchanged 10000
+  fort-bench proxy --create 500 --unchanged 10000
   fort-bench ssh-ca --certs 500 --unchanged 10000
   fort-bench --json converge")]
 struct Cli {
@@ -100,6 +102,9 @@ enum Cmd {
     /// roles and databases, a run over 10,000 unchanged entries with the server stopped,
     /// and OpenBao's database engine issuing N credentials beside it (when `bao` is found).
     Postgres(postgres::PostgresArgs),
+    /// The proxy handler against a real nginx: one run creating N vhosts (one test, one
+    /// reload), and runs over M unchanged entries that call nginx for nothing.
+    Proxy(proxy::ProxyArgs),
     /// The SSH CA handler: N certificates issued in one run beside `ssh-keygen -s` once
     /// per certificate, a run over M unchanged entries, and a release re-sending the KRL.
     SshCa(sshca::SshCaArgs),
@@ -138,6 +143,7 @@ fn main() -> ExitCode {
             Cmd::DnsRecord(a) => dns_record::run(a, json).await,
             Cmd::Oidc(a) => oidc::run(a, json).await,
             Cmd::Postgres(a) => postgres::run(a, json).await,
+            Cmd::Proxy(a) => proxy::run(a, json).await,
             Cmd::SshCa(a) => sshca::run(a, json).await,
         }
     });

@@ -35,7 +35,7 @@ impl Nginx {
                 "pid {d}/nginx.pid;\nerror_log {d}/error.log;\nworker_processes 1;\n\
                  events {{ worker_connections 256; }}\n\
                  http {{\n  access_log {d}/access.log;\n  client_body_temp_path {d}/t1;\n  proxy_temp_path {d}/t2;\n  fastcgi_temp_path {d}/t3;\n  uwsgi_temp_path {d}/t4;\n  scgi_temp_path {d}/t5;\n\
-                 server_names_hash_bucket_size 128;\n\
+                 server_names_hash_bucket_size 128;\n  server_names_hash_max_size 65536;\n\
                  server {{ listen {addr} default_server; return 404; }}\n\
                  include {d}/vhosts/*.conf;\n}}\n"
             ),

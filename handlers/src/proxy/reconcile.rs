@@ -85,6 +85,7 @@ pub fn plan(
 ) -> Plan {
     let mut out = Plan::default();
     let mut candidates: BTreeMap<&str, Want> = BTreeMap::new();
+    let mut patterns: HashMap<&str, Vec<String>> = HashMap::new();
     for e in entries {
         let Some(file) = vhost::file_name(e) else {
             out.refused.insert(
@@ -93,7 +94,16 @@ pub fn plan(
             );
             continue;
         };
-        match resolve(config, &e.origin, host_of(&e.origin).as_deref(), &e.request) {
+        let allowed = patterns
+            .entry(&e.origin)
+            .or_insert_with(|| config.allow.patterns(&e.origin));
+        match resolve(
+            config,
+            &e.origin,
+            allowed,
+            host_of(&e.origin).as_deref(),
+            &e.request,
+        ) {
             Ok(v) => {
                 let text = vhost::render(config, &e.key, &v);
                 let digest = vhost::digest(&text);

@@ -69,11 +69,13 @@ impl Vhost {
     }
 }
 
-/// The vhost `origin` asks for, or the one-line reason it is refused. `own_host` is the
-/// caller's host from hosts.json, if it has one.
+/// The vhost `origin` asks for, or the one-line reason it is refused. `patterns` are the
+/// caller's server name patterns (`config.allow.patterns(origin)`), `own_host` its host
+/// from hosts.json, if it has one.
 pub fn resolve(
     config: &Config,
     origin: &str,
+    patterns: &[String],
     own_host: Option<&str>,
     request: &Value,
 ) -> Result<Vhost, String> {
@@ -94,11 +96,10 @@ pub fn resolve(
     if request.server_names.is_empty() || request.server_names.len() > SERVER_NAMES_MAX {
         return Err(format!("server_names: 1 to {SERVER_NAMES_MAX} names"));
     }
-    let patterns = config.allow.patterns(origin);
     let mut server_names: Vec<String> = Vec::with_capacity(request.server_names.len());
     for given in &request.server_names {
         let name = DnsName::parse(given).map_err(|e| format!("server_names: {e}"))?;
-        if !Allowances::any_permits(&patterns, name.as_str()) {
+        if !Allowances::any_permits(patterns, name.as_str()) {
             return Err(format!(
                 "{origin} may not have the server name {name} (the provider's allow list)"
             ));
@@ -209,6 +210,10 @@ fn short(text: &str) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn resolve(c: &Config, origin: &str, own: Option<&str>, r: &Value) -> Result<Vhost, String> {
+        super::resolve(c, origin, &c.allow.patterns(origin), own, r)
+    }
 
     fn config() -> Config {
         serde_json::from_value(json!({
