@@ -29,6 +29,7 @@ in
     ./capabilities/dns-record.nix
     ./capabilities/oidc.nix
     ./capabilities/postgres.nix
+    ./capabilities/proxy.nix
     ./capabilities/ssh-ca.nix
   ];
 

@@ -24,8 +24,9 @@ let
         ./capabilities/dns-record.nix
         ./capabilities/oidc.nix
         ./capabilities/postgres.nix
+        ./capabilities/proxy.nix
         ./capabilities/ssh-ca.nix
-        # The NixOS options the capability modules set (assertions, sshd's config),
+        # The NixOS options the capability modules set (assertions, sshd's and nginx's config),
         # declared so the evaluation accepts their definitions; not rendered.
         stubs.module
       ];

@@ -148,8 +148,8 @@ in
           proxy.wiki = {
             from = "beacon";
             request = {
-              server_name = "wiki.demo.test";
-              upstream = "http://127.0.0.1:3000";
+              server_names = [ "wiki.demo.test" ];
+              port = 3000;
               sign_in_client = config.fort.lib.ref "oidc/wiki" "/client_id";
             };
           };

@@ -1,12 +1,14 @@
 #!/bin/sh
-# proxy-provider.sh: example side-effect-only async provider handler (docs/protocol.md §9).
-# Every entry `<origin>:proxy/<id>` with request {"server_name": "wiki.example.org",
-# "upstream": "http://10.0.0.7:3000"} (and optionally "sign_in_client": an OIDC client id
-# users sign in through, typically a reference to the consumer's own oidc need, §11.5)
-# becomes a vhost file
-# $FORT_EXAMPLE_STATE/vhosts/<origin>@<id>.conf and the answer "OK" (a JSON string, so
-# the consumer receives the two bytes OK and is satisfied without a handler of its own).
-# A request with unsafe values gets a message instead, which the consumer logs.
+# proxy-provider.sh: example side-effect-only async provider handler (docs/protocol.md §9)
+# for the `proxy` interface (nixos-module/interfaces/proxy.nix). Every entry
+# `<origin>:proxy/<id>` with request {"server_names": ["wiki.example.org"], "port": 3000}
+# (optionally "path", "upstream_host", and "sign_in_client": an OIDC client id users sign
+# in through, typically a reference to the consumer's own oidc need, §11.5) becomes a
+# vhost file $FORT_EXAMPLE_STATE/vhosts/<origin>@<id>.conf and the answer "OK" (a JSON
+# string, so the consumer receives the two bytes OK and is satisfied without a handler of
+# its own). A request with unsafe values gets a message instead, which the consumer logs.
+# The example forwards to upstream_host or 127.0.0.1 and ignores "tls"; `fort-handler
+# proxy` is the real one (the caller's address from hosts.json, nginx -t, reload).
 #
 # The handler always sees every active entry, so files of entries that are gone (released
 # by their consumer, or collected by GC) are simply removed: that is the whole clean-up.
@@ -24,22 +26,27 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cat > "$tmp/in"
 
-# One line per entry: key, file name, server_name, upstream, sign-in client ("-" when
-# unsafe or missing; a missing sign-in client is "none").
+# One line per entry: key, file name, server names (comma-separated), upstream, sign-in
+# client ("-" when unsafe or missing; a missing sign-in client is "none").
 jq -r 'def ok(re): type == "string" and test(re);
+  def name: ok("^[a-z0-9.-]+$");
   to_entries[] | .value.request as $r | "\(.key) \(.key | sub(":[^/]*/"; "@")).conf \(
-    if ($r.server_name | ok("^[a-z0-9.-]+$")) and ($r.upstream | ok("^https?://[A-Za-z0-9.:_-]+/?$"))
+    if ($r.server_names | type == "array" and length > 0 and all(name))
+      and ($r.port | type == "number" and . >= 1 and . <= 65535 and floor == .)
+      and ($r.path == null or ($r.path | ok("^/[A-Za-z0-9._~/-]*$")))
+      and ($r.upstream_host == null or ($r.upstream_host | ok("^[A-Za-z0-9.-]+$")))
       and ($r.sign_in_client == null or ($r.sign_in_client | ok("^[A-Za-z0-9._-]{1,128}$")))
-    then "\($r.server_name) \($r.upstream) \($r.sign_in_client // "none")" else "- - -" end)"' "$tmp/in" > "$tmp/list"
+    then "\($r.server_names | join(",")) http://\($r.upstream_host // "127.0.0.1"):\($r.port)\($r.path // "") \($r.sign_in_client // "none")"
+    else "- - -" end)"' "$tmp/in" > "$tmp/list"
 
 : > "$tmp/keep"
 while read -r key file name upstream client; do
   if [ "$name" = - ]; then
-    jq -cn --arg k "$key" '{($k): "server_name must be a DNS name, upstream http(s)://host:port and sign_in_client a client id"}'
+    jq -cn --arg k "$key" '{($k): "server_names must be DNS names, port a port, path a plain path and sign_in_client a client id"}'
     continue
   fi
   {
-    printf 'server {\n  server_name %s;\n' "$name"
+    printf 'server {\n  server_name %s;\n' "$(echo "$name" | tr , ' ')"
     [ "$client" = none ] || printf '  # users sign in through OIDC client %s\n' "$client"
     printf '  location / { proxy_pass %s; }\n}\n' "$upstream"
   } > "$tmp/conf"

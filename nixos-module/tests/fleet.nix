@@ -5,17 +5,17 @@
 #           postgres (fort-handler postgres through its options) and ssh-ca (fort-handler's
 #           SSH CA), and consumes its own sshd host certificate (fort.host.sshCertificate);
 #           handler environment; metrics
-#   beacon: provides proxy (async), ping (rpc, its own interface) and dns-record
-#           (fort-handler dns-record through its options); consumes oidc (two
+#   beacon: provides proxy (fort-handler proxy through its options), ping (rpc, its
+#           own interface) and dns-record (fort-handler dns-record through its
+#           options); consumes oidc (two
 #           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
 #           runs as user "fort" under strictSandbox; its port set through settings.listen
 #   app:    consumes oidc (instance wiki, by name and by tag) with two payload files, one
 #           a credential of the wiki service (which also reads the other's path);
 #           ssl-cert with a file, renewal and restart; a certificate from forge's ACME
-#           capability (tls) for a key it makes (fort.host.certificates); proxy referring
-#           to the certificate
-#           and waiting for oidc; dns-record for its own address under a name beacon
-#           allows it; postgres under a name forge allows it
+#           capability (tls) for a key it makes (fort.host.certificates); proxy with
+#           beacon's certificate set, waiting for oidc; dns-record for its own address
+#           under a name beacon allows it; postgres under a name forge allows it
 # `extra.<host>` adds modules to a host (the broken fleets use it).
 {
   extra ? { },
@@ -169,7 +169,16 @@ in
             };
           };
           fort.host.capabilities = {
-            proxy.handler = pkgs.writeShellScript "proxy-vhosts" "exit 0";
+            # fort-handler proxy through its options: vhosts in the default include
+            # directory, one certificate set.
+            proxy.proxy = {
+              allow."*" = [ "{origin}.example.org" "*.{origin}.example.org" ];
+              tls.example-org = {
+                certificate = "/var/lib/nginx/certs/beacon.pem";
+                key = "/var/lib/nginx/certs/beacon.pem";
+              };
+              upstreamHosts.app = [ "10.0.0.9" ];
+            };
             dns-record.dnsRecord = {
               zone = "example.org";
               primary = "10.0.0.53";
@@ -273,15 +282,17 @@ in
                 credentialFor = [ "wiki.service" ];
               };
             };
-            # Side-effect only: satisfied when beacon answers OK. Sent once the
-            # certificate it refers to is there, and after the OIDC client exists.
+            # A vhost on beacon forwarding to app's own address, served with beacon's
+            # certificate set; sent after the OIDC client exists.
             proxy.app = {
               from = "beacon";
               request = {
-                server_name = "app.example.org";
-                upstream = "http://10.0.0.3:3000";
-                certificate = config.fort.lib.ref "ssl-cert/app" "";
+                server_names = [ "app.example.org" "www.app.example.org" ];
+                port = 3000;
+                tls = "example-org";
               };
+              # fort-handler proxy answers {server_names, upstream, tls}, kept as a file.
+              files."vhost.json" = { };
               after = [ "oidc/wiki" ];
             };
           };

@@ -169,6 +169,20 @@ in
         type = types.listOf types.str;
         default = [ ];
       };
+      # As NixOS's (nixos/modules/services/web-servers/nginx), the part the proxy
+      # capability sets.
+      services.nginx.package = mkOption {
+        type = types.raw;
+        default = drv "nginx-1.26.2" { };
+      };
+      services.nginx.enableReload = mkOption {
+        type = types.bool;
+        default = false;
+      };
+      services.nginx.appendHttpConfig = mkOption {
+        type = types.lines;
+        default = "";
+      };
       services.openssh.extraConfig = mkOption {
         type = types.lines;
         default = "";

@@ -112,8 +112,8 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
             "proxy/wiki",
             "beacon",
             json!({
-                "server_name": WIKI_DOMAIN,
-                "upstream": "http://127.0.0.1:3000",
+                "server_names": [WIKI_DOMAIN],
+                "port": 3000,
                 "sign_in_client": {"$fort_ref": "oidc/wiki#/client_id"},
             }),
         ),

@@ -1,0 +1,290 @@
+# The provider side of `fort-handler proxy`: `fort.host.capabilities.<name>.proxy` turns a
+# capability into nginx virtual hosts, one file per entry in a directory this host's
+# nginx includes, each change checked with `nginx -t` before one reload
+# (docs/handlers.md, "proxy"). The handler's config is written to the store as JSON; it
+# names the certificate and key files, never their contents.
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+let
+  inherit (lib)
+    filterAttrs
+    literalExpression
+    mapAttrs
+    mapAttrsToList
+    mkDefault
+    mkIf
+    mkOption
+    types
+    ;
+  fortPackage = config.services.fort-agent.package;
+  nginxCfg = config.services.nginx;
+  clusterInterfaces = config.fort.cluster.interfaces;
+  # What nginx reads without quoting (the handler checks the same).
+  configPath = types.strMatching "/[A-Za-z0-9._+@/-]*";
+  listen = types.strMatching "[0-9]{1,5}|[0-9.]+:[0-9]{1,5}|[[][0-9A-Fa-f:.]+[]]:[0-9]{1,5}";
+
+  settings =
+    name:
+    types.submodule {
+      options = {
+        includeDir = mkOption {
+          type = configPath;
+          default = "/var/lib/fort/nginx/${name}";
+          defaultText = literalExpression ''"/var/lib/fort/nginx/<name>"'';
+          description = ''
+            The directory of the virtual host files, included in `services.nginx`'s
+            `http` block (`configureNginx`). The handler writes only `fort.*.conf` files
+            marked as its own there, and never touches anything else in it.
+          '';
+        };
+        configureNginx = mkOption {
+          type = types.bool;
+          default = true;
+          description = ''
+            Add `include <includeDir>/*.conf;` to `services.nginx.appendHttpConfig`,
+            create the directory, and turn on `services.nginx.enableReload` (so the
+            configuration nginx runs is `/etc/nginx/nginx.conf`, which the default
+            `testCommand` checks). Off: include the directory yourself.
+          '';
+        };
+        testCommand = mkOption {
+          type = types.nonEmptyListOf types.str;
+          default = [
+            "${nginxCfg.package}/bin/nginx"
+            "-t"
+            "-q"
+            "-c"
+            "/etc/nginx/nginx.conf"
+          ];
+          defaultText = literalExpression ''[ "''${config.services.nginx.package}/bin/nginx" "-t" "-q" "-c" "/etc/nginx/nginx.conf" ]'';
+          description = ''
+            The command that checks the whole configuration with the handler's files in
+            it, as an argument vector (no shell). It must read what nginx reads
+            (certificates and keys included), so it runs as the agent's user.
+          '';
+        };
+        reloadUnit = mkOption {
+          type = types.str;
+          default = "nginx.service";
+          description = "The unit `systemctl reload` reloads after a change (unless `reloadCommand` is set).";
+        };
+        reloadCommand = mkOption {
+          type = types.nullOr (types.nonEmptyListOf types.str);
+          default = null;
+          example = [
+            "/run/current-system/sw/bin/nginx"
+            "-s"
+            "reload"
+          ];
+          description = "The command that makes nginx load the configuration, as an argument vector. `null`: `systemctl reload <reloadUnit>`.";
+        };
+        commandTimeoutSeconds = mkOption {
+          type = types.ints.between 1 55;
+          default = 20;
+          description = "How long one test or reload may take before it is killed.";
+        };
+        listen = mkOption {
+          type = types.nonEmptyListOf listen;
+          default = [
+            "80"
+            "[::]:80"
+          ];
+          description = "Where plain-HTTP virtual hosts listen: `PORT`, `IPv4:PORT` or `[IPv6]:PORT`.";
+        };
+        listenTls = mkOption {
+          type = types.nonEmptyListOf listen;
+          default = [
+            "443"
+            "[::]:443"
+          ];
+          description = "Where TLS virtual hosts listen (`listen … ssl`).";
+        };
+        tls = mkOption {
+          type = types.attrsOf (
+            types.submodule {
+              options = {
+                certificate = mkOption {
+                  type = configPath;
+                  description = "The PEM certificate chain nginx serves.";
+                };
+                key = mkOption {
+                  type = configPath;
+                  description = "Its PEM private key, readable by nginx (never by a consumer).";
+                };
+              };
+            }
+          );
+          default = { };
+          example = literalExpression ''{ example-org = { certificate = "/var/lib/acme/example.org/fullchain.pem"; key = "/var/lib/acme/example.org/key.pem"; }; }'';
+          description = ''
+            Certificate sets a request may name in `tls`, by name (`[A-Za-z0-9._-]`, at
+            most 64). A request names a set, never a file.
+          '';
+        };
+        allow = mkOption {
+          type = types.attrsOf (types.listOf types.str);
+          default = { };
+          example = literalExpression ''{ app = [ "wiki.example.org" "*.app.example.org" ]; "*" = [ "{origin}.hosts.example.org" ]; }'';
+          description = ''
+            Server names each caller may have, per host or principal and `"*"` for
+            everyone: an exact name, or `*.SUFFIX` for every name below SUFFIX;
+            `{origin}` is the caller's name. A request for any other name is refused,
+            with the reason in the consumer's need state.
+          '';
+        };
+        upstreamHosts = mkOption {
+          type = types.attrsOf (types.listOf types.str);
+          default = { };
+          example = literalExpression ''{ ops = [ "10.0.0.9" "*.lan" ]; }'';
+          description = ''
+            Hosts other than its own address that a caller may forward to
+            (`upstream_host`), per caller and `"*"`: exact names or addresses, or
+            `*.SUFFIX`. Unset: every virtual host forwards to its caller's address from
+            hosts.json.
+          '';
+        };
+        stateFile = mkOption {
+          type = types.str;
+          default = "/var/lib/fort/handlers/${name}.json";
+          defaultText = literalExpression ''"/var/lib/fort/handlers/<name>.json"'';
+          description = ''
+            The handler's record of the files it wrote (mode 0600): only these are ever
+            replaced or removed. One per capability.
+          '';
+        };
+      };
+    };
+
+  reloadCommand =
+    s:
+    if s.reloadCommand != null then
+      s.reloadCommand
+    else
+      [
+        "${config.systemd.package}/bin/systemctl"
+        "reload"
+        "--"
+        s.reloadUnit
+      ];
+
+  configFile =
+    name: s:
+    pkgs.writeText "fort-proxy-${name}.json" (
+      builtins.toJSON {
+        include_dir = s.includeDir;
+        state_file = s.stateFile;
+        hosts = "/etc/fort/hosts.json";
+        test_command = s.testCommand;
+        reload_command = reloadCommand s;
+        command_timeout_seconds = s.commandTimeoutSeconds;
+        inherit (s) listen allow;
+        listen_tls = s.listenTls;
+        tls = mapAttrs (_: t: { inherit (t) certificate key; }) s.tls;
+        upstream_hosts = s.upstreamHosts;
+      }
+    );
+
+  withProxy = filterAttrs (_: c: c.proxy != null) config.fort.host.capabilities;
+  configured = filterAttrs (_: c: c.proxy.configureNginx) withProxy;
+in
+{
+  options.fort.host.capabilities = mkOption {
+    type = types.attrsOf (
+      types.submodule (
+        { name, config, ... }:
+        {
+          options.proxy = mkOption {
+            type = types.nullOr (settings name);
+            default = null;
+            example = literalExpression ''
+              {
+                allow."*" = [ "{origin}.example.org" "*.{origin}.example.org" ];
+                tls.example-org = {
+                  certificate = "/var/lib/acme/example.org/fullchain.pem";
+                  key = "/var/lib/acme/example.org/key.pem";
+                };
+              }
+            '';
+            description = ''
+              Serve this capability with `fort-handler proxy`: one nginx virtual host per
+              entry, forwarding the entry's server names to the consumer's own address,
+              delivered as `{server_names, upstream, tls}`. Every change is checked with
+              `testCommand` before one reload; an entry whose virtual host fails the
+              check is refused with nginx's reason and the others keep serving.
+            '';
+          };
+          config = mkIf (config.proxy != null) {
+            handler = mkDefault "${fortPackage}/bin/fort-handler";
+            args = [
+              "proxy"
+              "--config"
+              "${configFile name config.proxy}"
+            ];
+            # The fleet's interface of this name when it declares one (it may extend the
+            # shipped one, as the example handler's users do), else the shipped one.
+            interface = mkDefault (clusterInterfaces.${name} or ../interfaces/proxy.nix);
+            triggers.initialize = mkDefault true;
+            description = mkDefault "nginx virtual hosts";
+          };
+        }
+      )
+    );
+  };
+
+  config = mkIf (withProxy != { }) {
+    services.fort-agent.readWritePaths = mapAttrsToList (_: c: c.proxy.includeDir) withProxy;
+    services.nginx = mkIf (configured != { }) {
+      enableReload = mkDefault true;
+      appendHttpConfig = lib.concatStringsSep "\n" (
+        mapAttrsToList (_: c: "include ${c.proxy.includeDir}/*.conf;") configured
+      );
+    };
+    systemd.tmpfiles.rules = mapAttrsToList (
+      _: c: "d ${c.proxy.includeDir} 0755 ${config.services.fort-agent.user} root -"
+    ) configured;
+
+    assertions =
+      let
+        stateFiles = mapAttrsToList (_: c: c.proxy.stateFile) withProxy;
+        dirs = mapAttrsToList (_: c: c.proxy.includeDir) withProxy;
+      in
+      [
+        {
+          assertion = lib.length stateFiles == lib.length (lib.unique stateFiles);
+          message = "fort.host.capabilities.<name>.proxy.stateFile: two capabilities share one state file; give each its own.";
+        }
+        {
+          assertion = lib.length dirs == lib.length (lib.unique dirs);
+          message = "fort.host.capabilities.<name>.proxy.includeDir: two capabilities share one directory; give each its own.";
+        }
+      ]
+      ++ lib.concatLists (
+        mapAttrsToList (name: c: [
+          {
+            assertion = c.mode == "async";
+            message = "fort.host.capabilities.${name}.proxy: the capability must be async (virtual hosts are entries the handler reconciles).";
+          }
+          {
+            assertion = lib.hasPrefix "/" c.proxy.stateFile;
+            message = "fort.host.capabilities.${name}.proxy.stateFile must be an absolute path.";
+          }
+          {
+            assertion = builtins.all (n: builtins.match "[A-Za-z0-9._-]{1,64}" n != null) (
+              builtins.attrNames c.proxy.tls
+            );
+            message = "fort.host.capabilities.${name}.proxy.tls: set names are 1 to 64 of A-Z a-z 0-9 . _ -.";
+          }
+          {
+            assertion = builtins.all (
+              patterns: builtins.all (p: builtins.match "[*][.].+|[^*]+" p != null) patterns
+            ) (builtins.attrValues c.proxy.allow ++ builtins.attrValues c.proxy.upstreamHosts);
+            message = "fort.host.capabilities.${name}.proxy: every pattern of allow and upstreamHosts is an exact name or *.SUFFIX.";
+          }
+        ]) withProxy
+      );
+  };
+}
