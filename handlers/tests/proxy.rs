@@ -204,19 +204,26 @@ fn vhosts_forward_to_the_callers_upstream_and_go_with_release() {
         (200, "app /".into())
     );
     assert_eq!(
-        s.nginx.get("www.app.example.org", "/page?q=1"),
+        s.nginx
+            .wait_for_body("www.app.example.org", "/page?q=1", 200, "app /page?q=1"),
         (200, "app /page?q=1".into())
     );
     assert_eq!(
-        s.nginx.get("web.example.org", "/x"),
+        s.nginx
+            .wait_for_body("web.example.org", "/x", 200, "web /base/x"),
         (200, "web /base/x".into())
     );
     assert_eq!(
-        s.nginx.get("ops.example.org", "/"),
+        s.nginx
+            .wait_for_body("ops.example.org", "/", 200, "elsewhere /"),
         (200, "elsewhere /".into())
     );
-    assert_eq!(s.nginx.get("x.app.example.org", "/").0, 404);
-    assert_eq!(s.nginx.get("admin.example.org", "/"), (200, "admin".into()));
+    assert_eq!(s.nginx.wait_for("x.app.example.org", 404).0, 404);
+    assert_eq!(
+        s.nginx
+            .wait_for_body("admin.example.org", "/", 200, "admin"),
+        (200, "admin".into())
+    );
     let file = s.vhost("fort.app.proxy.wiki.conf");
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(
@@ -248,10 +255,15 @@ fn vhosts_forward_to_the_callers_upstream_and_go_with_release() {
     assert!(!file.exists());
     assert_eq!(s.nginx.wait_for("wiki.app.example.org", 404).0, 404);
     assert_eq!(
-        s.nginx.get("web.example.org", "/"),
+        s.nginx
+            .wait_for_body("web.example.org", "/", 200, "web /base/"),
         (200, "web /base/".into())
     );
-    assert_eq!(s.nginx.get("admin.example.org", "/"), (200, "admin".into()));
+    assert_eq!(
+        s.nginx
+            .wait_for_body("admin.example.org", "/", 200, "admin"),
+        (200, "admin".into())
+    );
 
     // A file of fort's name that fort did not write is left alone, its entry refused.
     let squatted = s.vhost("fort.app.proxy.wiki.conf");
@@ -273,7 +285,11 @@ fn vhosts_forward_to_the_callers_upstream_and_go_with_release() {
         .collect();
     assert_eq!(left, ["admin.conf"]);
     assert_eq!(s.nginx.wait_for("web.example.org", 404).0, 404);
-    assert_eq!(s.nginx.get("admin.example.org", "/"), (200, "admin".into()));
+    assert_eq!(
+        s.nginx
+            .wait_for_body("admin.example.org", "/", 200, "admin"),
+        (200, "admin".into())
+    );
     drop(s.dir);
 }
 
@@ -352,7 +368,7 @@ fn a_vhost_nginx_refuses_is_refused_and_the_others_keep_serving() {
         );
     }
     // The TLS vhost: HTTPS reaches the upstream, plain HTTP is sent there.
-    assert_eq!(s.nginx.get("tls.app.example.org", "/").0, 301);
+    assert_eq!(s.nginx.wait_for("tls.app.example.org", 301).0, 301);
     if let Some(body) = curl_https(tls_addr, "tls.app.example.org") {
         assert_eq!(body, "app /");
     }
@@ -366,7 +382,11 @@ fn a_vhost_nginx_refuses_is_refused_and_the_others_keep_serving() {
     requests[0].1 = tls("a", "broken");
     let (out, _) = s.ok("request", &requests);
     assert!(refusal(&out, "app:proxy/a").contains("the previous one stays"));
-    assert_eq!(s.nginx.get("a.app.example.org", "/"), (200, "app /".into()));
+    assert_eq!(
+        s.nginx
+            .wait_for_body("a.app.example.org", "/", 200, "app /"),
+        (200, "app /".into())
+    );
     requests[0].1 = plain("a");
 
     // A broken file the admin left in the directory: nothing this run would change is
@@ -381,8 +401,12 @@ fn a_vhost_nginx_refuses_is_refused_and_the_others_keep_serving() {
         "{err}"
     );
     assert!(!s.vhost("fort.app.proxy.g.conf").exists());
-    assert_eq!(s.nginx.get("a.app.example.org", "/"), (200, "app /".into()));
-    assert_eq!(s.nginx.get("g.app.example.org", "/").0, 404);
+    assert_eq!(
+        s.nginx
+            .wait_for_body("a.app.example.org", "/", 200, "app /"),
+        (200, "app /".into())
+    );
+    assert_eq!(s.nginx.wait_for("g.app.example.org", 404).0, 404);
     // The admin fixes it: the new vhost comes.
     std::fs::remove_file(s.vhost("admin.conf")).unwrap();
     let (out, _) = s.ok("request", &requests);

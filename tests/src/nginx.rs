@@ -110,13 +110,29 @@ impl Nginx {
         http_get(self.addr, host, path)
     }
 
-    /// Waits (up to 10 s: a reload starts new workers) until `GET /` for `host` answers
-    /// `status`; the last answer.
+    /// Waits (up to 10 s: a reload starts new workers, and old ones answer with the old
+    /// configuration until they are gone) until `GET /` for `host` answers `status`; the
+    /// last answer.
     pub fn wait_for(&self, host: &str, status: u16) -> (u16, String) {
+        self.answer(host, "/", |got| got.0 == status)
+    }
+
+    /// Waits as `wait_for` until `GET path` for `host` answers `status` with `body`; the
+    /// last answer.
+    pub fn wait_for_body(&self, host: &str, path: &str, status: u16, body: &str) -> (u16, String) {
+        self.answer(host, path, |got| got.0 == status && got.1 == body)
+    }
+
+    fn answer(
+        &self,
+        host: &str,
+        path: &str,
+        done: impl Fn(&(u16, String)) -> bool,
+    ) -> (u16, String) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let got = self.get(host, "/");
-            if got.0 == status || Instant::now() > deadline {
+            let got = self.get(host, path);
+            if done(&got) || Instant::now() > deadline {
                 return got;
             }
             std::thread::sleep(Duration::from_millis(50));
