@@ -232,7 +232,7 @@ pub(super) async fn step(fleet: &Fleet, ca: Option<&DemoCa>) -> anyhow::Result<S
         "  makes: the request carries {{\"$fort_key\": \"key\", \"as\": \"csr\"}}, only a CSR."
     );
     fleet.write_needs("app", |n| {
-        n.key != "proxy/wiki" && n.key != super::oidc::NEED
+        n.key != "proxy/wiki" && n.key != super::oidc::NEED && n.key != super::proxy::NEED
     })?;
     fleet
         .admin("app", &AdminRequest::Reload)

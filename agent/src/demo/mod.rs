@@ -9,6 +9,7 @@ mod acme;
 mod examples;
 mod fleet;
 mod oidc;
+mod proxy;
 mod steps;
 
 use std::path::{Path, PathBuf};
@@ -204,10 +205,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             None
         }
     };
+    // The nginx step's web server, when nginx is installed.
+    let nginx = match proxy::DemoNginx::start(&root)
+        .and_then(|n| n.map(|n| n.declarations(&root).map(|d| (n, d))).transpose())
+    {
+        Ok(Some((nginx, (cap, need)))) => {
+            caps.push(cap);
+            needs.push(need);
+            Some(nginx)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            println!("nginx could not be used ({e:#}); the nginx step is skipped");
+            None
+        }
+    };
     let mut fleet = Fleet::create(&root, &["forge", "beacon", "app"], caps, needs)?;
     // Ctrl-C or SIGTERM ends the demo through the normal path, so the agents are killed.
     let outcome = tokio::select! {
-        r = walkthrough(&mut fleet, ca.as_ref(), idp.as_ref()) => r,
+        r = walkthrough(&mut fleet, ca.as_ref(), idp.as_ref(), nginx.as_ref()) => r,
         s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}")),
     };
     match outcome {
@@ -257,6 +273,7 @@ async fn walkthrough(
     fleet: &mut Fleet,
     ca: Option<&acme::DemoCa>,
     idp: Option<&oidc::DemoIdp>,
+    nginx: Option<&proxy::DemoNginx>,
 ) -> anyhow::Result<()> {
     println!(
         "fort demo: three agents on loopback, files in {}",
@@ -284,6 +301,8 @@ async fn walkthrough(
                 " (added in step 6)"
             } else if n.key == oidc::NEED {
                 " (added in step 7)"
+            } else if n.key == proxy::NEED {
+                " (added in step 8)"
             } else {
                 " (added in step 5)"
             };
@@ -404,7 +423,7 @@ async fn walkthrough(
         s["needs"]["total"],
         converged.as_secs_f64()
     )];
-    let steps: [(&str, &str); 7] = [
+    let steps: [(&str, &str); 8] = [
         ("rotation", "certificate rotation reaches only its consumer"),
         (
             "reference",
@@ -424,6 +443,7 @@ async fn walkthrough(
             "oidc",
             "an OIDC client registered at a real OpenID provider",
         ),
+        ("nginx", "a virtual host at a real nginx forwards to app"),
     ];
     for (i, (short, title)) in steps.iter().enumerate() {
         println!("Step {}/{}: {title}", i + 1, steps.len());
@@ -435,7 +455,8 @@ async fn walkthrough(
             3 => steps::kill_and_restart(fleet).await,
             4 => steps::renewal(fleet).await,
             5 => acme::step(fleet, ca).await,
-            _ => oidc::step(fleet, idp).await,
+            6 => oidc::step(fleet, idp).await,
+            _ => proxy::step(fleet, nginx).await,
         }
         .with_context(|| format!("step {} ({title}) failed", i + 1))?;
         let took = secs(started);

@@ -167,7 +167,9 @@ pub(super) async fn step(fleet: &Fleet, idp: Option<&DemoIdp>) -> anyhow::Result
         idp.issuer
     );
     println!("  forge serves idp with fort-handler oidc; app declares {NEED}.");
-    fleet.write_needs("app", |n| n.key != "proxy/wiki")?;
+    fleet.write_needs("app", |n| {
+        n.key != "proxy/wiki" && n.key != super::proxy::NEED
+    })?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await

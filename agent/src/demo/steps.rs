@@ -435,7 +435,10 @@ pub(super) async fn renewal(fleet: &Fleet) -> anyhow::Result<String> {
     println!("  before it expires (renew_before_seconds). In the renewal window the need is `expiring` and");
     println!("  is asked for again with \"renew\": true, which forge's handler honours.");
     fleet.write_needs("app", |n| {
-        n.key != "proxy/wiki" && n.key != super::acme::NEED && n.key != super::oidc::NEED
+        n.key != "proxy/wiki"
+            && n.key != super::acme::NEED
+            && n.key != super::oidc::NEED
+            && n.key != super::proxy::NEED
     })?;
     fleet
         .admin("app", &AdminRequest::Reload)

@@ -1,0 +1,241 @@
+//! The demo's nginx step: when nginx is installed, the demo starts one on loopback
+//! (unprivileged, in the foreground) and beacon also serves `vhost` with `fort-handler
+//! proxy`; app asks for a virtual host forwarding to a small web server of its own, and
+//! an HTTP request to nginx by the vhost's name reaches it. Without nginx the step says
+//! so and the vhost of the steps above is the example handler's text file.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::json;
+
+use super::fleet::{CapDecl, Fleet, NeedDecl};
+use super::steps::{need_row, Wait};
+use crate::admin::AdminRequest;
+
+pub(super) const NEED: &str = "vhost/wiki";
+const NAME: &str = "www.demo.test";
+const GREETING: &str = "hello from app's own web server";
+
+/// An nginx the demo started; stopped when dropped.
+pub(super) struct DemoNginx {
+    child: Child,
+    program: PathBuf,
+    dir: PathBuf,
+    addr: SocketAddr,
+}
+
+impl Drop for DemoNginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl DemoNginx {
+    /// Starts nginx under `root/nginx` with a default server answering 404 and an include
+    /// directory for vhosts; `Ok(None)` when nginx is not installed.
+    pub(super) fn start(root: &Path) -> anyhow::Result<Option<DemoNginx>> {
+        let Some(program) = super::acme::find("nginx") else {
+            return Ok(None);
+        };
+        let dir = root.join("nginx");
+        std::fs::create_dir_all(dir.join("vhosts"))?;
+        let addr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let d = dir.display();
+        std::fs::write(
+            dir.join("nginx.conf"),
+            format!(
+                "pid {d}/nginx.pid;\nerror_log {d}/error.log;\nworker_processes 1;\n\
+                 events {{ worker_connections 64; }}\n\
+                 http {{\n  access_log {d}/access.log;\n  client_body_temp_path {d}/t1;\n  proxy_temp_path {d}/t2;\n  fastcgi_temp_path {d}/t3;\n  uwsgi_temp_path {d}/t4;\n  scgi_temp_path {d}/t5;\n\
+                 server {{ listen {addr} default_server; return 404; }}\n\
+                 include {d}/vhosts/*.conf;\n}}\n"
+            ),
+        )?;
+        let mut me = DemoNginx {
+            child: Command::new(&program)
+                .args(base_args(&dir))
+                .args(["-g", "daemon off;"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("cannot start nginx")?,
+            program,
+            dir,
+            addr,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).is_err() {
+            if let Ok(Some(status)) = me.child.try_wait() {
+                bail!(
+                    "nginx exited ({status}); see {}",
+                    me.dir.join("error.log").display()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!("nginx did not listen within 10s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Some(me))
+    }
+
+    fn command(&self, tail: &[&str]) -> Vec<String> {
+        let mut argv = vec![self.program.display().to_string()];
+        argv.extend(base_args(&self.dir));
+        argv.extend(tail.iter().map(|s| s.to_string()));
+        argv
+    }
+
+    /// beacon's `vhost` capability (`fort-handler proxy` for this nginx) and app's need
+    /// for a virtual host, added by the step (its port is set then).
+    pub(super) fn declarations(&self, root: &Path) -> anyhow::Result<(CapDecl, NeedDecl)> {
+        let handler = std::env::current_exe()?.with_file_name("fort-handler");
+        if !handler.is_file() {
+            bail!("{} is not built", handler.display());
+        }
+        let config = self.dir.join("proxy.json");
+        std::fs::write(
+            &config,
+            json!({
+                "include_dir": self.dir.join("vhosts"),
+                "state_file": root.join("beacon/state/proxy-vhosts.json"),
+                "hosts": root.join("hosts.json"),
+                "test_command": self.command(&["-t", "-q"]),
+                "reload_command": self.command(&["-s", "reload"]),
+                "listen": [self.addr.to_string()],
+                "allow": {"app": [NAME]},
+            })
+            .to_string(),
+        )?;
+        let cap = CapDecl {
+            host: "beacon",
+            name: "vhost",
+            handler: "",
+            command: Some((
+                handler,
+                vec![
+                    "proxy".into(),
+                    "--config".into(),
+                    config.display().to_string(),
+                ],
+            )),
+            cache_response: true,
+            description: "nginx virtual hosts, each checked with nginx -t",
+        };
+        let need = NeedDecl {
+            consumer: "app",
+            key: NEED,
+            from: "beacon",
+            request: json!({"server_names": [NAME], "port": 1}),
+            handler: None,
+            files: vec![("vhost.json", "", "0444")],
+            more: json!({}),
+            from_start: false,
+        };
+        Ok((cap, need))
+    }
+
+    /// `GET /` with `Host: name`: the status line and the body.
+    fn get(&self, name: &str) -> anyhow::Result<(String, String)> {
+        let mut s = TcpStream::connect(self.addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(
+            s,
+            "GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut text = String::new();
+        s.take(64 * 1024).read_to_string(&mut text)?;
+        let status = text.lines().next().unwrap_or("").to_owned();
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+        Ok((status, body))
+    }
+}
+
+fn base_args(dir: &Path) -> Vec<String> {
+    let d = dir.display();
+    vec![
+        "-p".into(),
+        d.to_string(),
+        "-c".into(),
+        format!("{d}/nginx.conf"),
+        "-e".into(),
+        format!("{d}/error.log"),
+    ]
+}
+
+/// A web server on app's own address, answering every request with [`GREETING`] (a thread
+/// that lives as long as the demo).
+fn app_web_server(ip: std::net::IpAddr) -> anyhow::Result<u16> {
+    let listener = TcpListener::bind((ip, 0)).context("app's web server")?;
+    let port = listener.local_addr()?.port();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{GREETING}",
+                GREETING.len()
+            );
+        }
+    });
+    Ok(port)
+}
+
+/// The step: app's vhost at beacon's nginx forwards to app's own web server by its name;
+/// any other name gets nginx's 404.
+pub(super) async fn step(fleet: &mut Fleet, nginx: Option<&DemoNginx>) -> anyhow::Result<String> {
+    let Some(nginx) = nginx else {
+        println!(
+            "  nginx is not installed: no web server to configure; the vhost of the steps above"
+        );
+        println!("  is the example handler's text file.");
+        return Ok("skipped: nginx is not installed".into());
+    };
+    let port = app_web_server(fleet.host("app").addr.ip())?;
+    if let Some(need) = fleet.needs.iter_mut().find(|n| n.key == NEED) {
+        need.request["port"] = port.into();
+    }
+    println!(
+        "  nginx runs at {} (beacon's, unprivileged); beacon serves vhost with",
+        nginx.addr
+    );
+    println!("  fort-handler proxy. app runs a web server on its own address, port {port}, and");
+    println!("  declares {NEED}: {{\"server_names\": [\"{NAME}\"], \"port\": {port}}}.");
+    fleet.write_needs("app", |n| n.key != "proxy/wiki")?;
+    fleet
+        .admin("app", &AdminRequest::Reload)
+        .await
+        .context("reload app")?;
+    let wait = Wait::until("app's vhost is in place at nginx");
+    loop {
+        if need_row(fleet, NEED).await?["satisfied"] == true {
+            break;
+        }
+        wait.tick().await?;
+    }
+    // The reload reaches nginx's workers a moment after it is signalled.
+    let wait = Wait::until("nginx forwards the vhost's name to app's web server");
+    let (status, body) = loop {
+        let (status, body) = nginx.get(NAME)?;
+        if body == GREETING {
+            break (status, body);
+        }
+        wait.tick().await?;
+    };
+    let (other, _) = nginx.get("elsewhere.demo.test")?;
+    if !other.contains(" 404 ") {
+        bail!("a name no vhost has should get nginx's 404, got {other:?}");
+    }
+    println!("  GET http://{NAME}/ at nginx: {status}: \"{body}\"");
+    println!("  GET http://elsewhere.demo.test/ at nginx: {other} (no vhost has that name)");
+    Ok("a vhost at a real nginx forwards by name to app's web server".into())
+}
