@@ -99,15 +99,15 @@ async fn consumers_get_tokens_with_delivered_clients_through_rotation_and_releas
     let evil = need(&f, "web", "evil", m2m("app", 0));
     f.need("web", "oidc/evil", "id", evil);
     f.start();
+    // Every file of both clients (files are written one after the other).
+    let delivered = |f: &Fleet, host: &str| {
+        ["client_id", "client_secret", "issuer"]
+            .iter()
+            .all(|name| !read(f, host, "wiki", name).is_empty())
+    };
     assert!(
-        eventually(Duration::from_secs(30), || !read(
-            &f,
-            "app",
-            "wiki",
-            "client_secret"
-        )
-        .is_empty()
-            && !read(&f, "web", "wiki", "client_secret").is_empty())
+        eventually(Duration::from_secs(30), || delivered(&f, "app")
+            && delivered(&f, "web"))
         .await,
         "not delivered: app {} web {}",
         f.status("app")["needs"],
@@ -143,19 +143,20 @@ async fn consumers_get_tokens_with_delivered_clients_through_rotation_and_releas
     f.host("app").needs.get_mut("oidc/wiki").unwrap()["request"] = m2m("app", 1);
     f.write_files();
     f.agents["app"].hup();
-    assert!(
-        eventually(Duration::from_secs(15), || {
-            let now = read(&f, "app", "wiki", "client_secret");
-            !now.is_empty() && now != app_secret
-        })
-        .await,
-        "rotate did not bring a new secret"
-    );
-    let (new_id, new_secret) = (
-        read(&f, "app", "wiki", "client_id"),
-        read(&f, "app", "wiki", "client_secret"),
-    );
-    assert!(gets_token(&op, &new_id, &new_secret).await);
+    // The new client's id and secret arrive as two files: wait until both are there.
+    let mut rotated = None;
+    for _ in 0..75 {
+        let (id, secret) = (
+            read(&f, "app", "wiki", "client_id"),
+            read(&f, "app", "wiki", "client_secret"),
+        );
+        if !secret.is_empty() && secret != app_secret && gets_token(&op, &id, &secret).await {
+            rotated = Some((id, secret));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (new_id, new_secret) = rotated.expect("rotate did not bring a new secret that works");
     assert!(!gets_token(&op, &app_id, &app_secret).await);
 
     // app drops the need: its client is deleted at the provider; web keeps its own.
