@@ -3,7 +3,7 @@
 //! would see. Every scenario runs against both servers.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use fort_tests::dns::{DnsServer, Flavor};
 use serde_json::{json, Value};
@@ -78,7 +78,13 @@ impl Setup {
             .iter()
             .map(|(k, r)| (k.to_string(), json!({"request": r, "response": null})))
             .collect();
-        run_handler(&self.config, trigger, &Value::Object(input))
+        fort_tests::run_handler(
+            "dns-record",
+            &self.config,
+            trigger,
+            &[],
+            &Value::Object(input),
+        )
     }
 
     fn state(&self) -> Value {
@@ -86,36 +92,6 @@ impl Setup {
             .unwrap_or_else(|_| "null".into());
         serde_json::from_str(&text).unwrap()
     }
-}
-
-fn run_handler(config: &Path, trigger: &str, input: &Value) -> (bool, Value, String) {
-    let mut child = Command::new(fort_tests::bin("fort-handler"))
-        .args(["dns-record", "--config"])
-        .arg(config)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("FORT_TRIGGER", trigger)
-        .env("FORT_CAPABILITY", "dns-record")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let value = serde_json::from_str(&stdout).unwrap_or(Value::Null);
-    (
-        out.status.success(),
-        value,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 fn check(config: &Path) -> (bool, String) {

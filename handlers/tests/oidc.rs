@@ -5,9 +5,8 @@
 //! a client registered by hand is never touched, refusals say why, and a provider that is
 //! down fails the run. The whole fleet (real agents) is in `oidc_fleet.rs`.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 
 use fort_tests::oidc::OidcProvider;
 use serde_json::{json, Value};
@@ -63,7 +62,13 @@ impl Setup {
 
     /// One handler run as the agent makes it: (exit ok, stdout as JSON, stderr).
     fn run(&self, input: &Value) -> (bool, Value, String) {
-        run_handler(&self.config, input)
+        fort_tests::run_handler(
+            "oidc",
+            &self.config,
+            "request",
+            &[("FORT_HOST", "id")],
+            input,
+        )
     }
 
     /// A run that must succeed; it must not log a secret or a token.
@@ -156,35 +161,6 @@ fn block<F: std::future::Future>(f: F) -> F::Output {
         .build()
         .unwrap()
         .block_on(f)
-}
-
-fn run_handler(config: &Path, input: &Value) -> (bool, Value, String) {
-    let mut child = Command::new(fort_tests::bin("fort-handler"))
-        .args(["oidc", "--config"])
-        .arg(config)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("FORT_HOST", "id")
-        .env("FORT_CAPABILITY", "oidc")
-        .env("FORT_TRIGGER", "request")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    (
-        out.status.success(),
-        stdout,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 /// `{key: {"request": …, "response": …}}` with each response taken from `previous`.

@@ -4,9 +4,7 @@
 //! state, drift and a server that is down. The whole fleet (real agents) is in
 //! `postgres_fleet.rs`.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 
 use fort_handlers::postgres::names;
 use fort_tests::postgres::{Postgres, ADMIN, PASSWORD_ADMIN};
@@ -57,7 +55,13 @@ impl Setup {
 
     /// One handler run as the agent makes it: (exit ok, stdout as JSON, stderr).
     fn run(&self, trigger: &str, input: &Value) -> (bool, Value, String) {
-        run_handler(&self.config, trigger, input)
+        fort_tests::run_handler(
+            "postgres",
+            &self.config,
+            trigger,
+            &[("FORT_HOST", "db")],
+            input,
+        )
     }
 
     /// A run that must succeed.
@@ -78,35 +82,6 @@ impl Setup {
         ));
         out.lines().map(str::to_owned).collect()
     }
-}
-
-fn run_handler(config: &Path, trigger: &str, input: &Value) -> (bool, Value, String) {
-    let mut child = Command::new(fort_tests::bin("fort-handler"))
-        .args(["postgres", "--config"])
-        .arg(config)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("FORT_HOST", "db")
-        .env("FORT_CAPABILITY", "postgres")
-        .env("FORT_TRIGGER", trigger)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    (
-        out.status.success(),
-        stdout,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 /// `{key: {"request": …, "response": …}}` with each response taken from `previous`.

@@ -898,3 +898,64 @@ impl Impostor {
         self.decrypted.lock().expect("impostor log").clone()
     }
 }
+
+/// One `fort-handler <capability> --config CONFIG` run as the agent makes it: a cleared
+/// environment with `PATH`, `FORT_CAPABILITY`, `FORT_TRIGGER` and `env`, the input on
+/// stdin. (exit ok, stdout as JSON or null, stderr).
+pub fn run_handler(
+    capability: &str,
+    config: &Path,
+    trigger: &str,
+    env: &[(&str, &str)],
+    input: &Value,
+) -> (bool, Value, String) {
+    let mut child = Command::new(bin("fort-handler"))
+        .args([capability, "--config"])
+        .arg(config)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("FORT_CAPABILITY", capability)
+        .env("FORT_TRIGGER", trigger)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start fort-handler");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input.to_string().as_bytes())
+        .expect("write the input");
+    let out = child.wait_with_output().expect("fort-handler");
+    (
+        out.status.success(),
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// TLS for a server a test starts on loopback: a CA made here (`ca_name`, written to
+/// `dir/ca_file`) and a certificate it signs for `localhost` and `127.0.0.1`, written to
+/// `dir/cert.pem` with its key in `dir/key.pem`. Returns the CA file, for the client.
+pub fn loopback_tls(dir: &Path, ca_name: &str, ca_file: &str) -> PathBuf {
+    let ca_key = rcgen::KeyPair::generate().expect("key");
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, ca_name);
+    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("CA");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+    params
+        .subject_alt_names
+        .push(rcgen::SanType::IpAddress("127.0.0.1".parse().expect("ip")));
+    let cert = params.signed_by(&key, &ca).expect("leaf");
+    let ca_path = dir.join(ca_file);
+    std::fs::write(&ca_path, ca.pem()).expect("write");
+    std::fs::write(dir.join("cert.pem"), cert.pem()).expect("write");
+    std::fs::write(dir.join("key.pem"), key.serialize_pem()).expect("write");
+    ca_path
+}

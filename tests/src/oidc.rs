@@ -55,25 +55,7 @@ impl OidcProvider {
         }
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("oidc/server.mjs");
         let dir = tempfile::tempdir().expect("tempdir");
-        let ca_key = rcgen::KeyPair::generate().expect("key");
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(
-            rcgen::DnType::CommonName,
-            "fort test OpenID provider TLS CA",
-        );
-        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("CA");
-        let key = rcgen::KeyPair::generate().expect("key");
-        let mut params =
-            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
-        params
-            .subject_alt_names
-            .push(rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()));
-        let cert = params.signed_by(&key, &ca).expect("leaf");
-        let ca_file = dir.path().join("ca.pem");
-        std::fs::write(&ca_file, ca.pem()).expect("write");
-        std::fs::write(dir.path().join("cert.pem"), cert.pem()).expect("write");
-        std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).expect("write");
+        let ca_file = crate::loopback_tls(dir.path(), "fort test OpenID provider TLS CA", "ca.pem");
         let mut secret = [0u8; 24];
         std::io::Read::read_exact(
             &mut std::fs::File::open("/dev/urandom").expect("urandom"),

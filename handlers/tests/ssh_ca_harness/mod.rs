@@ -83,30 +83,12 @@ impl Ca {
 
     /// One run: (exit ok, stdout as JSON, stderr).
     pub fn run(&self, input: &Value) -> (bool, Value, String) {
-        let mut child = Command::new(fort_tests::bin("fort-handler"))
-            .args(["ssh-ca", "--config"])
-            .arg(self.path("config.json"))
-            .env_clear()
-            .env("FORT_TRIGGER", "request")
-            .env("FORT_HOST", "forge")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.to_string().as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
-        let stdout = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        (
-            out.status.success(),
-            stdout,
-            String::from_utf8_lossy(&out.stderr).into_owned(),
+        fort_tests::run_handler(
+            "ssh-ca",
+            &self.path("config.json"),
+            "request",
+            &[("FORT_HOST", "forge")],
+            input,
         )
     }
 
