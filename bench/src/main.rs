@@ -5,6 +5,7 @@
 //!   cargo build --release -p fort-agent -p fort-bench
 //!   target/release/fort-bench status --connections 32 --duration 10s
 
+mod acme;
 mod burst;
 mod converge;
 mod cycle;
@@ -49,6 +50,7 @@ use clap::{Parser, Subcommand};
   fort-bench postgres --entries 500 --unchanged 10000
   fort-bench proxy --create 500 --unchanged 10000
   fort-bench ssh-ca --certs 500 --unchanged 10000
+  fort-bench acme --count 200 --unchanged 10000
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -108,6 +110,10 @@ enum Cmd {
     /// The SSH CA handler: N certificates issued in one run beside `ssh-keygen -s` once
     /// per certificate, a run over M unchanged entries, and a release re-sending the KRL.
     SshCa(sshca::SshCaArgs),
+    /// The acme handler against pebble (challenges always valid): N certificates issued
+    /// by the handler, through agents and by `lego run` once per certificate (as
+    /// security.acme), and a run over M unchanged entries with pebble stopped.
+    Acme(acme::AcmeArgs),
 }
 
 fn main() -> ExitCode {
@@ -145,6 +151,7 @@ fn main() -> ExitCode {
             Cmd::Postgres(a) => postgres::run(a, json).await,
             Cmd::Proxy(a) => proxy::run(a, json).await,
             Cmd::SshCa(a) => sshca::run(a, json).await,
+            Cmd::Acme(a) => acme::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

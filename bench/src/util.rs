@@ -286,6 +286,18 @@ pub fn proc_cpu(pid: u32) -> Option<Duration> {
     Some(Duration::from_micros(ticks * 1_000_000 / clock_ticks()))
 }
 
+/// utime + stime of a process and of the children it has waited for (an agent's handler
+/// runs), from `/proc/<pid>/stat`.
+pub fn proc_cpu_with_children(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = (11..=14)
+        .map(|i| f.get(i)?.parse::<u64>().ok())
+        .sum::<Option<u64>>()?;
+    Some(Duration::from_micros(ticks * 1_000_000 / clock_ticks()))
+}
+
 /// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`).
 pub fn proc_kb(pid: u32, field: &str) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

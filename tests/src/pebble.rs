@@ -32,6 +32,21 @@ impl Pebble {
         dns: SocketAddr,
         certificate_validity_seconds: Option<u64>,
     ) -> Result<Pebble, String> {
+        Pebble::start_with(dns, certificate_validity_seconds, false)
+    }
+
+    /// Pebble that takes every challenge as valid without looking
+    /// (`PEBBLE_VA_ALWAYS_VALID=1`): for benchmarks of the ACME client's side, where no
+    /// time should go to validation.
+    pub fn start_always_valid() -> Result<Pebble, String> {
+        Pebble::start_with(crate::free_addr("127.0.0.1"), None, true)
+    }
+
+    fn start_with(
+        dns: SocketAddr,
+        certificate_validity_seconds: Option<u64>,
+        always_valid: bool,
+    ) -> Result<Pebble, String> {
         let program = find_program("pebble").ok_or("pebble is not installed")?;
         find_program("curl").ok_or("curl is not installed")?;
         let dir = tempfile::tempdir().expect("tempdir");
@@ -73,7 +88,11 @@ impl Pebble {
         let conf = dir.path().join("pebble.json");
         std::fs::write(&conf, config.to_string()).expect("write");
         let log = std::fs::File::create(dir.path().join("pebble.log")).expect("log");
-        let child = Command::new(program)
+        let mut command = Command::new(program);
+        if always_valid {
+            command.env("PEBBLE_VA_ALWAYS_VALID", "1");
+        }
+        let child = command
             .args([
                 "-config",
                 &conf.display().to_string(),
@@ -109,6 +128,11 @@ impl Pebble {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(p)
+    }
+
+    /// The pebble process (for its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn log(&self) -> String {
