@@ -1,14 +1,14 @@
 //! `fort-bench acme`: the acme handler (`fort-handler acme`) against Debian's pebble, which
 //! is started with `PEBBLE_VA_ALWAYS_VALID=1` (every challenge is taken as valid without a
 //! connection, so neither client spends time on validation; both still publish their
-//! HTTP-01 answers in a webroot). N certificates for CSRs made here (the consumers' side,
-//! before the clock starts) are issued three ways against the same pebble:
-//! the handler run as the agent runs it (the same input, again after each
-//! `$fort_rerun_after`, until every entry holds a certificate); real agents (consumers
-//! whose needs carry the CSRs, one provider running the handler); and what NixOS's
-//! `security.acme` runs instead, `lego run` once per certificate with one account. Then
-//! runs over M unchanged entries (the issued ones, replicated in the handler's state) with
-//! pebble stopped, so no call to the CA can have happened.
+//! HTTP-01 answers in a webroot). N certificates are issued three ways against the same
+//! pebble: the handler run as the agent runs it, for CSRs made before the clock starts
+//! (the same input, again after each `$fort_rerun_after`, until every entry holds a
+//! certificate); real agents (consumers whose needs make their keys and CSRs, one
+//! provider running the handler); and what NixOS's `security.acme` runs instead, `lego
+//! run` once per certificate with one account. Then runs over M unchanged entries (the
+//! issued ones, replicated in the handler's state) with pebble stopped, so no call to the
+//! CA can have happened.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -231,15 +231,19 @@ async fn issue_agents(
         json!({"handler": bin, "args": ["acme", "--config", config],
                "mode": "async", "cacheResponse": true}),
     );
-    // Each consumer writes its certificate where a web server would read it.
+    // Each consumer makes its key and CSR itself (`$fort_key`, as lego makes its key),
+    // and installs the key with the certificate where a web server would read them.
     let delivered = fleet.dir.path().join("delivered");
     for w in want {
         let file = delivered.join(&w.origin).join(format!("{}.pem", w.id));
+        let key = delivered.join(&w.origin).join(format!("{}.key", w.id));
         fleet.need(
             &w.origin,
             &format!("{CAP}/{}", w.id),
             "ca",
-            json!({"request": {"csr": w.csr}, "nag_seconds": 3600,
+            json!({"request": {"csr": {"$fort_key": "tls", "as": "csr"}}, "nag_seconds": 3600,
+                   "keys": {"tls": {"type": "ecdsa-p256", "path": key, "mode": "0600",
+                                    "names": [format!("{}.example.test", w.id)]}},
                    "files": [{"path": file, "pointer": "/fullchain", "mode": "0644"}]}),
         );
     }
@@ -302,7 +306,9 @@ async fn issue_agents(
         .iter()
         .filter(|w| {
             let file = delivered.join(&w.origin).join(format!("{}.pem", w.id));
+            let key = delivered.join(&w.origin).join(format!("{}.key", w.id));
             std::fs::read_to_string(file).is_ok_and(|t| t.contains("BEGIN CERTIFICATE"))
+                && key.is_file()
         })
         .count();
     Ok(Issuance {
@@ -444,7 +450,7 @@ pub async fn run(args: AcmeArgs, json_out: bool) -> Result<()> {
             &mut r,
             "agents",
             &format!(
-                "{} consumer agents' needs → provider agent → signed callbacks, until every need is satisfied",
+                "{} consumer agents make keys and CSRs → provider agent → signed callbacks → key and certificate installed, until every need is satisfied",
                 args.consumers.clamp(1, count)
             ),
             &a,
