@@ -231,6 +231,7 @@ async fn issue_agents(
         json!({"handler": bin, "args": ["acme", "--config", config],
                "mode": "async", "cacheResponse": true}),
     );
+    // A request lost under load is sent again after `nag_seconds`, within the run.
     // Each consumer makes its key and CSR itself (`$fort_key`, as lego makes its key),
     // and installs the key with the certificate where a web server would read them.
     let delivered = fleet.dir.path().join("delivered");
@@ -241,7 +242,7 @@ async fn issue_agents(
             &w.origin,
             &format!("{CAP}/{}", w.id),
             "ca",
-            json!({"request": {"csr": {"$fort_key": "tls", "as": "csr"}}, "nag_seconds": 3600,
+            json!({"request": {"csr": {"$fort_key": "tls", "as": "csr"}}, "nag_seconds": 10,
                    "keys": {"tls": {"type": "ecdsa-p256", "path": key, "mode": "0600",
                                     "names": [format!("{}.example.test", w.id)]}},
                    "files": [{"path": file, "pointer": "/fullchain", "mode": "0644"}]}),
@@ -289,8 +290,13 @@ async fn issue_agents(
             break;
         }
         if t0.elapsed() > timeout {
+            let satisfied: Vec<String> = agents
+                .iter()
+                .map(|a| format!("{}: {:?}", a.name, util::needs_satisfied(&a.socket())))
+                .collect();
             bail!(
-                "agents: not every need satisfied after {timeout:?} (kept with --keep: {})",
+                "agents: not every need satisfied after {timeout:?} ((needs, satisfied) per consumer: {}; --keep keeps {})",
+                satisfied.join(", "),
                 fleet.dir.path().display()
             );
         }
