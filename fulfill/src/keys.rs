@@ -45,21 +45,49 @@ fn algorithm(t: KeyType) -> &'static rcgen::SignatureAlgorithm {
     match t {
         KeyType::EcdsaP256 => &rcgen::PKCS_ECDSA_P256_SHA256,
         KeyType::Ed25519 => &rcgen::PKCS_ED25519,
+        KeyType::Rsa2048 | KeyType::Rsa3072 => &rcgen::PKCS_RSA_SHA256,
     }
+}
+
+/// The modulus of an RSA public key (PKCS#1 DER), in bits.
+fn rsa_bits(public: &[u8]) -> Option<usize> {
+    use rsa::pkcs1::DecodeRsaPublicKey;
+    use rsa::traits::PublicKeyParts;
+    rsa::RsaPublicKey::from_pkcs1_der(public)
+        .ok()
+        .map(|k| k.size() * 8)
 }
 
 impl Material {
     /// A new key from the operating system's random source (ring).
     pub(crate) fn generate(t: KeyType) -> Result<Material, String> {
-        let pair = KeyPair::generate_for(algorithm(t))
-            .map_err(|e| format!("cannot make a {} key: {e}", t.as_str()))?;
+        let failed = |e: String| format!("cannot make a {} key: {e}", t.as_str());
+        let pair = match t.rsa_bits() {
+            // ring signs with RSA keys but does not make them: the rsa crate does, from
+            // the operating system's random source.
+            Some(bits) => {
+                use rsa::pkcs8::EncodePrivateKey;
+                let key = rsa::RsaPrivateKey::new(&mut rsa::rand_core::OsRng, bits)
+                    .map_err(|e| failed(e.to_string()))?;
+                let der = key.to_pkcs8_der().map_err(|e| failed(e.to_string()))?;
+                KeyPair::from_pkcs8_der_and_sign_algo(
+                    &rustls_pki_types::PrivatePkcs8KeyDer::from(der.as_bytes()),
+                    algorithm(t),
+                )
+                .map_err(|e| failed(e.to_string()))?
+            }
+            None => KeyPair::generate_for(algorithm(t)).map_err(|e| failed(e.to_string()))?,
+        };
         Ok(Material { pair, key_type: t })
     }
 
     /// A PKCS#8 PEM key, which must be of type `t`.
     fn from_pem(t: KeyType, pem: &str) -> Result<Material, String> {
-        let pair = KeyPair::from_pem(pem).map_err(|e| format!("not a PKCS#8 key: {e}"))?;
-        if !pair.is_compatible(algorithm(t)) {
+        let pair = KeyPair::from_pkcs8_pem_and_sign_algo(pem, algorithm(t))
+            .map_err(|e| format!("not a PKCS#8 {} key: {e}", t.as_str()))?;
+        if t.rsa_bits()
+            .is_some_and(|bits| rsa_bits(pair.der_bytes()) != Some(bits))
+        {
             return Err(format!("not an {} key", t.as_str()));
         }
         Ok(Material { pair, key_type: t })
@@ -132,6 +160,22 @@ impl Material {
             KeyType::EcdsaP256 => ssh_key::public::EcdsaPublicKey::from_sec1_bytes(raw)
                 .map(ssh_key::public::KeyData::Ecdsa)
                 .map_err(|e| format!("not a P-256 point: {e}")),
+            KeyType::Rsa2048 | KeyType::Rsa3072 => {
+                use rsa::pkcs1::DecodeRsaPublicKey;
+                use rsa::traits::PublicKeyParts;
+                let key = rsa::RsaPublicKey::from_pkcs1_der(raw)
+                    .map_err(|e| format!("not an RSA public key: {e}"))?;
+                let mpint = |b: &[u8]| {
+                    ssh_key::Mpint::from_positive_bytes(b)
+                        .map_err(|e| format!("cannot encode the RSA key: {e}"))
+                };
+                Ok(ssh_key::public::KeyData::Rsa(
+                    ssh_key::public::RsaPublicKey {
+                        e: mpint(&key.e().to_bytes_be())?,
+                        n: mpint(&key.n().to_bytes_be())?,
+                    },
+                ))
+            }
         }
     }
 
@@ -475,14 +519,21 @@ mod tests {
 
     #[test]
     fn forms_and_matching() {
-        for t in [KeyType::EcdsaP256, KeyType::Ed25519] {
+        for t in [
+            KeyType::EcdsaP256,
+            KeyType::Ed25519,
+            KeyType::Rsa2048,
+            KeyType::Rsa3072,
+        ] {
             let m = Material::generate(t).unwrap();
             let names = vec!["a.example.org".to_owned(), "*.b.example.org".to_owned()];
             let csr = m.csr(&names).unwrap();
             assert!(csr.starts_with("-----BEGIN CERTIFICATE REQUEST-----"));
             let line = m.openssh().unwrap();
             assert!(
-                line.starts_with("ecdsa-sha2-nistp256 ") || line.starts_with("ssh-ed25519 "),
+                line.starts_with("ecdsa-sha2-nistp256 ")
+                    || line.starts_with("ssh-ed25519 ")
+                    || line.starts_with("ssh-rsa "),
                 "{line}"
             );
             // A certificate for this key, and one for another.
@@ -505,5 +556,9 @@ mod tests {
         }
         let ec = Material::generate(KeyType::EcdsaP256).unwrap();
         assert!(Material::from_pem(KeyType::Ed25519, &ec.pem()).is_err());
+        // A 2048-bit key is no rsa-3072 key (a changed declaration makes a new one).
+        let rsa = Material::generate(KeyType::Rsa2048).unwrap();
+        assert!(Material::from_pem(KeyType::Rsa3072, &rsa.pem()).is_err());
+        assert!(Material::from_pem(KeyType::Rsa2048, &rsa.pem()).is_ok());
     }
 }

@@ -160,6 +160,17 @@ async fn consumer_made_keys_are_certified_renewed_and_never_sent() {
         .unwrap()
         .pem()
         .unwrap();
+    // An RSA key, for clients that take nothing else.
+    let rsa = f.dir.path().join("rsa");
+    f.need(
+        "app",
+        "ssl-cert/rsa",
+        "ca",
+        json!({"request": {"csr": {"$fort_key": "tls", "as": "csr"}},
+               "keys": {"tls": {"type": "rsa-3072", "path": rsa.join("key.pem"),
+                                "mode": "0600", "names": ["app.example.test"]}},
+               "files": [{"path": rsa.join("cert.pem"), "pointer": "/certificate", "mode": "0644"}]}),
+    );
     let other = f.dir.path().join("other");
     f.need(
         "app",
@@ -203,6 +214,24 @@ async fn consumer_made_keys_are_certified_renewed_and_never_sent() {
         );
     }
     assert!(searched > 10, "only {searched} files searched");
+
+    // The RSA key (3072 bits) and its certificate.
+    assert!(
+        eventually(Duration::from_secs(60), || rsa.join("cert.pem").exists()).await,
+        "no RSA pair: {}",
+        f.need_status("app", "ssl-cert/rsa")
+    );
+    let rsa_key = read(&rsa.join("key.pem"));
+    assert!(pair_matches(
+        &rsa_key,
+        read(&rsa.join("cert.pem")).as_bytes()
+    ));
+    let bits = Command::new(&openssl)
+        .args(["pkey", "-noout", "-text", "-in"])
+        .arg(rsa.join("key.pem"))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&bits.stdout).contains("Private-Key: (3072 bit"));
 
     // The certificate for another key is refused, with the reason, and never installed.
     let refused = eventually(Duration::from_secs(30), || {

@@ -46,6 +46,8 @@ let
           type = types.enum [
             "ecdsa-p256"
             "ed25519"
+            "rsa-2048"
+            "rsa-3072"
           ];
           default = "ecdsa-p256";
           description = "The key's algorithm (ACME CAs take ECDSA P-256).";

@@ -21,6 +21,10 @@ pub enum KeyType {
     EcdsaP256,
     #[serde(rename = "ed25519")]
     Ed25519,
+    #[serde(rename = "rsa-2048")]
+    Rsa2048,
+    #[serde(rename = "rsa-3072")]
+    Rsa3072,
 }
 
 impl KeyType {
@@ -28,6 +32,17 @@ impl KeyType {
         match self {
             KeyType::EcdsaP256 => "ecdsa-p256",
             KeyType::Ed25519 => "ed25519",
+            KeyType::Rsa2048 => "rsa-2048",
+            KeyType::Rsa3072 => "rsa-3072",
+        }
+    }
+
+    /// The modulus size of an RSA key type.
+    pub fn rsa_bits(self) -> Option<usize> {
+        match self {
+            KeyType::Rsa2048 => Some(2048),
+            KeyType::Rsa3072 => Some(3072),
+            _ => None,
         }
     }
 }
@@ -225,7 +240,7 @@ pub fn check_keys(keys: &BTreeMap<String, KeySpec>, request: &Value) -> Result<(
         }
         if k.format == KeyFormat::Openssh && k.key_type != KeyType::Ed25519 {
             return Err(format!(
-                "key {name:?}: format openssh is for ed25519 keys (OpenSSH reads P-256 keys as PEM)"
+                "key {name:?}: format openssh is for ed25519 keys (OpenSSH reads P-256 and RSA keys as PEM)"
             ));
         }
         if let Some(bad) = k.names.iter().find(|n| !is_csr_name(n)) {
