@@ -448,6 +448,7 @@ pub(crate) fn to_install(
         "the payload is not JSON, so no certificate can be found for the keys".to_owned()
     })?;
     let mut out = Vec::new();
+    let mut chosen = Vec::new();
     for (name, k) in &spec.keys {
         let certificate = json
             .pointer(&k.certificate)
@@ -484,6 +485,7 @@ pub(crate) fn to_install(
                     content: next.file_content(k.format)?,
                     was_next: true,
                 });
+                chosen.push(next);
                 continue;
             }
         }
@@ -501,8 +503,44 @@ pub(crate) fn to_install(
             content: bytes,
             was_next: false,
         });
+        chosen.push(current);
+    }
+    // Every file that starts with a leaf certificate (a chain starts with its issuer, a
+    // CA) must be for one of these keys too: a provider cannot pair a matching
+    // `certificate` with a `fullchain` for another key.
+    for f in &spec.files {
+        let Ok(content) = crate::files::content(payload, &f.pointer) else {
+            continue;
+        };
+        if leaf_for(&content, &chosen) == Some(false) {
+            return Err(format!(
+                "file {} holds a certificate for another key than the need's; not installed",
+                f.label()
+            ));
+        }
     }
     Ok(out)
+}
+
+/// Whether the leaf certificate `content` starts with is for one of `keys`; `None` when it
+/// starts with no certificate, or with a CA's.
+fn leaf_for(content: &[u8], keys: &[Material]) -> Option<bool> {
+    if !content
+        .trim_ascii_start()
+        .starts_with(b"-----BEGIN CERTIFICATE-----")
+    {
+        return None;
+    }
+    let (_, pem) = x509_parser::pem::parse_x509_pem(content.trim_ascii_start()).ok()?;
+    let cert = pem.parse_x509().ok()?;
+    if cert.is_ca() {
+        return None;
+    }
+    let spki = cert.public_key().raw;
+    Some(
+        keys.iter()
+            .any(|m| spki == m.pair.subject_public_key_info().as_slice()),
+    )
 }
 
 /// For tests: the next key of a need, as its public OpenSSH line.
@@ -544,6 +582,17 @@ mod tests {
             let theirs = params.self_signed(&other.pair).unwrap().pem();
             assert!(!m.certifies(&theirs).unwrap());
             assert!(m.certifies("garbage").is_err());
+            // A file starting with a leaf for another key is caught; a chain (a CA's
+            // certificate first) and text are not leaves.
+            assert_eq!(
+                leaf_for(mine.as_bytes(), std::slice::from_ref(&m)),
+                Some(true)
+            );
+            assert_eq!(
+                leaf_for(theirs.as_bytes(), std::slice::from_ref(&m)),
+                Some(false)
+            );
+            assert_eq!(leaf_for(b"hello", std::slice::from_ref(&m)), None);
             // PEM round trip, and OpenSSH for ed25519.
             let back = Material::from_pem(t, &m.pem()).unwrap();
             assert_eq!(back.public_raw(), m.public_raw());
