@@ -465,15 +465,7 @@ pub(crate) fn to_install(
                 k.certificate
             )
         };
-        let as_file = FileSpec {
-            name: Some(name.clone()),
-            path: k.path.clone(),
-            pointer: String::new(),
-            owner: k.owner.clone(),
-            group: k.group.clone(),
-            mode: k.mode.clone(),
-            credential_for: Vec::new(),
-        };
+        let as_file = k.as_file(name);
         if let Some(next) = store.load_next(need, name, k.key_type) {
             if next
                 .certifies(certificate)

@@ -52,29 +52,7 @@ async fn acme_fleet_certificate_served_and_revoked() {
     };
     let mut f = Fleet::new();
     f.host("ca");
-    let config = f.dir.path().join("acme.json");
-    std::fs::write(
-        &config,
-        json!({
-            "directory": pebble.directory, "ca_root": pebble.tls_root,
-            "allow": {"app": ["app.example.test"]},
-            "http01": {"webroot": web.path()},
-            "revoke_on_release": true, "rerun_seconds": 1,
-            "state": f.host_dir("ca").join("handlers/acme.json"),
-        })
-        .to_string(),
-    )
-    .unwrap();
-    f.capability(
-        "ca",
-        "ssl-cert",
-        json!({
-            "handler": fort_tests::bin("fort-handler"),
-            "args": ["acme", "--config", config],
-            "mode": "async",
-            "cacheResponse": true,
-        }),
-    );
+    pebble.serve_ssl_cert(&mut f, "ca", &web);
     let (key, csr_pem) = csr(&["app.example.test"]);
     let (_, outside) = csr(&["evil.example.test"]);
     let delivered = f.dir.path().join("delivered");
@@ -161,7 +139,7 @@ async fn acme_fleet_certificate_served_and_revoked() {
 
     // The consumer's key is in no request, state or log the provider holds.
     let secret_line = key.serialize_pem().lines().nth(1).unwrap().to_owned();
-    for entry in walk(f.dir.path()) {
+    for entry in fort_tests::files_under(f.dir.path()) {
         if entry == key_path {
             continue;
         }
@@ -187,17 +165,4 @@ async fn acme_fleet_certificate_served_and_revoked() {
     })
     .await;
     assert!(revoked, "the certificate was not revoked");
-}
-
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else if p.is_file() {
-            out.push(p);
-        }
-    }
-    out
 }

@@ -35,19 +35,6 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else if p.is_file() {
-            out.push(p);
-        }
-    }
-    out
-}
-
 /// `openssl s_server` with a certificate, its chain and its key; `curl` trusting only
 /// `root` for `app.example.test` answers 200.
 fn served(openssl: &Path, dir: &Path, root: &Path) -> Result<(), String> {
@@ -106,29 +93,7 @@ async fn consumer_made_keys_are_certified_renewed_and_never_sent() {
     };
     let mut f = Fleet::new();
     f.host("ca");
-    let config = f.dir.path().join("acme.json");
-    std::fs::write(
-        &config,
-        json!({
-            "directory": pebble.directory, "ca_root": pebble.tls_root,
-            "allow": {"app": ["app.example.test"]},
-            "http01": {"webroot": web.path()},
-            "revoke_on_release": true, "rerun_seconds": 1,
-            "state": f.host_dir("ca").join("handlers/acme.json"),
-        })
-        .to_string(),
-    )
-    .unwrap();
-    f.capability(
-        "ca",
-        "ssl-cert",
-        json!({
-            "handler": fort_tests::bin("fort-handler"),
-            "args": ["acme", "--config", config],
-            "mode": "async",
-            "cacheResponse": true,
-        }),
-    );
+    pebble.serve_ssl_cert(&mut f, "ca", &web);
     // The consumer's units are "reloaded" by a systemctl that writes down each call.
     let calls = f.dir.path().join("systemctl.log");
     let systemctl = f.script("systemctl", &format!("echo \"$*\" >> {}", calls.display()));
@@ -202,7 +167,7 @@ async fn consumer_made_keys_are_certified_renewed_and_never_sent() {
     // The private key is nowhere but its file: not in a request, a state file, a log.
     let secret = key1.lines().nth(1).unwrap().to_owned();
     let mut searched = 0;
-    for entry in walk(f.dir.path()) {
+    for entry in fort_tests::files_under(f.dir.path()) {
         if entry == key_path {
             continue;
         }

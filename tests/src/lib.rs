@@ -473,6 +473,20 @@ impl Fleet {
 /// Says that (part of) a test could not run here and why: on stderr, and as a line in
 /// `target/fort-skipped.txt` (or `$FORT_SKIPPED`), which `.ci/run` prints after the run,
 /// so a skip shows in the summary instead of passing silently.
+/// Every regular file below `dir`, for tests that search what a fleet wrote.
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else if p.is_file() {
+            out.push(p);
+        }
+    }
+    out
+}
+
 pub fn skip(test: &str, reason: &str) {
     eprintln!("SKIP: {test}: {reason}");
     let path = std::env::var_os("FORT_SKIPPED")

@@ -135,6 +135,35 @@ impl Pebble {
         self.child.as_ref().map(Child::id)
     }
 
+    /// Makes `host` serve `ssl-cert` with `fort-handler acme` against this CA: HTTP-01
+    /// through `web`, app allowed app.example.test, revocation on release, reruns every
+    /// second.
+    pub fn serve_ssl_cert(&self, f: &mut crate::Fleet, host: &str, web: &Webroot) {
+        let config = f.dir.path().join("acme.json");
+        std::fs::write(
+            &config,
+            serde_json::json!({
+                "directory": self.directory, "ca_root": self.tls_root,
+                "allow": {"app": ["app.example.test"]},
+                "http01": {"webroot": web.path()},
+                "revoke_on_release": true, "rerun_seconds": 1,
+                "state": f.host_dir(host).join("handlers/acme.json"),
+            })
+            .to_string(),
+        )
+        .expect("write acme.json");
+        f.capability(
+            host,
+            "ssl-cert",
+            serde_json::json!({
+                "handler": crate::bin("fort-handler"),
+                "args": ["acme", "--config", config],
+                "mode": "async",
+                "cacheResponse": true,
+            }),
+        );
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("pebble.log")).unwrap_or_default()
     }

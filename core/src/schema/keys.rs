@@ -86,6 +86,21 @@ pub struct KeySpec {
     pub reuse: bool,
 }
 
+impl KeySpec {
+    /// The key as the file it lands as (§11.3 rules for path, owner, group and mode).
+    pub fn as_file(&self, name: &str) -> super::FileSpec {
+        super::FileSpec {
+            name: Some(name.to_owned()),
+            path: self.path.clone(),
+            pointer: String::new(),
+            owner: self.owner.clone(),
+            group: self.group.clone(),
+            mode: self.mode.clone(),
+            credential_for: Vec::new(),
+        }
+    }
+}
+
 fn root() -> String {
     "root".into()
 }

@@ -261,15 +261,7 @@ pub fn validate_needs(
         check_keys(&spec.keys, &spec.request).map_err(bad)?;
         for (name, k) in &spec.keys {
             // A key lands like a file: the same rules for where and whose.
-            let as_file = FileSpec {
-                name: Some(name.clone()),
-                path: k.path.clone(),
-                pointer: String::new(),
-                owner: k.owner.clone(),
-                group: k.group.clone(),
-                mode: k.mode.clone(),
-                credential_for: Vec::new(),
-            };
+            let as_file = k.as_file(name);
             check_file(&key, &as_file)
                 .map_err(|m| invalid(file, m.replacen(": file ", ": key ", 1)))?;
             if as_file.mode_bits() & 0o027 != 0 {
