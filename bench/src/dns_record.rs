@@ -12,7 +12,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use fort_tests::dns::{DnsServer, Flavor};
 use serde_json::{json, Map, Value};
 
-use crate::util::{self, ms, percentile, Report};
+use crate::util::{self, ms, Report, UnchangedRuns};
 
 #[derive(clap::Args, Debug)]
 pub struct DnsRecordArgs {
@@ -215,8 +215,7 @@ fn one_server(args: &DnsRecordArgs, bin: &Path, flavor: Flavor, json_out: bool) 
     // 3. Unchanged runs with the primary stopped: no message can have been needed.
     server.stop();
     let unchanged = input(args.unchanged, &cached);
-    let mut walls = Vec::new();
-    let mut own = Vec::new();
+    let mut runs = UnchangedRuns::default();
     for _ in 0..args.runs.max(1) {
         let r = run_handler(bin, &config, "request", &unchanged)?;
         if !r.ok {
@@ -228,36 +227,14 @@ fn one_server(args: &DnsRecordArgs, bin: &Path, flavor: Flavor, json_out: bool) 
         if responses(&r.output) != cached {
             bail!("an unchanged run answered differently");
         }
-        walls.push(r.wall);
-        // The handler's own count of its time (its notes end with "<n> ms").
-        if let Some(n) = r
-            .stderr
-            .lines()
-            .next()
-            .and_then(|l| l.strip_suffix(" ms"))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|n| n.parse::<u64>().ok())
-        {
-            own.push(Duration::from_millis(n));
-        }
+        runs.add(r.wall, &r.stderr);
     }
-    walls.sort_unstable();
-    own.sort_unstable();
-    report.line(
-        "unchanged_ms",
-        ms(percentile(&walls, 0.5)),
-        format!(
-            "median {:.1} ms, max {:.1} ms per run over {} unchanged entries (process start to exit; {:.0} ms inside the handler), {} kB of input, primary stopped",
-            ms(percentile(&walls, 0.5)),
-            ms(percentile(&walls, 1.0)),
-            args.unchanged,
-            ms(percentile(&own, 0.5)),
-            unchanged.len() / 1024
-        ),
-    );
-    report.target(
-        &format!("{} unchanged < {} ms", args.unchanged, GOAL.as_millis()),
-        percentile(&walls, 0.5) < GOAL,
+    runs.report(
+        &mut report,
+        args.unchanged,
+        unchanged.len(),
+        "primary stopped",
+        GOAL,
     );
     report.finish();
     Ok(())

@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use fort_tests::nginx::{Nginx, Upstream};
 use serde_json::{json, Map, Value};
 
-use crate::util::{self, ms, percentile, Report};
+use crate::util::{self, ms, Report, UnchangedRuns};
 
 #[derive(clap::Args, Debug)]
 pub struct ProxyArgs {
@@ -184,8 +184,7 @@ pub async fn run(args: ProxyArgs, json_out: bool) -> Result<()> {
     config["test_command"] = json!(["false"]);
     config["reload_command"] = json!(["false"]);
     write_config(&config_path, &config)?;
-    let mut walls = Vec::new();
-    let mut own = Vec::new();
+    let mut runs = UnchangedRuns::default();
     for _ in 0..args.runs.max(1) {
         let r = run_handler(&bin, &config_path, &unchanged)?;
         if !r.ok || !r.stderr.contains("0 tests, no reload") {
@@ -194,36 +193,14 @@ pub async fn run(args: ProxyArgs, json_out: bool) -> Result<()> {
         if r.output != fill.output {
             bail!("an unchanged run answered differently");
         }
-        walls.push(r.wall);
-        // The handler's own count of its time (its notes end with "<n> ms").
-        if let Some(n) = r
-            .stderr
-            .lines()
-            .next()
-            .and_then(|l| l.strip_suffix(" ms"))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|n| n.parse::<u64>().ok())
-        {
-            own.push(Duration::from_millis(n));
-        }
+        runs.add(r.wall, &r.stderr);
     }
-    walls.sort_unstable();
-    own.sort_unstable();
-    report.line(
-        "unchanged_ms",
-        ms(percentile(&walls, 0.5)),
-        format!(
-            "median {:.1} ms, max {:.1} ms per run over {} unchanged entries (process start to exit; {:.0} ms inside the handler), {} kB of input, no nginx call",
-            ms(percentile(&walls, 0.5)),
-            ms(percentile(&walls, 1.0)),
-            args.unchanged,
-            ms(percentile(&own, 0.5)),
-            unchanged.len() / 1024
-        ),
-    );
-    report.target(
-        &format!("{} unchanged < {} ms", args.unchanged, GOAL.as_millis()),
-        percentile(&walls, 0.5) < GOAL,
+    runs.report(
+        &mut report,
+        args.unchanged,
+        unchanged.len(),
+        "no nginx call",
+        GOAL,
     );
     report.finish();
     Ok(())

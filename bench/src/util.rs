@@ -383,6 +383,59 @@ pub fn spread(values: &mut [u64]) -> (u64, u64, u64) {
 }
 
 /// Numbers printed as aligned lines, or as one JSON object with `--json`.
+/// Handler runs over unchanged entries: the wall time of each, and the handler's own
+/// count of its time (its first line of notes ends with "<n> ms").
+#[derive(Default)]
+pub struct UnchangedRuns {
+    walls: Vec<Duration>,
+    own: Vec<Duration>,
+}
+
+impl UnchangedRuns {
+    pub fn add(&mut self, wall: Duration, stderr: &str) {
+        self.walls.push(wall);
+        if let Some(n) = stderr
+            .lines()
+            .next()
+            .and_then(|l| l.strip_suffix(" ms"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            self.own.push(Duration::from_millis(n));
+        }
+    }
+
+    /// The `unchanged_ms` line and its goal; `why_no_calls` says what made any call to
+    /// the server fail.
+    pub fn report(
+        mut self,
+        report: &mut Report,
+        entries: usize,
+        input_bytes: usize,
+        why_no_calls: &str,
+        goal: Duration,
+    ) {
+        self.walls.sort_unstable();
+        self.own.sort_unstable();
+        let median = percentile(&self.walls, 0.5);
+        report.line(
+            "unchanged_ms",
+            ms(median),
+            format!(
+                "median {:.1} ms, max {:.1} ms per run over {entries} unchanged entries (process start to exit; {:.0} ms inside the handler), {} kB of input, {why_no_calls}",
+                ms(median),
+                ms(percentile(&self.walls, 1.0)),
+                ms(percentile(&self.own, 0.5)),
+                input_bytes / 1024
+            ),
+        );
+        report.target(
+            &format!("{entries} unchanged < {} ms", goal.as_millis()),
+            median < goal,
+        );
+    }
+}
+
 pub struct Report {
     json: bool,
     fields: serde_json::Map<String, Value>,
