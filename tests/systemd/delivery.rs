@@ -60,12 +60,20 @@ fn first_delivery_starts_a_credential_service_once() {
     assert_eq!(app.prop("wiki.service", "InvocationID"), invocation);
 }
 
-/// Waits for the first delivery's round of restarts to be over, then counts.
+/// Waits for the first delivery's round of restarts to be over, then counts. The round
+/// ends with reloader's reload; its `systemctl` may take seconds (an unprivileged agent's
+/// first call waits for polkit to start), so being satisfied and quiet is not enough.
 fn settled(lane: &Lane) {
     lane.wait_satisfied();
     for unit in ["wiki.service", "multi.service", "reloader.service"] {
         lane.app.wait_for_unit(unit, SOON);
     }
+    lane.app
+        .wait_until("the first delivery's reload is done", SOON, || {
+            let agent = lane.app.journal("fort-agent.service", 400);
+            agent.contains("reloaded for changed files")
+                || agent.contains("systemctl reload failed")
+        });
     std::thread::sleep(QUIET);
 }
 
