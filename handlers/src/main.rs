@@ -100,12 +100,11 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(output) => {
-            let text = output.into_json().to_string();
-            let mut stdout = std::io::stdout().lock();
-            if stdout
-                .write_all(text.as_bytes())
-                .and_then(|()| stdout.flush())
-                .is_err()
+            // Streamed: 10,000 certificates are tens of megabytes, which a string made
+            // first would allocate (and fault in) once more.
+            let mut stdout = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+            if serde_json::to_writer(&mut stdout, &output.into_json()).is_err()
+                || stdout.flush().is_err()
             {
                 return ExitCode::FAILURE;
             }
