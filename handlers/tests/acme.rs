@@ -247,6 +247,20 @@ fn acme_http01_issue_keep_renew_and_revoke() {
     assert!(again.ok, "{}", again.stderr);
     assert_eq!(again.out[KEY], first);
     assert!(again.out.get("$fort_rerun_after").is_none());
+    // An agent holding that certificate names its hash (protocol §11.11): the handler
+    // keeps it instead of printing it again; another hash gets the certificate in full.
+    let held = fort_core::canonical::sha256_hex(first.to_string().as_bytes());
+    let kept = run(
+        &dead,
+        &json!({ KEY: {"request": request, "response": null, "held": held} }),
+    );
+    assert!(kept.ok, "{}", kept.stderr);
+    assert_eq!(kept.out, json!({ KEY: {"$fort_keep": held} }));
+    let stale = run(
+        &dead,
+        &json!({ KEY: {"request": request, "response": null, "held": "00"} }),
+    );
+    assert_eq!(stale.out[KEY], first);
     let config = write_config(
         dir.path(),
         json!({"directory": pebble.directory, "ca_root": pebble.tls_root,

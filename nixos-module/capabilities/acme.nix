@@ -225,7 +225,6 @@ in
               "${configFile name config.acme}"
             ];
             interface = mkDefault ../interfaces/acme.nix;
-            cacheResponse = mkDefault true;
             description = mkDefault "certificates from ${config.acme.directory}";
           };
         }

@@ -159,7 +159,6 @@ impl Pebble {
                 "handler": crate::bin("fort-handler"),
                 "args": ["acme", "--config", config],
                 "mode": "async",
-                "cacheResponse": true,
             }),
         );
     }

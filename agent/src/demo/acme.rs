@@ -154,7 +154,7 @@ impl DemoCa {
                     config.display().to_string(),
                 ],
             )),
-            cache_response: true,
+            cache_response: false,
             description: "certificates from pebble (ACME) for keys the consumers make",
         };
         let me = std::fs::metadata(root)?;

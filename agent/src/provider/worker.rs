@@ -31,6 +31,10 @@ pub(super) struct InputItem {
     response: Option<Arc<serde_json::value::RawValue>>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     renew: bool,
+    /// The hash of the response the entry holds (§11.11), so a handler that recorded
+    /// what it answered can keep it without printing it again; none in a forced run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held: Option<String>,
     /// The response the entry held when the run began (whether or not it is passed).
     #[serde(skip)]
     current: Option<Arc<serde_json::value::RawValue>>,
@@ -51,28 +55,39 @@ enum Verdict {
     Refuse(String),
     /// `$fort_pending`: the response stays as it is.
     Wait(String),
+    /// `$fort_keep` (§11.11): the response stays as it is, as if printed again; `matches`
+    /// is false when the hash named is not the one the entry held, and then the verdict
+    /// it held stays too.
+    Keep { matches: bool },
 }
 
 /// The top-level key of a handler's output asking for another run (§11.9).
 const RERUN_KEY: &str = "$fort_rerun_after";
 
 impl Verdict {
-    fn of(value: Option<&Value>) -> Verdict {
+    /// The verdict on an entry that held the response hashed `held` when the run began.
+    fn of(value: Option<&Value>, held: Option<&str>) -> Verdict {
         let marker = value.and_then(Value::as_object).filter(|m| m.len() == 1);
-        if let Some((name, Value::String(reason))) = marker.and_then(|m| m.iter().next()) {
-            let reason = printable(reason, NOTICE_CHARS);
+        if let Some((name, Value::String(text))) = marker.and_then(|m| m.iter().next()) {
             match name.as_str() {
-                "$fort_refused" => return Verdict::Refuse(reason),
-                "$fort_pending" => return Verdict::Wait(reason),
+                "$fort_refused" => return Verdict::Refuse(printable(text, NOTICE_CHARS)),
+                "$fort_pending" => return Verdict::Wait(printable(text, NOTICE_CHARS)),
+                "$fort_keep" => {
+                    return Verdict::Keep {
+                        matches: held == Some(text.as_str()),
+                    }
+                }
                 _ => {}
             }
         }
         Verdict::Respond(value.filter(|v| !v.is_null()).map(super::state::raw))
     }
 
-    fn notice(&self) -> Option<Notice> {
+    /// The verdict the entry holds after this one, given the one it holds now.
+    fn notice(&self, current: Option<&Notice>) -> Option<Notice> {
         match self {
-            Verdict::Respond(_) => None,
+            Verdict::Respond(_) | Verdict::Keep { matches: true } => None,
+            Verdict::Keep { matches: false } => current.cloned(),
             Verdict::Refuse(r) => Some(Notice::Refused(r.clone())),
             Verdict::Wait(r) => Some(Notice::Pending(r.clone())),
         }
@@ -83,7 +98,7 @@ impl Verdict {
         match self {
             Verdict::Respond(r) => r.clone(),
             Verdict::Refuse(_) => None,
-            Verdict::Wait(_) => current.cloned(),
+            Verdict::Wait(_) | Verdict::Keep { .. } => current.cloned(),
         }
     }
 }
@@ -163,13 +178,12 @@ impl Worker {
                 .iter()
                 .filter(|(k, _)| capability_of(k) == Some(self.capability.as_str()))
                 .map(|(k, e)| {
+                    let forced = pending.force || pending.force_entries.contains(k);
                     let item = InputItem {
                         request: e.request.clone(),
-                        response: e
-                            .response
-                            .clone()
-                            .filter(|_| pass_cached && !pending.force_entries.contains(k)),
+                        response: e.response.clone().filter(|_| pass_cached && !forced),
                         renew: e.renew,
+                        held: e.current_hash().filter(|_| !forced),
                         current: e.response.clone(),
                         awaiting: e.awaiting_response,
                         notice: e.notice.clone(),
@@ -280,16 +294,23 @@ impl Worker {
         // Only entries whose response changed, or whose requester was owed an answer, are
         // looked at again: the others are known unchanged from the run's own input, and a
         // run over 50,000 entries must not touch 50,000 of them to change a few.
+        let mut kept_unheld = 0usize;
         let candidates: Vec<(&String, &InputItem, Verdict)> = input
             .iter()
             .filter_map(|(key, seen)| {
-                let verdict = Verdict::of(output.get(key));
+                let verdict = Verdict::of(output.get(key), seen.held.as_deref());
+                if matches!(verdict, Verdict::Keep { matches: false }) {
+                    kept_unheld += 1;
+                }
                 let new = verdict.response(seen.current.as_ref());
                 let differs = !super::state::same(new.as_deref(), seen.current.as_deref())
-                    || verdict.notice() != seen.notice;
+                    || verdict.notice(seen.notice.as_ref()) != seen.notice;
                 (differs || seen.awaiting || pending.callback_all).then_some((key, seen, verdict))
             })
             .collect();
+        if kept_unheld > 0 {
+            tracing::warn!(capability = %self.capability, entries = kept_unheld, "handler kept responses the entries do not hold ($fort_keep with another hash); those entries are unchanged");
+        }
         // Written in chunks, the next staged while the previous one is flushed: a run that
         // answers 50,000 entries at once holds two chunks of encoded changes in memory,
         // not 50,000. Each entry's change stands alone, so a crash between chunks leaves
@@ -371,7 +392,7 @@ impl Worker {
                     continue;
                 };
                 let new = verdict.response(entry.response.as_ref());
-                let notice = verdict.notice();
+                let notice = verdict.notice(entry.notice.as_ref());
                 let changed = !super::state::same(new.as_deref(), entry.response.as_deref());
                 let notice_changed = notice != entry.notice;
                 // Asked again, with another request, while the handler ran: the run that

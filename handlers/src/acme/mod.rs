@@ -19,6 +19,7 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::json;
 use tokio::sync::OnceCell;
 
+use crate::common::entries::payload_sha256;
 use crate::common::state::StateFile;
 use crate::common::{Entry, Output, Trigger};
 use crate::{Capability, RunFuture};
@@ -79,6 +80,22 @@ pub fn response(i: &Issued) -> serde_json::Value {
     })
 }
 
+impl Issued {
+    /// With the hash of its response recorded.
+    pub fn hashed(mut self) -> Issued {
+        self.response_sha256 = Some(payload_sha256(&response(&self)));
+        self
+    }
+
+    /// Its response, kept as the entry holds it when that is this one.
+    fn answer(&self, output: &mut Output, e: &Entry) {
+        match &self.response_sha256 {
+            Some(sha256) => output.respond_hashed(e, sha256, || response(self)),
+            None => output.respond(e, response(self)),
+        }
+    }
+}
+
 /// The certificate `e` holds when nothing about it changed: the same CSR and names, no
 /// order or back-off under way, not expired.
 fn unchanged<'a>(state: &'a State, e: &Entry, now: u64) -> Option<&'a Issued> {
@@ -113,6 +130,12 @@ pub async fn reconcile_all(
     let now = now();
     let mut output = Output::default();
     let mut dirty = false;
+    for st in state.entries.values_mut() {
+        if let Some(i) = st.issued.take_if(|i| i.response_sha256.is_none()) {
+            st.issued = Some(i.hashed());
+            dirty = true;
+        }
+    }
     let mut work: Vec<(String, Work)> = Vec::new();
     let mut refused = 0usize;
 
@@ -126,7 +149,7 @@ pub async fn reconcile_all(
                     .first_refused(&e.origin, i.names.iter().map(String::as_str))
                     .is_none()
                 {
-                    output.respond(e, response(i));
+                    i.answer(&mut output, e);
                     continue;
                 }
             }
@@ -194,7 +217,7 @@ pub async fn reconcile_all(
                 output.rerun_within(wait);
             }
         } else if let Some(i) = current.filter(|_| !e.renew) {
-            output.respond(e, response(i));
+            i.answer(&mut output, e);
         } else {
             work.push((e.key.clone(), Work::Place(req)));
         }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use fort_core::names::{parse_entry_key, NeedKey};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
 
 /// One entry of the input, as the agent sends it.
@@ -17,6 +17,8 @@ struct RawEntry {
     response: Option<Value>,
     #[serde(default)]
     renew: bool,
+    #[serde(default)]
+    held: Option<String>,
 }
 
 /// One active entry: who asked (the authenticated origin, never a field of the request),
@@ -33,6 +35,9 @@ pub struct Entry {
     pub response: Option<Value>,
     /// The consumer asked for a new payload (its current one is expiring).
     pub renew: bool,
+    /// The hash of the response the entry holds (protocol §11.11), `None` without one or
+    /// in a `--force` run: answering [`Answer::Keep`] with it keeps that response.
+    pub held: Option<String>,
 }
 
 /// Why the handler runs (`FORT_TRIGGER`).
@@ -84,6 +89,7 @@ pub fn parse_input(bytes: &[u8]) -> anyhow::Result<Vec<Entry>> {
                 request: e.request,
                 response: e.response,
                 renew: e.renew,
+                held: e.held,
             })
         })
         .collect()
@@ -101,6 +107,20 @@ pub enum Answer {
     Pending(String),
     /// No response (a response it had is revoked).
     Nothing,
+    /// `$fort_keep`: the entry keeps the response it holds, whose hash this is (protocol
+    /// §11.11), as if it were printed again.
+    Keep(String),
+}
+
+/// The hash the agent gives a response (its payload bytes, protocol §7): a string's text,
+/// anything else as compact JSON (serde_json's, keys sorted).
+pub fn payload_sha256(response: &Value) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = match response {
+        Value::String(text) => Sha256::digest(text.as_bytes()),
+        other => Sha256::digest(serde_json::to_vec(other).expect("a JSON value serialises")),
+    };
+    hex::encode(digest)
 }
 
 /// Longest reason a handler sends; the agent bounds it again.
@@ -144,6 +164,21 @@ impl Output {
         self.set(entry, Answer::Pending(one_line(reason.as_ref())));
     }
 
+    /// Answers `response` whose hash is `sha256`: kept without printing it when the entry
+    /// holds exactly that (protocol §11.11), printed otherwise.
+    pub fn respond_hashed(
+        &mut self,
+        entry: &Entry,
+        sha256: &str,
+        response: impl FnOnce() -> Value,
+    ) {
+        if entry.held.as_deref() == Some(sha256) {
+            self.set(entry, Answer::Keep(sha256.to_owned()));
+        } else {
+            self.respond(entry, response());
+        }
+    }
+
     /// Asks to be run again within `seconds` (the earliest request wins), 1..=3600.
     pub fn rerun_within(&mut self, seconds: u64) {
         let s = seconds.clamp(1, 3600);
@@ -174,36 +209,17 @@ impl Output {
             Answer::Pending(r) => serde_json::json!({"$fort_pending": r}),
             Answer::Response(v) => v.clone(),
             Answer::Nothing => Value::Null,
+            Answer::Keep(sha256) => serde_json::json!({"$fort_keep": sha256}),
         }
     }
 
-    /// The JSON the agent reads (docs/protocol.md §9).
+    /// The JSON the agent reads (docs/protocol.md §9), leaving the answers in place.
     pub fn to_json(&self) -> Value {
-        #[derive(Serialize)]
-        struct Marker<'a> {
-            #[serde(rename = "$fort_refused", skip_serializing_if = "Option::is_none")]
-            refused: Option<&'a str>,
-            #[serde(rename = "$fort_pending", skip_serializing_if = "Option::is_none")]
-            pending: Option<&'a str>,
-        }
-        let mut map = serde_json::Map::new();
-        for (key, answer) in &self.answers {
-            let value = match answer {
-                Answer::Response(v) => v.clone(),
-                Answer::Refused(r) => serde_json::to_value(Marker {
-                    refused: Some(r),
-                    pending: None,
-                })
-                .expect("marker serialises"),
-                Answer::Pending(r) => serde_json::to_value(Marker {
-                    refused: None,
-                    pending: Some(r),
-                })
-                .expect("marker serialises"),
-                Answer::Nothing => Value::Null,
-            };
-            map.insert(key.clone(), value);
-        }
+        let mut map: serde_json::Map<String, Value> = self
+            .answers
+            .iter()
+            .map(|(key, answer)| (key.clone(), Output::marker(answer)))
+            .collect();
         if let Some(s) = self.rerun_after {
             map.insert("$fort_rerun_after".into(), Value::from(s));
         }
@@ -215,6 +231,7 @@ impl Output {
 mod tests {
     use super::*;
     use serde_json::json;
+    use sha2::Digest;
 
     #[test]
     fn input_and_output_round_trip() {
@@ -241,6 +258,36 @@ mod tests {
         assert_eq!(out.into_json(), json);
         assert!(parse_input(br#"{"nokey":{"request":{}}}"#).is_err());
         assert!(parse_input(br#"{"a:b/c":{"request":{},"extra":1}}"#).is_err());
+    }
+
+    #[test]
+    fn a_response_the_entry_holds_is_kept_by_its_hash() {
+        let response = json!({"chain": "c\n", "certificate": "a"});
+        // What the agent names: the payload bytes' SHA-256, keys sorted, compact.
+        let sha = payload_sha256(&response);
+        assert_eq!(
+            sha,
+            hex::encode(sha2::Sha256::digest(
+                br#"{"certificate":"a","chain":"c\n"}"#
+            ))
+        );
+        assert_eq!(
+            payload_sha256(&json!("PEM\n")),
+            hex::encode(sha2::Sha256::digest(b"PEM\n"))
+        );
+        let input = format!(
+            r#"{{"app:c/a":{{"request":{{}},"response":null,"held":"{sha}"}},"app:c/b":{{"request":{{}}}}}}"#
+        );
+        let entries = parse_input(input.as_bytes()).unwrap();
+        assert_eq!(entries[0].held.as_deref(), Some(sha.as_str()));
+        let mut out = Output::default();
+        for e in &entries {
+            out.respond_hashed(e, &sha, || response.clone());
+        }
+        assert_eq!(
+            out.into_json(),
+            json!({"app:c/a": {"$fort_keep": sha}, "app:c/b": response})
+        );
     }
 
     #[test]
