@@ -335,6 +335,16 @@ let
             most 4096 bytes.
           '';
         };
+        configFiles = mkOption {
+          type = types.listOf types.unspecified;
+          internal = true;
+          default = [ ];
+          description = ''
+            The store files `args` names that a capability module generated (its handler's
+            config), for tools that install a host's files without Nix, such as the
+            systemd test lane.
+          '';
+        };
         mode = mkOption {
           type = types.enum [
             "async"

@@ -249,7 +249,7 @@ in
       type = types.listOf types.str;
       default = [ ];
       example = [ "/var/lib/outline/secrets" ];
-      description = "Writable for handlers under `strictSandbox`.";
+      description = "Writable for handlers under `strictSandbox` (`ReadWritePaths=`: a path that starts with `-` may be missing at start).";
     };
 
     checkConfig = mkOption {

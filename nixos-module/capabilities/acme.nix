@@ -224,6 +224,7 @@ in
               "--config"
               "${configFile name config.acme}"
             ];
+            configFiles = [ (configFile name config.acme) ];
             interface = mkDefault ../interfaces/acme.nix;
             description = mkDefault "certificates from ${config.acme.directory}";
           };
@@ -231,6 +232,19 @@ in
       )
     );
   };
+
+  # The handler writes challenge answers into the webroot and its state file, also
+  # under strictSandbox (the agent's own state directory is writable anyway). "-": a
+  # webroot the web server has not made yet fails the orders that need it, not the agent.
+  config.services.fort-agent.readWritePaths = lib.unique (
+    lib.concatLists (
+      mapAttrsToList (
+        _: c:
+        lib.optional (c.acme.webroot != null) "-${c.acme.webroot}"
+        ++ lib.optional (!lib.hasPrefix "/var/lib/fort/" c.acme.stateFile) "-${dirOf c.acme.stateFile}"
+      ) withAcme
+    )
+  );
 
   config.assertions =
     let

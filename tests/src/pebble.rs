@@ -12,6 +12,14 @@ use std::time::{Duration, Instant};
 
 use crate::dns::find_program;
 
+/// Where a pebble runs when not in the test's own network namespace.
+struct Namespace<'a> {
+    netns: PathBuf,
+    listen: SocketAddr,
+    management: SocketAddr,
+    reachable: &'a dyn Fn(SocketAddr) -> bool,
+}
+
 /// A running pebble.
 pub struct Pebble {
     pub dir: tempfile::TempDir,
@@ -32,20 +40,39 @@ impl Pebble {
         dns: SocketAddr,
         certificate_validity_seconds: Option<u64>,
     ) -> Result<Pebble, String> {
-        Pebble::start_with(dns, certificate_validity_seconds, false)
+        Pebble::start_with(dns, certificate_validity_seconds, false, None)
     }
 
     /// Pebble that takes every challenge as valid without looking
     /// (`PEBBLE_VA_ALWAYS_VALID=1`): for benchmarks of the ACME client's side, where no
     /// time should go to validation.
     pub fn start_always_valid() -> Result<Pebble, String> {
-        Pebble::start_with(crate::free_addr("127.0.0.1"), None, true)
+        Pebble::start_with(crate::free_addr("127.0.0.1"), None, true, None)
+    }
+
+    /// Pebble in the network namespace `netns` (the systemd lane's loopback), its
+    /// directory at `listen`, taking every challenge as valid; `reachable` tells whether
+    /// an address of that namespace accepts connections.
+    pub fn start_in_namespace(
+        netns: &Path,
+        listen: SocketAddr,
+        management: SocketAddr,
+        reachable: &dyn Fn(SocketAddr) -> bool,
+    ) -> Result<Pebble, String> {
+        let within = Namespace {
+            netns: netns.to_path_buf(),
+            listen,
+            management,
+            reachable,
+        };
+        Pebble::start_with(listen, None, true, Some(within))
     }
 
     fn start_with(
         dns: SocketAddr,
         certificate_validity_seconds: Option<u64>,
         always_valid: bool,
+        within: Option<Namespace>,
     ) -> Result<Pebble, String> {
         let program = find_program("pebble").ok_or("pebble is not installed")?;
         find_program("curl").ok_or("curl is not installed")?;
@@ -68,8 +95,10 @@ impl Pebble {
         std::fs::write(&tls_root, ca.pem()).expect("write");
         std::fs::write(dir.path().join("cert.pem"), cert.pem()).expect("write");
         std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).expect("write");
-        let listen = crate::free_addr("127.0.0.1");
-        let management = crate::free_addr("127.0.0.1");
+        let (listen, management) = match &within {
+            Some(n) => (n.listen, n.management),
+            None => (crate::free_addr("127.0.0.1"), crate::free_addr("127.0.0.1")),
+        };
         let http_port = crate::free_addr("127.0.0.1").port();
         let tls_port = crate::free_addr("127.0.0.1").port();
         let mut config = serde_json::json!({"pebble": {
@@ -88,7 +117,16 @@ impl Pebble {
         let conf = dir.path().join("pebble.json");
         std::fs::write(&conf, config.to_string()).expect("write");
         let log = std::fs::File::create(dir.path().join("pebble.log")).expect("log");
-        let mut command = Command::new(program);
+        let mut command = match &within {
+            Some(n) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", n.netns.display()))
+                    .arg("--")
+                    .arg(program);
+                c
+            }
+            None => Command::new(program),
+        };
         if always_valid {
             command.env("PEBBLE_VA_ALWAYS_VALID", "1");
         }
@@ -116,7 +154,11 @@ impl Pebble {
             child: Some(child),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(listen).is_err() || TcpStream::connect(management).is_err() {
+        let reachable = |addr: SocketAddr| match &within {
+            Some(n) => (n.reachable)(addr),
+            None => TcpStream::connect(addr).is_ok(),
+        };
+        while !reachable(listen) || !reachable(management) {
             if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
                 panic!("pebble exited ({status}):\n{}", p.log());
             }

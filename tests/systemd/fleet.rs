@@ -84,10 +84,26 @@ impl Lane {
     /// for the agent running as user fort); `None` (a recorded skip) where the lane
     /// cannot run.
     pub fn boot(test: &str, app_tree: &str) -> Option<Lane> {
+        Lane::boot_trees(test, "forge", app_tree, &mut |_, _, _| Ok(()))
+    }
+
+    /// Boots forge and app from the rendered trees named, after `prepare` has done what
+    /// they need before they start (a server on their loopback, a file); an `Err` from
+    /// it is a recorded skip with that reason.
+    pub fn boot_trees(
+        test: &str,
+        forge_tree: &str,
+        app_tree: &str,
+        prepare: &mut dyn FnMut(&Net, &Machine, &Machine) -> Result<(), String>,
+    ) -> Option<Lane> {
         let root = lane::root_or_skip(test)?;
         let net = Net::new().expect("network namespace");
-        let mut forge = machine(&root, &net, "forge", "forge");
+        let mut forge = machine(&root, &net, "forge", forge_tree);
         let mut app = machine(&root, &net, "app", app_tree);
+        if let Err(why) = prepare(&net, &forge, &app) {
+            fort_tests::skip(test, &why);
+            return None;
+        }
         if let Err(e) = forge.boot() {
             fort_tests::skip(test, &format!("cannot boot a container here: {e}"));
             return None;

@@ -5,6 +5,7 @@
 //! mmdebstrap, no Debian registry for the first build of the root.
 
 mod agent;
+mod certificates;
 mod delivery;
 mod fleet;
 mod units;

@@ -11,9 +11,14 @@
 #
 # appUser: the user app's agent runs as ("root", or "fort" for the unprivileged agent).
 # generation: 2 is the next deployment of the same fleet (one more need).
+# certificates: forge also serves `ssl-cert` from the ACME CA the lane runs on the shared
+# loopback (pebble at 127.0.0.1:14000, its TLS root installed at /etc/lane/pebble-root.pem),
+# and app asks it for a certificate for a key it makes (fort.host.certificates.web),
+# reloading reloader.service when it lands.
 {
   appUser ? "root",
   generation ? 1,
+  certificates ? false,
 }:
 let
   keys = ../keys;
@@ -48,7 +53,7 @@ in
 
   hosts.forge.modules = [
     (
-      { pkgs, ... }:
+      { pkgs, lib, ... }:
       {
         services.fort-agent = {
           listen = "127.0.0.1:7770";
@@ -75,50 +80,73 @@ in
           triggers.systemd = [ "lane-source.service" ];
           description = "Tokens for the lane's consumer";
         };
+        fort.host.capabilities.ssl-cert = lib.mkIf certificates {
+          acme = {
+            directory = "https://127.0.0.1:14000/dir";
+            caRoot = "/etc/lane/pebble-root.pem";
+            # Under strictSandbox: writable because the capability says so, not the lane.
+            webroot = "/var/lib/lane-acme-webroot";
+            allow.app = [ "app.example.test" ];
+            revokeOnRelease = true;
+            rerunSeconds = 1;
+          };
+        };
       }
     )
   ];
 
   hosts.app.modules = [
-    {
-      services.fort-agent = {
-        listen = "127.0.0.2:7770";
-        user = appUser;
-      };
-      fort.host.needs.secret =
-        {
-          wiki.from = "forge";
-          wiki.files.token = token // {
-            credentialFor = [ "wiki.service" ];
-          };
-        }
-        // builtins.listToAttrs (
-          map (id: {
-            name = "multi-${id}";
-            value = {
-              from = "forge";
-              files.token = token;
-              restartUnits = [ "multi.service" ];
-              reloadUnits = [ "reloader.service" ];
+    (
+      { lib, ... }:
+      {
+        services.fort-agent = {
+          listen = "127.0.0.2:7770";
+          user = appUser;
+        };
+        fort.host.needs.secret =
+          {
+            wiki.from = "forge";
+            wiki.files.token = token // {
+              credentialFor = [ "wiki.service" ];
             };
-          }) [ "a" "b" "c" ]
-        )
-        // (
-          if generation >= 2 then
-            {
-              later.from = "forge";
-              later.files.token = token;
-            }
-          else
-            { }
-        );
-      # The lane's own units; started at boot (wiki is skipped until its credential is
-      # there).
-      systemd.services = {
-        wiki.wantedBy = [ "multi-user.target" ];
-        multi.wantedBy = [ "multi-user.target" ];
-        reloader.wantedBy = [ "multi-user.target" ];
-      };
-    }
+          }
+          // builtins.listToAttrs (
+            map (id: {
+              name = "multi-${id}";
+              value = {
+                from = "forge";
+                files.token = token;
+                restartUnits = [ "multi.service" ];
+                reloadUnits = [ "reloader.service" ];
+              };
+            }) [ "a" "b" "c" ]
+          )
+          // (
+            if generation >= 2 then
+              {
+                later.from = "forge";
+                later.files.token = token;
+              }
+            else
+              { }
+          );
+        # The lane's own units; started at boot (wiki is skipped until its credential is
+        # there).
+        systemd.services = {
+          wiki.wantedBy = [ "multi-user.target" ];
+          multi.wantedBy = [ "multi-user.target" ];
+          reloader.wantedBy = [ "multi-user.target" ];
+        };
+        users.groups = lib.mkIf certificates { lane-web = { }; };
+        fort.host.certificates = lib.mkIf certificates {
+          web = {
+            from = "forge";
+            domains = [ "app.example.test" ];
+            group = "lane-web";
+            reloadUnits = [ "reloader.service" ];
+          };
+        };
+      }
+    )
   ];
 }

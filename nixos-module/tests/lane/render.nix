@@ -13,7 +13,8 @@
 # dry-activate plan names is a file of the tree.
 #
 # Trees: forge, app (generation 1), app-fort (app with services.fort-agent.user =
-# "fort"), next/forge and next/app (generation 2).
+# "fort"), next/forge and next/app (generation 2), certs/forge and certs/app (forge serves
+# ssl-cert from an ACME CA, app asks for a certificate).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -197,13 +198,18 @@ let
         name: e:
         nameValuePair "etc/${name}" { symlink = "${e.source}"; }
       ) config.environment.etc;
-      storeFiles = mapAttrs' (
-        _: e: nameValuePair (storeFile e.source) (textFile (contentOf e.source))
-      ) config.environment.etc;
+      storeFiles =
+        mapAttrs' (_: e: nameValuePair (storeFile e.source) (textFile (contentOf e.source))) config.environment.etc
+        // listToAttrs (
+          map (f: nameValuePair (storeFile f) (textFile (contentOf f))) (
+            concatLists (mapAttrsToList (_: c: c.configFiles) config.fort.host.capabilities)
+          )
+        );
       needs = fortLib.needList config.fort.host.needs;
+      # Handlers the fleet wrote (a handler of the fort package is one of its binaries).
       scripts = listToAttrs (
         map script (
-          filter (x: x != null) (
+          filter builtins.isAttrs (
             concatLists (map (n: [ n.handler n.check ]) needs)
             ++ mapAttrsToList (_: c: c.handler) config.fort.host.capabilities
           )
@@ -253,6 +259,7 @@ let
   one = fleet { };
   fortUser = fleet { appUser = "fort"; };
   next = fleet { generation = 2; };
+  certs = fleet { certificates = true; };
 in
 {
   forge = render one.forge;
@@ -260,4 +267,6 @@ in
   app-fort = render fortUser.app;
   "next/forge" = render next.forge;
   "next/app" = render next.app;
+  "certs/forge" = render certs.forge;
+  "certs/app" = render certs.app;
 }

@@ -175,7 +175,7 @@ impl Machine {
         for (path, kind) in packages {
             match kind.as_str() {
                 "fort" => {
-                    for bin in ["fort-agent", "fort"] {
+                    for bin in ["fort-agent", "fort", "fort-handler"] {
                         self.bind_ro(&crate::bin(bin), &format!("{path}/bin/{bin}"));
                     }
                 }

@@ -43,6 +43,25 @@ impl Net {
     pub fn path(&self) -> PathBuf {
         PathBuf::from(format!("/proc/{}/ns/net", self.holder.id()))
     }
+
+    /// Whether `addr` accepts a TCP connection inside the namespace (a server the test
+    /// started there, such as an ACME CA).
+    #[allow(unsafe_code)]
+    pub fn reachable(&self, addr: std::net::SocketAddr) -> bool {
+        use std::os::fd::AsRawFd;
+        let Ok(ns) = std::fs::File::open(self.path()) else {
+            return false;
+        };
+        std::thread::spawn(move || {
+            // SAFETY: setns moves only this thread, which ends here.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return false;
+            }
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+        })
+        .join()
+        .unwrap_or(false)
+    }
 }
 
 impl Drop for Net {
