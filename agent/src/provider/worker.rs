@@ -56,8 +56,8 @@ enum Verdict {
     /// `$fort_pending`: the response stays as it is.
     Wait(String),
     /// `$fort_keep` (§11.11): the response stays as it is, as if printed again; `matches`
-    /// is false when the hash named is not the one the entry held, and then the verdict
-    /// it held stays too.
+    /// is false when the hash named is not the one the entry held, and then nothing about
+    /// the entry changes.
     Keep { matches: bool },
 }
 
@@ -299,8 +299,11 @@ impl Worker {
             .iter()
             .filter_map(|(key, seen)| {
                 let verdict = Verdict::of(output.get(key), seen.held.as_deref());
+                // The handler's record and the provider's differ: nothing about the entry
+                // changes, and a requester owed an answer stays owed one.
                 if matches!(verdict, Verdict::Keep { matches: false }) {
                     kept_unheld += 1;
+                    return None;
                 }
                 let new = verdict.response(seen.current.as_ref());
                 let differs = !super::state::same(new.as_deref(), seen.current.as_deref())
@@ -391,6 +394,13 @@ impl Worker {
                 let Some(mut entry) = c.get(key).cloned() else {
                     continue;
                 };
+                // Released and asked for again while the handler ran: what it kept is not
+                // what the entry holds now.
+                if matches!(verdict, Verdict::Keep { .. })
+                    && entry.current_hash().as_deref() != seen.held.as_deref()
+                {
+                    continue;
+                }
                 let new = verdict.response(entry.response.as_ref());
                 let notice = verdict.notice(entry.notice.as_ref());
                 let changed = !super::state::same(new.as_deref(), entry.response.as_deref());

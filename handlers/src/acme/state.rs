@@ -54,11 +54,6 @@ pub struct Issued {
     pub certificate: String,
     pub chain: String,
     pub not_after: i64,
-    /// The hash the agent gives the response made from this (protocol §11.11), so an entry
-    /// that holds it is kept without printing 4 KiB of certificates again. Absent in files
-    /// from before it was recorded: filled in at the next run.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response_sha256: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
