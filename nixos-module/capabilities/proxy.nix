@@ -236,7 +236,17 @@ in
   };
 
   config = mkIf (withProxy != { }) {
-    services.fort-agent.readWritePaths = mapAttrsToList (_: c: c.proxy.includeDir) withProxy;
+    # The vhost files, and what `nginx -t` writes even when it only tests: it opens its
+    # pid file and makes its temporary directories, and fails on a read-only file system
+    # (strictSandbox) without them. NixOS's nginx keeps them in its runtime, cache and
+    # logs directories. "-": absent ones are no reason for the agent not to start.
+    services.fort-agent.readWritePaths =
+      mapAttrsToList (_: c: c.proxy.includeDir) withProxy
+      ++ lib.optionals (configured != { }) [
+        "-/run/nginx"
+        "-/var/cache/nginx"
+        "-/var/log/nginx"
+      ];
     services.nginx = mkIf (configured != { }) {
       enableReload = mkDefault true;
       appendHttpConfig = lib.concatStringsSep "\n" (
