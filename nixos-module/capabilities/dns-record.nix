@@ -151,6 +151,7 @@ in
               "--config"
               "${configFile name config.dnsRecord}"
             ];
+            configFiles = [ (configFile name config.dnsRecord) ];
             interface = mkDefault ../interfaces/dns-record.nix;
             cacheResponse = mkDefault true;
             triggers.initialize = mkDefault true;

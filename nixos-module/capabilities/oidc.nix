@@ -157,6 +157,7 @@ in
               "--config"
               "${configFile name config.oidc}"
             ];
+            configFiles = [ (configFile name config.oidc) ];
             interface = mkDefault ../interfaces/oidc.nix;
             cacheResponse = mkDefault true;
             description = mkDefault "OpenID Connect clients at ${config.oidc.issuer}";

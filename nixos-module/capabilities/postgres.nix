@@ -158,6 +158,7 @@ in
               "--config"
               "${configFile name config.postgres}"
             ];
+            configFiles = [ (configFile name config.postgres) ];
             interface = mkDefault ../interfaces/postgres.nix;
             cacheResponse = mkDefault true;
             description = mkDefault "PostgreSQL databases and roles on ${config.postgres.host}";

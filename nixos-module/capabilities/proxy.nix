@@ -224,6 +224,7 @@ in
               "--config"
               "${configFile name config.proxy}"
             ];
+            configFiles = [ (configFile name config.proxy) ];
             # The fleet's interface of this name when it declares one (it may extend the
             # shipped one, as the example handler's users do), else the shipped one.
             interface = mkDefault (clusterInterfaces.${name} or ../interfaces/proxy.nix);

@@ -162,6 +162,7 @@ let
           "--config"
           "${configFile}"
         ];
+        configFiles = [ configFile ];
         interface = mkDefault ../interfaces/ssh-ca.nix;
         cacheResponse = mkDefault true;
         description = mkDefault "SSH host and user certificates";

@@ -51,6 +51,9 @@ pub struct DnsServer {
     /// The key's base64 secret.
     pub secret: String,
     pub dir: tempfile::TempDir,
+    /// The network namespace it serves in (the systemd lane's loopback); `None`: the
+    /// test's own.
+    netns: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -59,6 +62,27 @@ impl DnsServer {
     /// names relative to the zone). `Err` says why it cannot run here (a program missing),
     /// for `skip`; a server that is installed but fails to start panics with its log.
     pub fn start(flavor: Flavor, zone: &str, records: &str) -> Result<DnsServer, String> {
+        DnsServer::start_at(flavor, zone, records, None)
+    }
+
+    /// The same in the network namespace `netns`, listening on `addr` there; `dig` and
+    /// `nsupdate` run there too.
+    pub fn start_in_namespace(
+        flavor: Flavor,
+        zone: &str,
+        records: &str,
+        netns: &Path,
+        addr: SocketAddr,
+    ) -> Result<DnsServer, String> {
+        DnsServer::start_at(flavor, zone, records, Some((netns.to_path_buf(), addr)))
+    }
+
+    fn start_at(
+        flavor: Flavor,
+        zone: &str,
+        records: &str,
+        within: Option<(PathBuf, SocketAddr)>,
+    ) -> Result<DnsServer, String> {
         let program = find_program(flavor.binary())
             .ok_or_else(|| format!("{} is not installed", flavor.binary()))?;
         for tool in ["dig", "nsupdate"] {
@@ -68,10 +92,12 @@ impl DnsServer {
         let dir = tempfile::tempdir().expect("tempdir");
         // named listens only on addresses an interface has (127.0.0.1 of lo's 127/8);
         // knotd binds any loopback address, so each test gets its own.
-        let addr = match flavor {
-            Flavor::Knot => crate::free_addr(&crate::next_ip()),
-            Flavor::Bind => crate::free_addr("127.0.0.1"),
+        let addr = match (&within, flavor) {
+            (Some((_, addr)), _) => *addr,
+            (None, Flavor::Knot) => crate::free_addr(&crate::next_ip()),
+            (None, Flavor::Bind) => crate::free_addr("127.0.0.1"),
         };
+        let netns = within.map(|(ns, _)| ns);
         // knotd keeps its journal there and fails every update when it is missing.
         std::fs::create_dir(dir.path().join("db")).expect("mkdir db");
         let mut secret = [0u8; 32];
@@ -131,7 +157,7 @@ impl DnsServer {
             }
         };
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let child = Command::new(program)
+        let child = in_namespace(netns.as_deref(), &program)
             .args(&args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
@@ -145,6 +171,7 @@ impl DnsServer {
             key_name,
             secret,
             dir,
+            netns,
             child: Some(child),
         };
         server.wait_ready();
@@ -188,7 +215,8 @@ impl DnsServer {
     }
 
     fn dig_with(&self, style: &[&str], name: &str, rtype: &str) -> String {
-        let out = Command::new(find_program("dig").expect("dig"))
+        let out = self
+            .command("dig")
             .arg(format!("@{}", self.addr.ip()))
             .args(["-p", &self.addr.port().to_string()])
             .args(["+norecurse", "+time=1", "+tries=1"])
@@ -229,7 +257,8 @@ impl DnsServer {
 
     /// Every record of the zone (a transfer signed with the key), as `dig` prints them.
     pub fn zone_records(&self) -> Vec<String> {
-        let out = Command::new(find_program("dig").expect("dig"))
+        let out = self
+            .command("dig")
             .arg(format!("@{}", self.addr.ip()))
             .args(["-p", &self.addr.port().to_string()])
             .args([
@@ -255,7 +284,8 @@ impl DnsServer {
             self.addr.port(),
             self.zone
         );
-        let mut child = Command::new(find_program("nsupdate").expect("nsupdate"))
+        let mut child = self
+            .command("nsupdate")
             .args([
                 "-y",
                 &format!("hmac-sha256:{}:{}", self.key_name, self.secret),
@@ -280,6 +310,12 @@ impl DnsServer {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+
+    /// `program` (dig, nsupdate) where the server serves.
+    fn command(&self, program: &str) -> Command {
+        let path = find_program(program).unwrap_or_else(|| panic!("{program} is not installed"));
+        in_namespace(self.netns.as_deref(), &path)
     }
 
     /// Stops the server (a primary that is down).
@@ -311,4 +347,19 @@ fn getrandom(buf: &mut [u8]) {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(buf))
         .expect("read /dev/urandom");
+}
+
+/// `program`, run in the network namespace `netns` when there is one (through nsenter,
+/// which enters it and then runs the program in its place).
+fn in_namespace(netns: Option<&Path>, program: &Path) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net={}", ns.display()))
+                .arg("--")
+                .arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
 }

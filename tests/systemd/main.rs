@@ -8,4 +8,5 @@ mod agent;
 mod certificates;
 mod delivery;
 mod fleet;
+mod records;
 mod units;

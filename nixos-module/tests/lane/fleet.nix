@@ -15,10 +15,14 @@
 # loopback (pebble at 127.0.0.1:14000, its TLS root installed at /etc/lane/pebble-root.pem),
 # and app asks it for a certificate for a key it makes (fort.host.certificates.web),
 # reloading reloader.service when it lands.
+# records: forge also serves `dns-record` from the zone lane.test at the primary the lane
+# runs on the shared loopback (127.0.0.1:5300, its TSIG secret installed at
+# /etc/lane/tsig), and app asks for www.lane.test, an A record of its own address.
 {
   appUser ? "root",
   generation ? 1,
   certificates ? false,
+  records ? false,
 }:
 let
   keys = ../keys;
@@ -91,6 +95,17 @@ in
             rerunSeconds = 1;
           };
         };
+        fort.host.capabilities.dns-record = lib.mkIf records {
+          dnsRecord = {
+            zone = "lane.test";
+            primary = "127.0.0.1:5300";
+            key = {
+              name = "fort-test";
+              file = "/etc/lane/tsig";
+            };
+            allow.app = [ "*.lane.test" ];
+          };
+        };
       }
     )
   ];
@@ -138,6 +153,14 @@ in
           reloader.wantedBy = [ "multi-user.target" ];
         };
         users.groups = lib.mkIf certificates { lane-web = { }; };
+        fort.host.needs.dns-record = lib.mkIf records {
+          www = {
+            from = "forge";
+            request.name = "www.lane.test";
+            # The record set as the primary holds it, kept as a file.
+            files."record.json" = { };
+          };
+        };
         fort.host.certificates = lib.mkIf certificates {
           web = {
             from = "forge";

@@ -14,7 +14,8 @@
 #
 # Trees: forge, app (generation 1), app-fort (app with services.fort-agent.user =
 # "fort"), next/forge and next/app (generation 2), certs/forge and certs/app (forge serves
-# ssl-cert from an ACME CA, app asks for a certificate).
+# ssl-cert from an ACME CA, app asks for a certificate), records/forge and records/app
+# (forge serves dns-record from a DNS primary, app asks for a record).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -260,6 +261,7 @@ let
   fortUser = fleet { appUser = "fort"; };
   next = fleet { generation = 2; };
   certs = fleet { certificates = true; };
+  records = fleet { records = true; };
 in
 {
   forge = render one.forge;
@@ -269,4 +271,6 @@ in
   "next/app" = render next.app;
   "certs/forge" = render certs.forge;
   "certs/app" = render certs.app;
+  "records/forge" = render records.forge;
+  "records/app" = render records.app;
 }
