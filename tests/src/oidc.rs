@@ -42,6 +42,24 @@ impl OidcProvider {
     /// Starts the provider. `Err` says why it cannot run here (node or the package
     /// missing), for `skip`.
     pub fn start() -> Result<OidcProvider, String> {
+        OidcProvider::start_at(None)
+    }
+
+    /// The provider in the network namespace `netns` (the systemd lane's loopback), on
+    /// 127.0.0.1:`port` there; `reachable` tells whether an address of that namespace
+    /// accepts connections.
+    pub fn start_in_namespace(
+        netns: &Path,
+        port: u16,
+        reachable: &dyn Fn(std::net::SocketAddr) -> bool,
+    ) -> Result<OidcProvider, String> {
+        OidcProvider::start_at(Some((netns, port, reachable)))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn start_at(
+        within: Option<(&Path, u16, &dyn Fn(std::net::SocketAddr) -> bool)>,
+    ) -> Result<OidcProvider, String> {
         let node = find_program("node").ok_or("node is not installed")?;
         let package = package_dir().ok_or("no HOME and no FORT_OIDC_PROVIDER_DIR")?;
         if !package
@@ -66,9 +84,22 @@ impl OidcProvider {
             base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, secret);
         let token_file = dir.path().join("initial-access-token");
         std::fs::write(&token_file, format!("{initial_token}\n")).expect("write");
-        let listen = crate::free_addr("127.0.0.1");
+        let listen = match &within {
+            Some((_, port, _)) => std::net::SocketAddr::from(([127, 0, 0, 1], *port)),
+            None => crate::free_addr("127.0.0.1"),
+        };
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let child = Command::new(node)
+        let mut command = match &within {
+            Some((netns, _, _)) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", netns.display()))
+                    .arg("--")
+                    .arg(&node);
+                c
+            }
+            None => Command::new(&node),
+        };
+        let child = command
             .arg(&script)
             .env("FORT_OIDC_PROVIDER_DIR", &package)
             .env("FORT_OIDC_PORT", listen.port().to_string())
@@ -89,7 +120,11 @@ impl OidcProvider {
             child: Some(child),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while TcpStream::connect(listen).is_err() {
+        let reachable = |addr| match &within {
+            Some((_, _, reachable)) => reachable(addr),
+            None => TcpStream::connect(addr).is_ok(),
+        };
+        while !reachable(listen) {
             if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
                 return Err(format!("oidc-provider exited ({status}):\n{}", p.log()));
             }

@@ -6,6 +6,7 @@
 
 mod agent;
 mod certificates;
+mod clients;
 mod delivery;
 mod fleet;
 mod records;

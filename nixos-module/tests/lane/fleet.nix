@@ -18,11 +18,15 @@
 # records: forge also serves `dns-record` from the zone lane.test at the primary the lane
 # runs on the shared loopback (127.0.0.1:5300, its TSIG secret installed at
 # /etc/lane/tsig), and app asks for www.lane.test, an A record of its own address.
+# clients: forge also serves `oidc` from the OpenID provider the lane runs on the shared
+# loopback (https://127.0.0.1:7443, its TLS root at /etc/lane/oidc-ca.pem, the initial
+# access token at /etc/lane/oidc-token), and app asks for a client_credentials client.
 {
   appUser ? "root",
   generation ? 1,
   certificates ? false,
   records ? false,
+  clients ? false,
 }:
 let
   keys = ../keys;
@@ -106,6 +110,15 @@ in
             allow.app = [ "*.lane.test" ];
           };
         };
+        fort.host.capabilities.oidc = lib.mkIf clients {
+          oidc = {
+            issuer = "https://127.0.0.1:7443";
+            initialAccessTokenFile = "/etc/lane/oidc-token";
+            caFile = "/etc/lane/oidc-ca.pem";
+            allow.app = [ "lane" ];
+            allowGrantTypes.app = [ "client_credentials" ];
+          };
+        };
       }
     )
   ];
@@ -159,6 +172,17 @@ in
             request.name = "www.lane.test";
             # The record set as the primary holds it, kept as a file.
             files."record.json" = { };
+          };
+        };
+        fort.host.needs.oidc = lib.mkIf clients {
+          lane = {
+            from = "forge";
+            request = {
+              client_name = "lane";
+              grant_types = [ "client_credentials" ];
+            };
+            files.client_id.pointer = "/client_id";
+            files.client_secret.pointer = "/client_secret";
           };
         };
         fort.host.certificates = lib.mkIf certificates {

@@ -15,7 +15,8 @@
 # Trees: forge, app (generation 1), app-fort (app with services.fort-agent.user =
 # "fort"), next/forge and next/app (generation 2), certs/forge and certs/app (forge serves
 # ssl-cert from an ACME CA, app asks for a certificate), records/forge and records/app
-# (forge serves dns-record from a DNS primary, app asks for a record).
+# (forge serves dns-record from a DNS primary, app asks for a record), clients/forge and
+# clients/app (forge serves oidc from an OpenID provider, app asks for a client).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -262,6 +263,7 @@ let
   next = fleet { generation = 2; };
   certs = fleet { certificates = true; };
   records = fleet { records = true; };
+  clients = fleet { clients = true; };
 in
 {
   forge = render one.forge;
@@ -273,4 +275,6 @@ in
   "certs/app" = render certs.app;
   "records/forge" = render records.forge;
   "records/app" = render records.app;
+  "clients/forge" = render clients.forge;
+  "clients/app" = render clients.app;
 }

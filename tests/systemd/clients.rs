@@ -1,0 +1,95 @@
+//! The `oidc` capability under systemd: forge's agent (strictSandbox) runs
+//! `fort-handler oidc` against npm's oidc-provider on the lane's loopback, registering a
+//! client with the initial access token the lane installs, as the NixOS module declares it
+//! (`fort.host.capabilities.oidc.oidc`); app holds the client's credentials, and they get
+//! a token at the provider.
+
+use std::process::Command;
+
+use fort_tests::oidc::OidcProvider;
+
+use crate::fleet::{self, Lane, SOON};
+
+/// Where the lane's fleet expects the OpenID provider (nixos-module/tests/lane/fleet.nix).
+const PORT: u16 = 7443;
+
+#[test]
+fn oidc_client_is_registered_and_gets_a_token_under_systemd() {
+    let test = "oidc_client_is_registered_and_gets_a_token_under_systemd";
+    let mut provider: Option<OidcProvider> = None;
+    let mut netns = None;
+    let Some(lane) = Lane::boot_trees(
+        test,
+        "clients/forge",
+        "clients/app",
+        &mut |net, forge, _| {
+            if Command::new("curl").arg("--version").output().is_err() {
+                return Err("curl is not installed (it asks the provider for a token)".into());
+            }
+            let p = OidcProvider::start_in_namespace(&net.path(), PORT, &|a| net.reachable(a))?;
+            forge.write(
+                "/etc/lane/oidc-ca.pem",
+                std::fs::read(&p.ca_file).expect("the provider's TLS root"),
+                0o644,
+            );
+            // As a secret deployment tool would place it: root's alone.
+            forge.write(
+                "/etc/lane/oidc-token",
+                format!("{}\n", p.initial_token),
+                0o400,
+            );
+            netns = Some(net.path());
+            provider = Some(p);
+            Ok(())
+        },
+    ) else {
+        return;
+    };
+    let (forge, app) = (&lane.forge, &lane.app);
+    let provider = provider.as_ref().expect("started before the machines");
+    app.wait_until("oidc/lane satisfied", SOON, || {
+        fleet::need(app, "oidc/lane")["state"] == "satisfied"
+    });
+    let client_id = app.succeed("cat /run/fort/needs/oidc/lane/client_id");
+    let secret = app.succeed("cat /run/fort/needs/oidc/lane/client_secret");
+    assert!(!client_id.is_empty() && !secret.is_empty());
+
+    // The credentials app holds get a token at the provider.
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", netns.as_ref().expect("set").display()))
+        .args(["--", "curl", "-sS", "--max-time", "10", "--cacert"])
+        .arg(&provider.ca_file)
+        .args(["-u", &format!("{client_id}:{secret}")])
+        .args(["-d", "grant_type=client_credentials"])
+        .arg(provider.token_endpoint())
+        .output()
+        .expect("curl");
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert!(
+        answer["access_token"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The registration access token stays in the handler's state, private, under the
+    // sandbox; the secret and the initial access token are in no log line.
+    assert_eq!(
+        forge.succeed("stat -c '%U %a' /var/lib/fort/handlers/oidc.json"),
+        "root 600\n"
+    );
+    assert_eq!(forge.prop("fort-agent.service", "ProtectSystem"), "strict");
+    for (host, m) in [("forge", forge), ("app", app)] {
+        let journal = m.journal("fort-agent.service", 2000);
+        assert!(
+            !journal.contains(&secret),
+            "the client secret is in {host}'s log"
+        );
+        assert!(
+            !journal.contains(&provider.initial_token),
+            "the initial access token is in {host}'s log"
+        );
+    }
+    drop(lane);
+}
