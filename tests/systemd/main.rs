@@ -10,4 +10,5 @@ mod clients;
 mod delivery;
 mod fleet;
 mod records;
+mod ssh;
 mod units;

@@ -21,12 +21,15 @@
 # clients: forge also serves `oidc` from the OpenID provider the lane runs on the shared
 # loopback (https://127.0.0.1:7443, its TLS root at /etc/lane/oidc-ca.pem, the initial
 # access token at /etc/lane/oidc-token), and app asks for a client_credentials client.
+# sshCertificates: forge also serves `ssh-ca` (its CA key made on the first run), and app
+# asks for a host certificate for its own host key.
 {
   appUser ? "root",
   generation ? 1,
   certificates ? false,
   records ? false,
   clients ? false,
+  sshCertificates ? false,
 }:
 let
   keys = ../keys;
@@ -119,6 +122,12 @@ in
             allowGrantTypes.app = [ "client_credentials" ];
           };
         };
+        fort.host.capabilities.ssh-ca = lib.mkIf sshCertificates {
+          sshCa.hostPrincipals."*" = [
+            "{origin}"
+            "{origin}.lane.test"
+          ];
+        };
       }
     )
   ];
@@ -173,6 +182,11 @@ in
             # The record set as the primary holds it, kept as a file.
             files."record.json" = { };
           };
+        };
+        # The host key the agent signs with is the one certified (its public half is known).
+        fort.host.sshCertificate = lib.mkIf sshCertificates {
+          from = "forge";
+          hostKey = "/etc/lane/host_key";
         };
         fort.host.needs.oidc = lib.mkIf clients {
           lane = {

@@ -16,7 +16,8 @@
 # "fort"), next/forge and next/app (generation 2), certs/forge and certs/app (forge serves
 # ssl-cert from an ACME CA, app asks for a certificate), records/forge and records/app
 # (forge serves dns-record from a DNS primary, app asks for a record), clients/forge and
-# clients/app (forge serves oidc from an OpenID provider, app asks for a client).
+# clients/app (forge serves oidc from an OpenID provider, app asks for a client), ssh/forge
+# and ssh/app (forge is an SSH CA, app asks for a host certificate).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -264,6 +265,7 @@ let
   certs = fleet { certificates = true; };
   records = fleet { records = true; };
   clients = fleet { clients = true; };
+  ssh = fleet { sshCertificates = true; };
 in
 {
   forge = render one.forge;
@@ -277,4 +279,6 @@ in
   "records/app" = render records.app;
   "clients/forge" = render clients.forge;
   "clients/app" = render clients.app;
+  "ssh/forge" = render ssh.forge;
+  "ssh/app" = render ssh.app;
 }
