@@ -67,6 +67,13 @@ impl Postgres {
     /// no `postgres` user to run it as root). `durable: false` turns fsync off (tests);
     /// benchmarks keep the server's defaults.
     pub fn start(durable: bool) -> Result<Postgres, String> {
+        Postgres::start_on(durable, crate::free_addr("127.0.0.1").port())
+    }
+
+    /// The same on a given TCP port (its socket is `.s.PGSQL.<port>` in [`Self::socket_dir`]),
+    /// for a configuration written before the test runs (the systemd lane's); pick one
+    /// outside the ephemeral range, where free ports are found.
+    pub fn start_on(durable: bool, port: u16) -> Result<Postgres, String> {
         let bin = find_bin().ok_or("PostgreSQL is not installed (no initdb)")?;
         let me = id(&["-u"]).ok_or("cannot run `id -u`")?;
         let user = if me == 0 {
@@ -85,7 +92,6 @@ impl Postgres {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
                 .map_err(|e| e.to_string())?;
         }
-        let port = crate::free_addr("127.0.0.1").port();
         let pg = Postgres {
             dir,
             bin,

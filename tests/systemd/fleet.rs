@@ -94,13 +94,13 @@ impl Lane {
         test: &str,
         forge_tree: &str,
         app_tree: &str,
-        prepare: &mut dyn FnMut(&Net, &Machine, &Machine) -> Result<(), String>,
+        prepare: &mut dyn FnMut(&Net, &mut Machine, &mut Machine) -> Result<(), String>,
     ) -> Option<Lane> {
         let root = lane::root_or_skip(test)?;
         let net = Net::new().expect("network namespace");
         let mut forge = machine(&root, &net, "forge", forge_tree);
         let mut app = machine(&root, &net, "app", app_tree);
-        if let Err(why) = prepare(&net, &forge, &app) {
+        if let Err(why) = prepare(&net, &mut forge, &mut app) {
             fort_tests::skip(test, &why);
             return None;
         }

@@ -23,6 +23,9 @@
 # access token at /etc/lane/oidc-token), and app asks for a client_credentials client.
 # sshCertificates: forge also serves `ssh-ca` (its CA key made on the first run), and app
 # asks for a host certificate for its own host key.
+# databases: forge also serves `postgres` from the server the lane runs (its socket in
+# /run/lane-postgresql, port 25432, the admin role fort_admin by peer authentication),
+# and app asks for a database.
 {
   appUser ? "root",
   generation ? 1,
@@ -30,6 +33,7 @@
   records ? false,
   clients ? false,
   sshCertificates ? false,
+  databases ? false,
 }:
 let
   keys = ../keys;
@@ -122,6 +126,15 @@ in
             allowGrantTypes.app = [ "client_credentials" ];
           };
         };
+        fort.host.capabilities.postgres = lib.mkIf databases {
+          postgres = {
+            host = "127.0.0.1";
+            socketDir = "/run/lane-postgresql";
+            port = 25432;
+            adminRole = "fort_admin";
+            allow.app = [ "wiki" ];
+          };
+        };
         fort.host.capabilities.ssh-ca = lib.mkIf sshCertificates {
           sshCa.hostPrincipals."*" = [
             "{origin}"
@@ -187,6 +200,14 @@ in
         fort.host.sshCertificate = lib.mkIf sshCertificates {
           from = "forge";
           hostKey = "/etc/lane/host_key";
+        };
+        fort.host.needs.postgres = lib.mkIf databases {
+          wiki = {
+            from = "forge";
+            request.name = "wiki";
+            files.password.pointer = "/password";
+            files."connection.json" = { };
+          };
         };
         fort.host.needs.oidc = lib.mkIf clients {
           lane = {

@@ -17,7 +17,8 @@
 # ssl-cert from an ACME CA, app asks for a certificate), records/forge and records/app
 # (forge serves dns-record from a DNS primary, app asks for a record), clients/forge and
 # clients/app (forge serves oidc from an OpenID provider, app asks for a client), ssh/forge
-# and ssh/app (forge is an SSH CA, app asks for a host certificate).
+# and ssh/app (forge is an SSH CA, app asks for a host certificate), databases/forge and
+# databases/app (forge serves postgres, app asks for a database).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -266,6 +267,7 @@ let
   records = fleet { records = true; };
   clients = fleet { clients = true; };
   ssh = fleet { sshCertificates = true; };
+  databases = fleet { databases = true; };
 in
 {
   forge = render one.forge;
@@ -281,4 +283,6 @@ in
   "clients/app" = render clients.app;
   "ssh/forge" = render ssh.forge;
   "ssh/app" = render ssh.app;
+  "databases/forge" = render databases.forge;
+  "databases/app" = render databases.app;
 }
