@@ -4,9 +4,10 @@
 //!
 //! A cache, in a file of its own beside the state file (`<state>.kept`): the state file
 //! keeps its form, so a handler that predates this still reads it. Each hash is
-//! recorded with a fingerprint of the certificate it was computed from, so a hash is only
-//! used for the certificate it belongs to, whatever wrote the state meanwhile; a missing,
-//! unreadable or outdated file only costs hashing again.
+//! recorded with a fingerprint of what it was computed from (the CSR's hash, the expiry,
+//! the lengths of leaf and chain and the ends of both, which hold their signatures), so a
+//! certificate issued since, or a state file restored or edited, gets its hash computed
+//! again; a missing, unreadable or outdated file only costs hashing again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -28,8 +29,7 @@ struct Hashes {
 
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 struct Recorded {
-    /// Which certificate: the CSR's hash, the expiry and the end of the leaf's PEM (its
-    /// signature, different for every certificate).
+    /// Which certificate and chain (see [`fingerprint`]).
     certificate: String,
     sha256: String,
 }
@@ -41,21 +41,26 @@ pub struct Kept {
     changed: bool,
 }
 
+/// The CSR's hash, the expiry, the lengths of leaf and chain, and the last characters of
+/// each before its final END line: their signatures, different for every certificate.
 fn fingerprint(i: &Issued) -> String {
-    let body = i.certificate.trim_end();
-    let body = body
-        .strip_suffix("-----END CERTIFICATE-----")
-        .unwrap_or(body);
-    let tail: String = body
-        .trim_end()
-        .chars()
-        .rev()
-        .take(48)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
-    format!("{}/{}/{tail}", i.csr_sha256, i.not_after)
+    fn tail(pem: &str) -> String {
+        let body = pem.trim_end();
+        let body = body
+            .strip_suffix("-----END CERTIFICATE-----")
+            .unwrap_or(body);
+        let chars: Vec<char> = body.trim_end().chars().collect();
+        chars[chars.len().saturating_sub(48)..].iter().collect()
+    }
+    format!(
+        "{}/{}/{}:{}/{}:{}",
+        i.csr_sha256,
+        i.not_after,
+        i.certificate.len(),
+        tail(&i.certificate),
+        i.chain.len(),
+        tail(&i.chain)
+    )
 }
 
 pub fn path_for(state: &Path) -> PathBuf {
@@ -157,6 +162,17 @@ mod tests {
         let mut kept = Kept::load(&state);
         assert_eq!(kept.sha256("app:c/a", &other), response_sha256(&other));
         assert_ne!(response_sha256(&other), sha);
+        // The same leaf with another chain, or another line ending: hashed anew.
+        let mut rechained = issued(
+            "-----BEGIN CERTIFICATE-----\nMIIB\nAAAA\n-----END CERTIFICATE-----\n",
+            10,
+        );
+        rechained.chain.push('\n');
+        assert_eq!(
+            kept.sha256("app:c/a", &rechained),
+            response_sha256(&rechained)
+        );
+        assert_ne!(response_sha256(&rechained), sha);
         // Released entries are forgotten; a broken file is only a cache miss.
         kept.save(&BTreeSet::new());
         std::fs::write(path_for(&state), "{").unwrap();

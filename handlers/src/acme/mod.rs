@@ -476,5 +476,11 @@ mod tests {
             not_after: 1_796_022_433,
         };
         assert_eq!(response_sha256(&i), payload_sha256(&response(&i)));
+        // The form of the response, pinned: a change here must change kept::RESPONSE_FORM,
+        // or hashes recorded for the old form would keep it.
+        assert_eq!(
+            response_sha256(&i),
+            "be4875d2c9758d4a47ff73f3f29f93923a4cca6d3d562eb27e08f453fd085311"
+        );
     }
 }
