@@ -49,8 +49,9 @@ fn fingerprint(i: &Issued) -> String {
         let body = body
             .strip_suffix("-----END CERTIFICATE-----")
             .unwrap_or(body);
-        let chars: Vec<char> = body.trim_end().chars().collect();
-        chars[chars.len().saturating_sub(48)..].iter().collect()
+        let body = body.trim_end();
+        let start = body.char_indices().rev().nth(47).map_or(0, |(i, _)| i);
+        body[start..].to_owned()
     }
     format!(
         "{}/{}/{}:{}/{}:{}",
