@@ -157,7 +157,7 @@ impl DnsServer {
             }
         };
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let child = in_namespace(netns.as_deref(), &program)
+        let child = crate::command_in(netns.as_deref(), &program)
             .args(&args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
@@ -315,7 +315,7 @@ impl DnsServer {
     /// `program` (dig, nsupdate) where the server serves.
     fn command(&self, program: &str) -> Command {
         let path = find_program(program).unwrap_or_else(|| panic!("{program} is not installed"));
-        in_namespace(self.netns.as_deref(), &path)
+        crate::command_in(self.netns.as_deref(), &path)
     }
 
     /// Stops the server (a primary that is down).
@@ -347,19 +347,4 @@ fn getrandom(buf: &mut [u8]) {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(buf))
         .expect("read /dev/urandom");
-}
-
-/// `program`, run in the network namespace `netns` when there is one (through nsenter,
-/// which enters it and then runs the program in its place).
-fn in_namespace(netns: Option<&Path>, program: &Path) -> Command {
-    match netns {
-        Some(ns) => {
-            let mut c = Command::new("nsenter");
-            c.arg(format!("--net={}", ns.display()))
-                .arg("--")
-                .arg(program);
-            c
-        }
-        None => Command::new(program),
-    }
 }

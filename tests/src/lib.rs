@@ -44,6 +44,21 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// `program`, run in the network namespace `netns` when there is one (the systemd lane's
+/// loopback, through nsenter, which enters it and then runs the program in its place).
+pub fn command_in(netns: Option<&Path>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net={}", ns.display()))
+                .arg("--")
+                .arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
 /// A free port on `ip`: bind, read, release. Tests run in separate processes, so a
 /// different 127.0.0.x per host keeps collisions unlikely.
 pub fn free_addr(ip: &str) -> SocketAddr {

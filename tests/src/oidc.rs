@@ -8,7 +8,7 @@
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::dns::find_program;
@@ -89,16 +89,7 @@ impl OidcProvider {
             None => crate::free_addr("127.0.0.1"),
         };
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let mut command = match &within {
-            Some((netns, _, _)) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net={}", netns.display()))
-                    .arg("--")
-                    .arg(&node);
-                c
-            }
-            None => Command::new(&node),
-        };
+        let mut command = crate::command_in(within.as_ref().map(|(netns, _, _)| *netns), &node);
         let child = command
             .arg(&script)
             .env("FORT_OIDC_PROVIDER_DIR", &package)

@@ -117,16 +117,7 @@ impl Pebble {
         let conf = dir.path().join("pebble.json");
         std::fs::write(&conf, config.to_string()).expect("write");
         let log = std::fs::File::create(dir.path().join("pebble.log")).expect("log");
-        let mut command = match &within {
-            Some(n) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net={}", n.netns.display()))
-                    .arg("--")
-                    .arg(program);
-                c
-            }
-            None => Command::new(program),
-        };
+        let mut command = crate::command_in(within.as_ref().map(|n| n.netns.as_path()), program);
         if always_valid {
             command.env("PEBBLE_VA_ALWAYS_VALID", "1");
         }

@@ -9,7 +9,7 @@ use std::process::Command;
 
 use fort_tests::pebble::Pebble;
 
-use crate::fleet::{self, Lane, SOON};
+use crate::fleet::{self, Lane};
 
 /// Where the lane's fleet expects the CA (nixos-module/tests/lane/fleet.nix).
 const DIRECTORY: &str = "127.0.0.1:14000";
@@ -59,9 +59,7 @@ fn acme_certificate_for_a_key_app_made_lands_under_systemd() {
         return;
     };
     let (forge, app) = (&lane.forge, &lane.app);
-    app.wait_until("ssl-cert/web satisfied", SOON, || {
-        fleet::need(app, "ssl-cert/web")["state"] == "satisfied"
-    });
+    fleet::wait_need_satisfied(app, "ssl-cert/web");
 
     // The key app made, readable by root and the group the module names, and the
     // certificate pebble issued for exactly that key.
@@ -114,18 +112,10 @@ fn acme_certificate_for_a_key_app_made_lands_under_systemd() {
         .contains(&secret_line));
     // The handler's state lives in the agent's state directory, private; the challenge
     // answers it wrote into the webroot under strictSandbox are gone again.
-    assert_eq!(
-        forge.succeed("stat -c '%U %a' /var/lib/fort/handlers/ssl-cert.json"),
-        "root 600\n"
-    );
+    fleet::assert_private_under_sandbox(forge, "/var/lib/fort/handlers/ssl-cert.json", "600");
     assert_eq!(
         forge.succeed("find /var/lib/lane-acme-webroot -type f | wc -l"),
         "0\n"
-    );
-    assert_eq!(
-        forge.prop("fort-agent.service", "ProtectSystem"),
-        "strict",
-        "the handler ran sandboxed"
     );
     drop(lane);
     drop(pebble);

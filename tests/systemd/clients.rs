@@ -8,7 +8,7 @@ use std::process::Command;
 
 use fort_tests::oidc::OidcProvider;
 
-use crate::fleet::{self, Lane, SOON};
+use crate::fleet::{self, Lane};
 
 /// Where the lane's fleet expects the OpenID provider (nixos-module/tests/lane/fleet.nix).
 const PORT: u16 = 7443;
@@ -47,17 +47,14 @@ fn oidc_client_is_registered_and_gets_a_token_under_systemd() {
     };
     let (forge, app) = (&lane.forge, &lane.app);
     let provider = provider.as_ref().expect("started before the machines");
-    app.wait_until("oidc/lane satisfied", SOON, || {
-        fleet::need(app, "oidc/lane")["state"] == "satisfied"
-    });
+    fleet::wait_need_satisfied(app, "oidc/lane");
     let client_id = app.succeed("cat /run/fort/needs/oidc/lane/client_id");
     let secret = app.succeed("cat /run/fort/needs/oidc/lane/client_secret");
     assert!(!client_id.is_empty() && !secret.is_empty());
 
     // The credentials app holds get a token at the provider.
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", netns.as_ref().expect("set").display()))
-        .args(["--", "curl", "-sS", "--max-time", "10", "--cacert"])
+    let out = fort_tests::command_in(netns.as_deref(), "curl")
+        .args(["-sS", "--max-time", "10", "--cacert"])
         .arg(&provider.ca_file)
         .args(["-u", &format!("{client_id}:{secret}")])
         .args(["-d", "grant_type=client_credentials"])
@@ -75,11 +72,7 @@ fn oidc_client_is_registered_and_gets_a_token_under_systemd() {
     );
     // The registration access token stays in the handler's state, private, under the
     // sandbox; the secret and the initial access token are in no log line.
-    assert_eq!(
-        forge.succeed("stat -c '%U %a' /var/lib/fort/handlers/oidc.json"),
-        "root 600\n"
-    );
-    assert_eq!(forge.prop("fort-agent.service", "ProtectSystem"), "strict");
+    fleet::assert_private_under_sandbox(forge, "/var/lib/fort/handlers/oidc.json", "600");
     for (host, m) in [("forge", forge), ("app", app)] {
         let journal = m.journal("fort-agent.service", 2000);
         assert!(

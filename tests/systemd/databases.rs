@@ -6,7 +6,7 @@
 
 use fort_tests::postgres::Postgres;
 
-use crate::fleet::{self, Lane, SOON};
+use crate::fleet::{self, Lane};
 
 /// The port the lane's fleet names (nixos-module/tests/lane/fleet.nix): fixed, since the
 /// configuration is written before the test runs, and outside the ephemeral range other
@@ -33,9 +33,7 @@ fn postgres_database_logs_in_under_systemd() {
     };
     let (forge, app) = (&lane.forge, &lane.app);
     let pg = server.as_ref().expect("started before the machines");
-    app.wait_until("postgres/wiki satisfied", SOON, || {
-        fleet::need(app, "postgres/wiki")["state"] == "satisfied"
-    });
+    fleet::wait_need_satisfied(app, "postgres/wiki");
     let connection: serde_json::Value =
         serde_json::from_str(&app.succeed("cat /run/fort/needs/postgres/wiki/connection.json"))
             .expect("the credentials as JSON");
@@ -59,11 +57,7 @@ fn postgres_database_logs_in_under_systemd() {
     assert!(pg.login(user, "wrong", db, "SELECT 1").is_err());
     // The handler kept its state in the agent's state directory, under the sandbox, and
     // the password is in no log line.
-    assert_eq!(
-        forge.succeed("stat -c '%U %a' /var/lib/fort/handlers/postgres.json"),
-        "root 600\n"
-    );
-    assert_eq!(forge.prop("fort-agent.service", "ProtectSystem"), "strict");
+    fleet::assert_private_under_sandbox(forge, "/var/lib/fort/handlers/postgres.json", "600");
     for (host, m) in [("forge", forge), ("app", app)] {
         assert!(
             !m.journal("fort-agent.service", 2000).contains(&password),

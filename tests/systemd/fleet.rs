@@ -189,3 +189,27 @@ pub fn token(app: &Machine, need: &str) -> Option<String> {
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
+
+/// Waits until app's need `key` is satisfied; else panics with its row and app's agent log.
+pub fn wait_need_satisfied(app: &Machine, key: &str) {
+    let deadline = std::time::Instant::now() + SOON;
+    while need(app, key)["state"] != "satisfied" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{key} not satisfied within {SOON:?}: {}\n{}",
+            need(app, key),
+            app.journal("fort-agent.service", 60)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A capability's handler ran under strictSandbox on `forge` and left `path` (its state,
+/// a key) root's alone, with `mode`.
+pub fn assert_private_under_sandbox(forge: &Machine, path: &str, mode: &str) {
+    assert_eq!(
+        forge.succeed(&format!("stat -c '%U %a' {path}")),
+        format!("root {mode}\n")
+    );
+    assert_eq!(forge.prop("fort-agent.service", "ProtectSystem"), "strict");
+}

@@ -5,7 +5,7 @@
 
 use fort_tests::dns::{DnsServer, Flavor};
 
-use crate::fleet::{self, Lane, SOON};
+use crate::fleet::{self, Lane};
 
 /// Where the lane's fleet expects the zone's primary (nixos-module/tests/lane/fleet.nix).
 const PRIMARY: &str = "127.0.0.1:5300";
@@ -36,22 +36,7 @@ fn dns_record_reaches_the_primary_under_systemd() {
     };
     let (forge, app) = (&lane.forge, &lane.app);
     let primary = primary.as_ref().expect("started before the machines");
-    let deadline = std::time::Instant::now() + SOON;
-    let satisfied = loop {
-        if fleet::need(app, "dns-record/www")["state"] == "satisfied" {
-            break true;
-        }
-        if std::time::Instant::now() > deadline {
-            break false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    };
-    assert!(
-        satisfied,
-        "dns-record/www: {}\n{}",
-        fleet::need(app, "dns-record/www"),
-        app.journal("fort-agent.service", 60)
-    );
+    fleet::wait_need_satisfied(app, "dns-record/www");
     // The record is at the primary, with app's own address from hosts.json; the one an
     // administrator made is untouched.
     assert_eq!(primary.dig("www.lane.test", "A"), vec!["127.0.0.2"]);
@@ -65,11 +50,7 @@ fn dns_record_reaches_the_primary_under_systemd() {
         "{record}"
     );
     // The handler kept its state in the agent's state directory, under the sandbox.
-    assert_eq!(
-        forge.succeed("stat -c '%U %a' /var/lib/fort/handlers/dns-record.json"),
-        "root 600\n"
-    );
-    assert_eq!(forge.prop("fort-agent.service", "ProtectSystem"), "strict");
+    fleet::assert_private_under_sandbox(forge, "/var/lib/fort/handlers/dns-record.json", "600");
     let journal = forge.journal("fort-agent.service", 400);
     assert!(
         !journal.contains(&primary.secret),

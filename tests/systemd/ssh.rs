@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::fleet::{self, Lane, SOON};
+use crate::fleet::{self, Lane};
 
 /// `ssh-keygen ARGS FILE` over `content` written to a scratch file; its stdout.
 fn ssh_keygen(args: &[&str], content: &str, scratch: &Path) -> String {
@@ -45,9 +45,7 @@ fn ssh_host_certificate_lands_under_systemd() {
         return;
     };
     let (forge, app) = (&lane.forge, &lane.app);
-    app.wait_until("ssh-ca/host satisfied", SOON, || {
-        fleet::need(app, "ssh-ca/host")["state"] == "satisfied"
-    });
+    fleet::wait_need_satisfied(app, "ssh-ca/host");
     let scratch = tempfile::tempdir().expect("tempdir");
     let certificate = app.succeed("cat /etc/lane/host_key-cert.pub");
     let ca = app.succeed("cat /etc/ssh/fort_user_ca.pub");
@@ -87,10 +85,6 @@ fn ssh_host_certificate_lands_under_systemd() {
     let krl = app.exec(&["test", "-s", "/etc/ssh/fort_revoked_keys.krl"]);
     assert!(krl.status.success(), "no KRL");
     // The CA key was made under the sandbox, in the agent's state directory, private.
-    assert_eq!(
-        forge.succeed("stat -c '%U %a' /var/lib/fort/handlers/ssh-ca/ca_key"),
-        "root 400\n"
-    );
-    assert_eq!(forge.prop("fort-agent.service", "ProtectSystem"), "strict");
+    fleet::assert_private_under_sandbox(forge, "/var/lib/fort/handlers/ssh-ca/ca_key", "400");
     drop(lane);
 }
