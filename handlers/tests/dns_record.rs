@@ -136,6 +136,7 @@ on_both!(
     drift_is_restored_on_initialize_and_hand_made_records_win,
     changes_replace_only_what_fort_made,
     unchanged_entries_need_no_primary,
+    one_callers_large_record_set_costs_only_its_own_entry,
 );
 
 const HAND_MADE: &str = "manual IN A 192.0.2.1\nshared IN TXT \"admin made this\"\n";
@@ -470,4 +471,65 @@ fn unchanged_entries_need_no_primary(flavor: Flavor, test: &str) {
         assert!(err.contains("no usable answer"), "{trigger}: {err}");
     }
     assert!(s.state()["state"]["held"]["app:dns-record/www"].is_object());
+}
+
+/// A caller asks for as much record data as one entry could ever hold (16 TXT values of
+/// 2,048 characters), then changes it: a change deletes the old set and adds the new one
+/// in one message, which no DNS message could carry. Only that entry is refused, with the
+/// real cause; the other callers are served in the same runs.
+fn one_callers_large_record_set_costs_only_its_own_entry(flavor: Flavor, test: &str) {
+    let Some(s) = setup(test, flavor, "") else {
+        return;
+    };
+    let big = |tag: &str| {
+        let values: Vec<String> = (0..16)
+            .map(|i| format!("{tag}{i:02}{}", "k".repeat(2040)))
+            .collect();
+        json!({"name": "big.app.example.test", "type": "TXT", "values": values})
+    };
+    let attacker = "app:dns-record/big";
+    let mut entries = vec![
+        (attacker, big("a")),
+        (
+            "web:dns-record/txt",
+            json!({"name": "shared.example.test", "type": "TXT", "values": ["web was here"]}),
+        ),
+        ("six:dns-record/v6", json!({"name": "six.example.test"})),
+    ];
+    let (ok, out, err) = s.run("request", &entries);
+    assert!(ok, "{err}");
+    assert_eq!(out["web:dns-record/txt"]["values"], json!(["web was here"]));
+    assert_eq!(out["six:dns-record/v6"]["values"], json!(["fd00::6"]));
+
+    // Changed once, and a third caller arrives in the same run.
+    entries[0].1 = big("b");
+    entries.push((
+        "app:dns-record/www",
+        json!({"name": "www.app.example.test"}),
+    ));
+    for _ in 0..2 {
+        let (ok, out, err) = s.run("request", &entries);
+        assert!(ok, "one entry failed the run: {err}");
+        assert_eq!(
+            out["app:dns-record/www"]["values"],
+            json!(["10.0.0.2"]),
+            "{out}"
+        );
+        assert_eq!(
+            out["six:dns-record/v6"]["values"],
+            json!(["fd00::6"]),
+            "{out}"
+        );
+        assert_eq!(out["web:dns-record/txt"]["values"], json!(["web was here"]));
+        let why = refusal(&out, attacker);
+        assert!(why.contains("bytes") && !why.contains("TSIG"), "{why}");
+    }
+    assert_eq!(s.server.dig("www.app.example.test", "A"), ["10.0.0.2"]);
+    assert_eq!(s.server.dig("six.example.test", "AAAA"), ["fd00::6"]);
+    assert_eq!(
+        s.server.dig("shared.example.test", "TXT"),
+        [r#""web was here""#]
+    );
+    // What the attacker could never change is not left behind either.
+    assert!(s.server.dig("big.app.example.test", "TXT").is_empty());
 }

@@ -497,3 +497,45 @@ fn lost_state_drift_budget_and_a_password_admin() {
         "0"
     );
 }
+
+/// A consumer connects, with the credentials it was given, to every database it may
+/// (template1 included, which PUBLIC may connect to) and holds the sessions open. Two
+/// other callers' databases are made in the same run, quickly; the consumer's own entry
+/// is answered as before.
+#[test]
+fn a_consumers_sessions_hold_back_no_other_callers_database() {
+    const TEST: &str = "a_consumers_sessions_hold_back_no_other_callers_database";
+    let Some(pg) = server(TEST) else { return };
+    let s = Setup::new(pg, json!({}));
+    let attacker = ("app:postgres/db", json!({}));
+    let first = s.ok(
+        "request",
+        &input(std::slice::from_ref(&attacker), &Value::Null),
+    );
+    let cred = &first["app:postgres/db"];
+    let (user, password) = (
+        cred["user"].as_str().unwrap(),
+        cred["password"].as_str().unwrap(),
+    );
+    let mut sessions = Vec::new();
+    for db in ["template1", "postgres", "fort_app_db"] {
+        sessions.push(s.pg.session(user, password, db));
+    }
+
+    let want = [
+        attacker,
+        ("web:postgres/wiki", json!({})),
+        ("ops:postgres/grafana", json!({})),
+    ];
+    let started = std::time::Instant::now();
+    let out = s.ok("request", &input(&want, &first));
+    let took = started.elapsed();
+    for key in ["web:postgres/wiki", "ops:postgres/grafana"] {
+        assert!(out[key]["password"].is_string(), "{key}: {out}");
+        login(&s, &out[key], "SELECT 1").unwrap();
+    }
+    assert_eq!(out["app:postgres/db"], first["app:postgres/db"]);
+    // Creating a database from a template someone is connected to waits 5 s, then fails.
+    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    drop(sessions);
+}

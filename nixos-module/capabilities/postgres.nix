@@ -86,7 +86,10 @@ let
         connectionLimit = mkOption {
           type = types.nullOr (types.ints.between 1 100000);
           default = null;
-          description = "`CONNECTION LIMIT` of every role made. `null`: none.";
+          description = ''
+            `CONNECTION LIMIT` of every role made. `null`: 20. The server's connections
+            are shared by every caller, so no role is made without a limit.
+          '';
         };
         allow = mkOption {
           type = types.attrsOf (types.listOf types.str);

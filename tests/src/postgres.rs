@@ -277,6 +277,54 @@ impl Postgres {
         }
     }
 
+    /// A session a consumer holds open with its credentials: `psql` over TCP in `db`,
+    /// connected until the returned guard is dropped (its process is killed then).
+    pub fn session(&self, user: &str, password: &str, db: &str) -> Session {
+        let mut child = self
+            .psql_command()
+            .env("PGPASSWORD", password)
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                user,
+                "-d",
+                db,
+            ])
+            .args(["-c", "SELECT pg_sleep(600)"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("psql starts");
+        // Connected once the server lists the session; a psql that could not connect
+        // exits first.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        loop {
+            let sql = format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = '{user}' AND datname = '{db}'"
+            );
+            if self.superuser(&sql).is_ok_and(|n| n != "0") {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                panic!("psql as {user} in {db} ended ({status}): {err}");
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no session of {user} in {db}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Session(child)
+    }
+
     /// `psql` with a connection URI, as a consumer given the `uri` would.
     pub fn login_uri(&self, uri: &str, sql: &str) -> Result<String, String> {
         let out = self
@@ -344,5 +392,15 @@ impl Drop for Postgres {
                 "stop",
             ],
         );
+    }
+}
+
+/// A consumer's open session (`Postgres::session`); ended on drop.
+pub struct Session(std::process::Child);
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

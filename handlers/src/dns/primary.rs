@@ -148,11 +148,35 @@ impl Update {
         message
     }
 
+    /// The update's size on the wire before it is signed, or why it cannot be sent: a
+    /// message a DNS server cannot take fails on the connection, where it would look like
+    /// the primary's fault (or the key's), and takes other messages with it.
+    fn sized(&self, zone: &DnsName) -> Result<Message, String> {
+        let message = self.message(zone);
+        let len = message
+            .to_vec()
+            .map_err(|e| format!("the update of {} cannot be encoded: {e}", self.describe()))?
+            .len();
+        if len > MESSAGE_MAX {
+            return Err(format!(
+                "the update of {} would be {len} bytes, more than the {MESSAGE_MAX} a signed \
+                 DNS message may hold",
+                self.describe()
+            ));
+        }
+        Ok(message)
+    }
+
     fn describe(&self) -> String {
         let names: Vec<&str> = self.names.iter().map(DnsName::as_str).collect();
         names.join(", ")
     }
 }
+
+/// The largest update sent, before its signature: a DNS message over TCP is at most 65,535
+/// bytes, and the TSIG record (key and algorithm names, MAC, times) takes at most a few
+/// hundred of them.
+pub const MESSAGE_MAX: usize = 65_535 - 1024;
 
 /// The TSIG signer, for every message (queries too, so that answers are verified), with
 /// failures explained: a primary that does not know the key answers NOTAUTH unsigned.
@@ -264,7 +288,11 @@ impl Primary {
                 self.zone
             )));
         }
-        let answer = self.exchange(update.message(&self.zone)).await?;
+        let message = match update.sized(&self.zone) {
+            Ok(m) => m,
+            Err(why) => return Ok(Outcome::Rejected(why)),
+        };
+        let answer = self.exchange(message).await?;
         let names = update.describe();
         let rejected = |why: String| Ok(Outcome::Rejected(why));
         match answer.response_code() {
@@ -319,6 +347,25 @@ impl Primary {
             .filter(|r| r.record_type() == kind.record_type() && r.name().eq_case(&owner))
             .filter_map(|r| kind.value_of(r.data()))
             .collect())
+    }
+
+    /// Asks for the zone's SOA, signed like everything else: a primary that answers it is
+    /// up and takes the key, so a failed update beside it was that update's own.
+    pub async fn probe(&self) -> Result<(), DnsError> {
+        let mut message = Message::new();
+        message
+            .set_message_type(MessageType::Query)
+            .set_op_code(OpCode::Query)
+            .set_recursion_desired(false);
+        message.add_query(Query::query(self.zone.to_name(), RecordType::SOA));
+        match self.exchange(message).await?.response_code() {
+            ResponseCode::NoError => Ok(()),
+            rcode => Err(DnsError::Answer {
+                addr: self.addr,
+                what: format!("a query for the SOA of {}", self.zone),
+                rcode,
+            }),
+        }
     }
 
     // The TXT record API that ACME DNS-01 validation uses (`_acme-challenge.<domain>`):

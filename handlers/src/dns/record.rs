@@ -16,6 +16,11 @@ use super::name::DnsName;
 pub const TXT_MAX: usize = 2048;
 /// Most values in one record set.
 pub const VALUES_MAX: usize = 16;
+/// The most record data one set may hold on the wire. A change deletes the old set and
+/// adds the new one in one update message, which must stay under a DNS message's 65,535
+/// bytes with its names, prerequisites and signature: two sets of this size always fit,
+/// so no set a caller may hold can make its own change, or anyone else's, unsendable.
+pub const SET_WIRE_MAX: usize = 16 * 1024;
 /// One TXT character-string on the wire.
 const TXT_CHUNK: usize = 255;
 
@@ -100,6 +105,18 @@ impl Kind {
         }
     }
 
+    /// The bytes a canonical value's record data takes on the wire.
+    pub fn wire_len(self, value: &str) -> usize {
+        match self {
+            Kind::A => 4,
+            Kind::Aaaa => 16,
+            // Length-prefixed labels and the root: at most 255.
+            Kind::Cname => value.len() + 2,
+            // A length byte per character-string of at most 255.
+            Kind::Txt => value.len() + value.len().div_ceil(TXT_CHUNK).max(1),
+        }
+    }
+
     /// The record data of a canonical value (`canonical` made it, so it parses).
     fn rdata(self, value: &str) -> RData {
         match self {
@@ -108,6 +125,8 @@ impl Kind {
             Kind::Cname => RData::CNAME(CNAME(
                 DnsName::parse(value).expect("canonical name").to_name(),
             )),
+            // An empty value is one empty character-string, never none at all.
+            Kind::Txt if value.is_empty() => RData::TXT(TXT::from_bytes(vec![b""])),
             Kind::Txt => RData::TXT(TXT::from_bytes(
                 value.as_bytes().chunks(TXT_CHUNK).collect(),
             )),
@@ -172,6 +191,11 @@ impl RecordSet {
             .collect()
     }
 
+    /// The record data of every value, in bytes on the wire.
+    pub fn wire_len(&self) -> usize {
+        self.values.iter().map(|v| self.kind.wire_len(v)).sum()
+    }
+
     /// Same name and type.
     pub fn same_slot(&self, other: &RecordSet) -> bool {
         self.name == other.name && self.kind == other.kind
@@ -232,6 +256,19 @@ mod tests {
         }
         if let RData::TXT(t) = Kind::Txt.rdata(&long) {
             assert_eq!(t.txt_data().len(), 3);
+        }
+        // What a value takes on the wire, as hickory encodes it.
+        use hickory_client::proto::serialize::binary::BinEncodable;
+        for (kind, value) in [
+            (Kind::A, "192.0.2.7"),
+            (Kind::Aaaa, "2001:db8::7"),
+            (Kind::Cname, "edge.example.org"),
+            (Kind::Txt, long.as_str()),
+            (Kind::Txt, ""),
+            (Kind::Txt, "x"),
+        ] {
+            let bytes = kind.rdata(value).to_bytes().unwrap();
+            assert_eq!(kind.wire_len(value), bytes.len(), "{kind} {value:?}");
         }
     }
 }

@@ -11,12 +11,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use futures_util::stream::{self, StreamExt};
+use std::future::Future;
+use std::sync::Arc;
 
 use crate::common::hosts::Fleet;
+use crate::common::isolate::{self, Attempt, Budget};
 use crate::common::state::StateFile;
 use crate::common::{Entry, Output, Trigger};
-use crate::dns::{DnsError, Outcome, Primary, RecordSet, Update};
+use crate::dns::{DnsError, DnsName, Kind, Outcome, Primary, RecordSet, Update};
 use crate::{Capability, RunFuture};
 
 use config::{Checked, Config};
@@ -52,12 +54,13 @@ fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
     })
 }
 
-/// What happened to one message.
-enum Sent {
-    Done(Outcome),
+/// What happened to one entry's message.
+enum Sent<R> {
+    Done(R),
     /// The budget ran out before it was sent.
     Skipped,
-    Failed(DnsError),
+    /// It failed alone while the primary answered: this entry's own, with the reason.
+    Failed(String),
 }
 
 /// Counts for the run's notes (stderr).
@@ -75,37 +78,98 @@ struct Notes {
 /// The connection, opened on first use: a run with nothing to change never connects.
 struct Lazy<'a> {
     checked: &'a Checked,
-    primary: Option<Primary>,
+    primary: Option<Arc<Primary>>,
 }
 
 impl Lazy<'_> {
-    async fn get(&mut self) -> Result<&Primary, DnsError> {
+    async fn get(&mut self) -> Result<Arc<Primary>, DnsError> {
         if self.primary.is_none() {
-            self.primary = Some(Primary::connect(&self.checked.server).await?);
+            self.primary = Some(Arc::new(Primary::connect(&self.checked.server).await?));
         }
-        Ok(self.primary.as_ref().expect("just connected"))
+        Ok(self.primary.clone().expect("just connected"))
+    }
+
+    /// A new connection, in place of one a message may have broken.
+    async fn fresh(&mut self) -> Result<Arc<Primary>, DnsError> {
+        self.primary = None;
+        self.get().await
+    }
+
+    /// Each entry's share of the run: as long as the primary may take for two messages.
+    fn budget(&self, deadline: Instant, in_flight: usize) -> Budget {
+        Budget {
+            deadline,
+            per_entry: self.checked.server.timeout * 2,
+            in_flight,
+        }
     }
 }
 
-/// Sends `jobs` (key, update), `IN_FLIGHT` at a time, none started after `deadline`.
-async fn send_all(
-    primary: &Primary,
-    jobs: Vec<(String, Update)>,
+/// Sends every entry's message (an update, or a lookup for a drift check), each under its
+/// own time share, `IN_FLIGHT` at a time and none started after `deadline`. When some fail
+/// without an answer, the primary is probed on a fresh connection: if it does not answer,
+/// it is down and the run fails (`Err`, nothing is answered); if it does, each failed
+/// message is sent once more alone, so that a message that breaks the connection takes no
+/// other entry's change with it, and what fails again is that entry's own.
+async fn send_all<J, R, F, Fut>(
+    lazy: &mut Lazy<'_>,
+    jobs: Vec<(String, J)>,
     deadline: Instant,
-) -> Vec<(String, Sent)> {
-    stream::iter(jobs)
-        .map(|(key, update)| async move {
-            if Instant::now() >= deadline {
-                return (key, Sent::Skipped);
+    send: F,
+) -> Result<Vec<(String, Sent<R>)>, DnsError>
+where
+    J: Clone,
+    F: Fn(Arc<Primary>, J) -> Fut,
+    Fut: Future<Output = Result<R, DnsError>>,
+{
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut by_key: BTreeMap<String, J> = jobs.iter().cloned().collect();
+    let primary = lazy.get().await?;
+    let first = isolate::each(jobs, lazy.budget(deadline, IN_FLIGHT), |job| {
+        send(primary.clone(), job)
+    })
+    .await;
+    let mut out = Vec::with_capacity(first.len());
+    let mut again = Vec::new();
+    for (key, attempt) in first {
+        match attempt {
+            Attempt::Done(Ok(r)) => out.push((key, Sent::Done(r))),
+            Attempt::NotStarted => out.push((key, Sent::Skipped)),
+            Attempt::Done(Err(_)) | Attempt::TimedOut(_) => {
+                let job = by_key.remove(&key).expect("every key has its job");
+                again.push((key, job));
             }
-            match primary.update(&update).await {
-                Ok(outcome) => (key, Sent::Done(outcome)),
-                Err(e) => (key, Sent::Failed(e)),
+            Attempt::Panicked(_) => {
+                let why = attempt.reason("the handler").unwrap_or_default();
+                out.push((key, Sent::Failed(why)));
             }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .collect()
-        .await
+        }
+    }
+    if again.is_empty() {
+        return Ok(out);
+    }
+    let primary = lazy.fresh().await?;
+    primary.probe().await?;
+    let second = isolate::each(again, lazy.budget(deadline, 1), |job| {
+        send(primary.clone(), job)
+    })
+    .await;
+    for (key, attempt) in second {
+        let sent = match attempt {
+            Attempt::Done(Ok(r)) => Sent::Done(r),
+            Attempt::NotStarted => Sent::Skipped,
+            Attempt::Done(Err(e)) => Sent::Failed(e.to_string()),
+            other => Sent::Failed(other.reason("the DNS primary").unwrap_or_default()),
+        };
+        out.push((key, sent));
+    }
+    Ok(out)
+}
+
+async fn update(primary: Arc<Primary>, update: Update) -> Result<Outcome, DnsError> {
+    primary.update(&update).await
 }
 
 pub async fn reconcile_all(
@@ -144,6 +208,7 @@ pub async fn reconcile_all(
         checked,
         primary: None,
     };
+    // Set when the primary is down: what was done is recorded, nothing is answered.
     let mut failure: Option<DnsError> = None;
     let mut dirty = false;
 
@@ -164,28 +229,29 @@ pub async fn reconcile_all(
         state.held.remove(&key);
         dirty = true;
     }
-    if !removals.is_empty() {
-        let p = primary.get().await?;
-        for (key, sent) in send_all(p, removals, deadline).await {
-            match sent {
-                Sent::Done(Outcome::Applied) => {
-                    state.held.remove(&key);
-                    notes.removed += 1;
-                    dirty = true;
-                }
-                Sent::Done(Outcome::Rejected(why)) => {
+    match send_all(&mut primary, removals, deadline, update).await {
+        Err(e) => failure = Some(e),
+        Ok(sent) => {
+            for (key, sent) in sent {
+                match sent {
+                    Sent::Done(Outcome::Applied) => {
+                        state.held.remove(&key);
+                        notes.removed += 1;
+                        dirty = true;
+                    }
                     // Kept in the state: tried again next run, never forgotten.
-                    notes.kept.push(format!("{key}: {why}"));
-                    if wanted.contains_key(&key) {
-                        refused.insert(key, format!("its previous records stay: {why}"));
+                    Sent::Done(Outcome::Rejected(why)) | Sent::Failed(why) => {
+                        notes.kept.push(format!("{key}: {why}"));
+                        if wanted.contains_key(&key) {
+                            refused.insert(key, format!("its previous records stay: {why}"));
+                        }
+                    }
+                    Sent::Skipped => {
+                        if wanted.contains_key(&key) {
+                            pending.insert(key, "waiting for its turn at the DNS primary");
+                        }
                     }
                 }
-                Sent::Skipped => {
-                    if wanted.contains_key(&key) {
-                        pending.insert(key, "waiting for its turn at the DNS primary");
-                    }
-                }
-                Sent::Failed(e) => failure = failure.or(Some(e)),
             }
         }
     }
@@ -207,73 +273,90 @@ pub async fn reconcile_all(
             changes.push((key.clone(), update));
         }
     }
-    if !changes.is_empty() {
-        let p = primary.get().await?;
-        for (key, sent) in send_all(p, changes, deadline).await {
-            match sent {
-                Sent::Done(Outcome::Applied) => {
-                    let want = wanted[&key].clone();
-                    if state.held.insert(key, want).is_some() {
-                        notes.changed += 1;
-                    } else {
-                        notes.created += 1;
+    match send_all(&mut primary, changes, deadline, update).await {
+        Err(e) => failure = failure.or(Some(e)),
+        Ok(sent) => {
+            for (key, sent) in sent {
+                match sent {
+                    Sent::Done(Outcome::Applied) => {
+                        let want = wanted[&key].clone();
+                        if state.held.insert(key, want).is_some() {
+                            notes.changed += 1;
+                        } else {
+                            notes.created += 1;
+                        }
+                        dirty = true;
                     }
-                    dirty = true;
+                    Sent::Done(Outcome::Rejected(why)) | Sent::Failed(why) => {
+                        let why = match state.held.contains_key(&key) {
+                            true => format!("its previous records stay: {why}"),
+                            false => why,
+                        };
+                        refused.insert(key, why);
+                    }
+                    Sent::Skipped => {
+                        pending.insert(key, "waiting for its turn at the DNS primary");
+                    }
                 }
-                Sent::Done(Outcome::Rejected(why)) => {
-                    refused.insert(key, why);
-                }
-                Sent::Skipped => {
-                    pending.insert(key, "waiting for its turn at the DNS primary");
-                }
-                Sent::Failed(e) => failure = failure.or(Some(e)),
             }
         }
     }
 
     // 3. On runs that reconcile with the world: are our records still there?
     if failure.is_none() && trigger.reconciles() && !unchanged.is_empty() {
-        let p = primary.get().await?;
-        let (fixes, failed) = check_drift(p, &unchanged, &state.held, deadline).await;
         notes.checked = unchanged.len();
-        failure = failed;
-        let mut jobs = Vec::new();
-        let mut yields = BTreeMap::new();
-        for (key, drift) in fixes {
-            match drift {
-                Drift::InPlace => {}
-                Drift::Restore(update) => jobs.push((key, update)),
-                Drift::Yield(update, why) => {
-                    refused.insert(key.clone(), why.clone());
-                    match update {
-                        Some(update) => {
-                            jobs.push((key.clone(), update));
-                            yields.insert(key, why);
-                        }
-                        None => {
-                            state.held.remove(&key);
-                            dirty = true;
+        match check_drift(&mut primary, &unchanged, &state.held, deadline).await {
+            Err(e) => failure = Some(e),
+            Ok(fixes) => {
+                let mut jobs = Vec::new();
+                let mut yields = BTreeMap::new();
+                for (key, drift) in fixes {
+                    match drift {
+                        Drift::InPlace => {}
+                        Drift::Restore(update) => jobs.push((key, update)),
+                        Drift::Yield(update, why) => {
+                            refused.insert(key.clone(), why.clone());
+                            match update {
+                                Some(update) => {
+                                    jobs.push((key.clone(), update));
+                                    yields.insert(key, why);
+                                }
+                                None => {
+                                    state.held.remove(&key);
+                                    dirty = true;
+                                }
+                            }
                         }
                     }
                 }
-            }
-        }
-        for (key, sent) in send_all(p, jobs, deadline).await {
-            let yielding = yields.contains_key(&key);
-            match sent {
-                Sent::Done(Outcome::Applied) if yielding => {
-                    state.held.remove(&key);
-                    dirty = true;
+                match send_all(&mut primary, jobs, deadline, update).await {
+                    Err(e) => failure = Some(e),
+                    Ok(sent) => {
+                        for (key, sent) in sent {
+                            let yielding = yields.contains_key(&key);
+                            match sent {
+                                Sent::Done(Outcome::Applied) if yielding => {
+                                    state.held.remove(&key);
+                                    dirty = true;
+                                }
+                                Sent::Done(Outcome::Applied) => notes.restored += 1,
+                                // What is missing could not be put back; what is left is
+                                // still ours.
+                                Sent::Done(Outcome::Rejected(why)) | Sent::Failed(why)
+                                    if !yielding =>
+                                {
+                                    refused.insert(key, why);
+                                }
+                                // What is left of ours could not be deleted: it stays
+                                // recorded.
+                                Sent::Done(Outcome::Rejected(why)) | Sent::Failed(why) => {
+                                    notes.kept.push(format!("{key}: {why}"))
+                                }
+                                Sent::Skipped => {}
+                            }
+                        }
+                    }
                 }
-                Sent::Done(Outcome::Applied) => notes.restored += 1,
-                // What is missing could not be put back; what is left is still ours.
-                Sent::Done(Outcome::Rejected(why)) if !yielding => {
-                    refused.insert(key, why);
-                }
-                // What is left of ours could not be deleted: it stays recorded.
-                Sent::Done(Outcome::Rejected(why)) => notes.kept.push(format!("{key}: {why}")),
-                Sent::Skipped => {}
-                Sent::Failed(e) => failure = failure.or(Some(e)),
             }
         }
     }
@@ -308,34 +391,33 @@ pub async fn reconcile_all(
     Ok(output)
 }
 
-/// Looks up every unchanged entry's record set at the primary (`IN_FLIGHT` at a time,
-/// none started after `deadline`; the rest wait for the next such run).
+/// Looks up every unchanged entry's record set at the primary (none started after
+/// `deadline`; the rest wait for the next such run). A lookup that fails alone leaves its
+/// entry as it is.
 async fn check_drift(
-    primary: &Primary,
+    primary: &mut Lazy<'_>,
     keys: &[String],
     held: &BTreeMap<String, RecordSet>,
     deadline: Instant,
-) -> (Vec<(String, Drift)>, Option<DnsError>) {
-    let results: Vec<_> = stream::iter(keys)
-        .map(|key| async move {
-            if Instant::now() >= deadline {
-                return None;
+) -> Result<Vec<(String, Drift)>, DnsError> {
+    let jobs: Vec<(String, (DnsName, Kind))> = keys
+        .iter()
+        .map(|k| (k.clone(), (held[k].name.clone(), held[k].kind)))
+        .collect();
+    let looked = send_all(primary, jobs, deadline, |p, (name, kind)| async move {
+        p.lookup(&name, kind).await
+    })
+    .await?;
+    Ok(looked
+        .into_iter()
+        .filter_map(|(key, sent)| match sent {
+            Sent::Done(present) => {
+                let drift = reconcile::drift(&held[&key], &present, held);
+                Some((key, drift))
             }
-            let set = &held[key];
-            Some((key.clone(), primary.lookup(&set.name, set.kind).await))
+            Sent::Skipped | Sent::Failed(_) => None,
         })
-        .buffer_unordered(IN_FLIGHT)
-        .collect()
-        .await;
-    let mut out = Vec::new();
-    let mut failure = None;
-    for (key, answer) in results.into_iter().flatten() {
-        match answer {
-            Ok(present) => out.push((key.clone(), reconcile::drift(&held[&key], &present, held))),
-            Err(e) => failure = failure.or(Some(e)),
-        }
-    }
-    (out, failure)
+        .collect())
 }
 
 /// The run's notes: counts, and each refusal and kept record on its own line (the agent

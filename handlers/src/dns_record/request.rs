@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::common::Allowances;
-use crate::dns::record::VALUES_MAX;
+use crate::dns::record::{SET_WIRE_MAX, VALUES_MAX};
 use crate::dns::{DnsName, Kind, RecordSet};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -96,6 +96,13 @@ impl Policy<'_> {
             if name == *self.zone {
                 return Err(format!("a CNAME cannot sit at the zone apex {name}"));
             }
+        }
+        let wire: usize = values.iter().map(|v| kind.wire_len(v)).sum();
+        if wire > SET_WIRE_MAX {
+            return Err(format!(
+                "the values take {wire} bytes of record data; a record set holds at most \
+                 {SET_WIRE_MAX}, so that a change of it always fits in one DNS message"
+            ));
         }
         let ttl = request.ttl.unwrap_or(self.default_ttl);
         if !(1..=self.max_ttl).contains(&ttl) {
@@ -221,6 +228,11 @@ mod tests {
                 (
                     json!({"name": "x.app.example.org", "values": vec!["10.0.0.1"; 17]}),
                     "at most 16",
+                ),
+                (
+                    json!({"name": "x.app.example.org", "type": "TXT",
+                           "values": (0..9).map(|i| format!("{i}{}", "k".repeat(2000))).collect::<Vec<_>>()}),
+                    "at most 16384",
                 ),
             ];
             for (request, says) in cases {

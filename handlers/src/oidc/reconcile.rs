@@ -119,6 +119,8 @@ pub async fn reconcile(
         }
     };
     let mut left = Vec::new();
+    // Whether the provider answered a call of this run.
+    let mut answered = false;
     for work in plan.work {
         if started.elapsed() >= config.run_budget {
             left.push(work);
@@ -126,8 +128,12 @@ pub async fn reconcile(
         }
         let entry = &entries[work.entry];
         match apply(&server, state, entry, &work, &mut out).await {
-            Ok(client) => answer(config, state, entry, client, &mut out),
+            Ok(client) => {
+                answered = true;
+                answer(config, state, entry, client, &mut out)
+            }
             Err(Failure::Refused(reason)) => {
+                answered = true;
                 tracing::warn!("{}: refused: {reason}", entry.key);
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
@@ -137,6 +143,15 @@ pub async fn reconcile(
                 out.counts.refused += 1;
                 out.output
                     .refuse(entry, "the provider lost the client; asked again next run");
+            }
+            // The provider answers (other calls, or its discovery document): this entry's
+            // call failed alone, and it waits; its client, if any, stays as it was.
+            Err(Failure::Down(e)) if answered || server.answers(config).await => {
+                answered = true;
+                tracing::warn!("{}: {e:#}; tried again in a later run", entry.key);
+                out.counts.pending += 1;
+                out.output
+                    .pending(entry, format!("the provider failed this client: {e:#}"));
             }
             Err(Failure::Down(e)) => {
                 out.failure = Some(e);
@@ -160,7 +175,7 @@ pub async fn reconcile(
                 format!("{n} clients are being registered; this one comes in a later run"),
             );
         }
-        out.counts.pending = n;
+        out.counts.pending += n;
         out.output.rerun_within(1);
     }
     for key in plan.release {

@@ -93,6 +93,13 @@ impl Server {
         })
     }
 
+    /// Whether the provider answers at all (its discovery document): after one entry's
+    /// call failed without an answer about that entry, this tells a provider that is
+    /// down (the run fails) from a failure that was the entry's alone.
+    pub async fn answers(&self, config: &Config) -> bool {
+        discover(&self.http, &config.issuer).await.is_ok()
+    }
+
     /// RFC 7591 §3.1: registers a new client.
     pub async fn register(&self, metadata: &Metadata) -> Result<Registered> {
         let (status, body) = self

@@ -50,7 +50,9 @@ pub struct Config {
     /// and role are dropped). Unset: `disable`.
     #[serde(default)]
     pub on_release: OnRelease,
-    /// `CONNECTION LIMIT` of every role made. Unset: no limit.
+    /// `CONNECTION LIMIT` of every role made. Unset: 20. Connections are the server's,
+    /// shared by every caller: a role without a limit could take all of them, and every
+    /// other caller's (and this handler's, unless its role is a superuser) with them.
     #[serde(default)]
     pub connection_limit: Option<u32>,
     /// Names a caller may ask for by itself (`"name"` in the request) instead of the
@@ -72,6 +74,9 @@ pub enum OnRelease {
     Disable,
     Drop,
 }
+
+/// Connections one role may hold when the config sets no limit.
+const DEFAULT_CONNECTION_LIMIT: u32 = 20;
 
 fn default_socket_dir() -> PathBuf {
     PathBuf::from("/run/postgresql")
@@ -155,8 +160,7 @@ impl Config {
 
     /// `CONNECTION LIMIT` as the server writes it (−1: none).
     pub fn connection_limit(&self) -> i32 {
-        self.connection_limit
-            .map_or(-1, |n| i32::try_from(n).unwrap_or(i32::MAX))
+        i32::try_from(self.connection_limit.unwrap_or(DEFAULT_CONNECTION_LIMIT)).unwrap_or(i32::MAX)
     }
 }
 
@@ -193,7 +197,7 @@ mod tests {
         assert_eq!(c.public_port(), 5432);
         assert_eq!(c.admin_role, "postgres");
         assert_eq!(c.on_release, OnRelease::Disable);
-        assert_eq!(c.connection_limit(), -1);
+        assert_eq!(c.connection_limit(), 20);
         for bad in [
             r#"{"state_file": "/x", "host": "db lan"}"#,
             r#"{"state_file": "/x", "host": "db.lan", "name_prefix": "a_b"}"#,

@@ -178,6 +178,13 @@ pub async fn reconcile(
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
             }
+            Err(Failure::Down(e)) if server.alive().await => {
+                // The server answers: what failed was this entry's alone.
+                tracing::warn!("{}: {e:#}; tried again next run", entry.key);
+                out.counts.pending += 1;
+                out.output
+                    .pending(entry, format!("the server failed this entry: {e:#}"));
+            }
             Err(Failure::Down(e)) => {
                 out.failure = Some(e);
                 return out;
@@ -198,7 +205,7 @@ pub async fn reconcile(
                 format!("{left} databases are being set up; this one comes in a later run"),
             );
         }
-        out.counts.pending = left;
+        out.counts.pending += left;
         out.output.rerun_within(1);
     }
     for name in &plan.release {
@@ -224,6 +231,10 @@ pub async fn reconcile(
             }
             Err(Failure::Refused(reason)) => {
                 tracing::warn!("{name}: cannot release: {reason}; tried again next run");
+                continue;
+            }
+            Err(Failure::Down(e)) if server.alive().await => {
+                tracing::warn!("{name}: cannot release: {e:#}; tried again next run");
                 continue;
             }
             Err(Failure::Down(e)) => {

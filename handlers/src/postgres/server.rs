@@ -89,12 +89,20 @@ impl Server {
                 tracing::warn!("PostgreSQL connection: {e}");
             }
         });
-        // A catalog lock held elsewhere must not hold the run past its budget.
+        // A lock held elsewhere (a consumer's open transaction on its own role or
+        // database) costs that entry a few seconds, never the run's budget.
         client
-            .batch_execute("SET lock_timeout = '10s'; SET statement_timeout = '30s'")
+            .batch_execute("SET lock_timeout = '5s'; SET statement_timeout = '30s'")
             .await
             .map_err(|e| anyhow::anyhow!("cannot set up the admin session: {e}"))?;
         Ok(Server { client })
+    }
+
+    /// Whether the admin connection still answers: after one entry's statement failed
+    /// in a way that may be the server's, this tells a server that is down (the run
+    /// fails) from a failure that was that entry's alone.
+    pub async fn alive(&self) -> bool {
+        self.client.simple_query("SELECT 1").await.is_ok()
     }
 
     /// What exists under `names` (roles, with their database), in one query.
@@ -195,7 +203,11 @@ impl Server {
             }
             self.exec(
                 "creating the database",
-                &format!("CREATE DATABASE {ident} OWNER {ident}"),
+                // From template0, which nobody may connect to: a database is copied only
+                // while no session is in its template, and template1 takes sessions of
+                // every role (its CONNECT is PUBLIC's), so any consumer could otherwise
+                // hold back every other caller's new database.
+                &format!("CREATE DATABASE {ident} OWNER {ident} TEMPLATE template0"),
             )
             .await?;
             self.exec(

@@ -142,7 +142,7 @@ pub fn reconcile(
                 let backdate = config.backdate.as_secs();
                 let valid_after = now.saturating_sub(backdate);
                 let valid_before = now.saturating_add(spec.validity);
-                let cert = ca.sign(&CertSpec {
+                let signed = ca.sign(&CertSpec {
                     subject: &spec.subject,
                     kind: match spec.kind {
                         Kind::Host => CertType::Host,
@@ -157,7 +157,19 @@ pub fn reconcile(
                         Kind::Host => &[],
                         Kind::User => &config.user_extensions,
                     },
-                })?;
+                });
+                // A key this CA cannot certify is that entry's refusal, never the run's
+                // failure (the serial taken stays unused).
+                let cert = match signed {
+                    Ok(cert) => cert,
+                    Err(e) => {
+                        let reason = format!("the CA cannot certify this key: {e:#}");
+                        tracing::warn!(entry = %entry.key, %reason, "refused");
+                        counts.refused += 1;
+                        certified.push((entry, Decision::Refuse(reason)));
+                        continue;
+                    }
+                };
                 let mut older = Vec::new();
                 if let Some(old) = state.entries.remove(&entry.key) {
                     if superseded {
