@@ -421,3 +421,117 @@ fn a_vhost_nginx_refuses_is_refused_and_the_others_keep_serving() {
     let (out, _) = s.ok("manual", &requests);
     assert!(out["app:proxy/c"]["server_names"].is_array(), "{out}");
 }
+
+/// A name of `len` characters below app.example.org, which app may have: labels of 63
+/// characters and a shorter last one.
+fn long_name(len: usize) -> String {
+    let suffix = ".app.example.org";
+    let mut left = len - suffix.len();
+    let mut labels = Vec::new();
+    while left > 64 {
+        labels.push("a".repeat(63));
+        left -= 64;
+    }
+    labels.push("b".repeat(left));
+    format!("{}{suffix}", labels.join("."))
+}
+
+/// A caller's server name that nginx takes while its vhost is alone on its address, but
+/// that no server names hash of this nginx holds beside another vhost: refused at the
+/// door, with the cause, and the callers after it are served in the same runs. A name as
+/// long as a bucket holds (nginx's own rule) is served beside the others.
+#[test]
+fn a_server_name_longer_than_nginxs_hash_holds_costs_only_its_own_entry() {
+    const TEST: &str = "a_server_name_longer_than_nginxs_hash_holds_costs_only_its_own_entry";
+    let Some(nginx) = server(TEST) else { return };
+    let app = Upstream::start("127.0.0.2", "app");
+    let web = Upstream::start("127.0.0.3", "web");
+    // The vhosts' own address, where nothing else listens; the test nginx hashes with
+    // buckets of 128 bytes: names of at most 110 characters.
+    let edge = fort_tests::free_addr("127.0.0.1");
+    let s = Setup::new(
+        nginx,
+        json!({"listen": [edge.to_string()], "server_names_hash_bucket_size": 128}),
+    );
+    let attacker = (
+        "app:proxy/long",
+        json!({"server_names": [long_name(111)], "port": app.addr.port()}),
+    );
+    let (out, _) = s.ok("request", std::slice::from_ref(&attacker));
+    let why = refusal(&out, "app:proxy/long");
+    assert!(
+        why.contains("111 characters") && why.contains("server_names_hash_bucket_size 128"),
+        "{why}"
+    );
+
+    let requests = [
+        attacker,
+        (
+            "web:proxy/site",
+            json!({"server_names": ["web.example.org"], "port": web.addr.port()}),
+        ),
+        (
+            "app:proxy/edge",
+            json!({"server_names": [long_name(110)], "port": app.addr.port()}),
+        ),
+    ];
+    for _ in 0..2 {
+        let (out, err) = s.ok("request", &requests);
+        assert!(out["web:proxy/site"]["upstream"].is_string(), "{out} {err}");
+        assert!(out["app:proxy/edge"]["upstream"].is_string(), "{out} {err}");
+        assert!(refusal(&out, "app:proxy/long").contains("111 characters"));
+    }
+    assert_eq!(
+        s.nginx.wait_for_at(edge, "web.example.org", 200, "web /").1,
+        "web /"
+    );
+    assert_eq!(
+        s.nginx.wait_for_at(edge, &long_name(110), 200, "app /").1,
+        "app /"
+    );
+}
+
+/// When the handler is told of larger buckets than nginx has, a long name gets in while
+/// it is alone on its address; every vhost added beside it then fails nginx's test.
+/// Those vhosts pass without it, so they are held with nginx's reason, never refused and
+/// remembered as broken, and are served once the clash is gone.
+#[test]
+fn a_vhost_that_only_clashes_with_another_is_held_not_blamed() {
+    const TEST: &str = "a_vhost_that_only_clashes_with_another_is_held_not_blamed";
+    let Some(nginx) = server(TEST) else { return };
+    let app = Upstream::start("127.0.0.2", "app");
+    let web = Upstream::start("127.0.0.3", "web");
+    let edge = fort_tests::free_addr("127.0.0.1");
+    let s = Setup::new(
+        nginx,
+        json!({"listen": [edge.to_string()], "server_names_hash_bucket_size": 256}),
+    );
+    let attacker = (
+        "app:proxy/long",
+        json!({"server_names": [long_name(150)], "port": app.addr.port()}),
+    );
+    let (out, _) = s.ok("request", std::slice::from_ref(&attacker));
+    assert!(out["app:proxy/long"]["upstream"].is_string(), "{out}");
+    let site = (
+        "web:proxy/site",
+        json!({"server_names": ["web.example.org"], "port": web.addr.port()}),
+    );
+    let both = [attacker, site.clone()];
+    for _ in 0..2 {
+        let (out, _) = s.ok("request", &both);
+        let held = out["web:proxy/site"]["$fort_pending"]
+            .as_str()
+            .unwrap_or_else(|| panic!("web:proxy/site is not held: {out}"));
+        assert!(
+            held.contains("clashes") && held.contains("server_names_hash"),
+            "{held}"
+        );
+    }
+    // The long name released: the held vhost is tested again and served.
+    let (out, _) = s.ok("gc", std::slice::from_ref(&site));
+    assert!(out["web:proxy/site"]["upstream"].is_string(), "{out}");
+    assert_eq!(
+        s.nginx.wait_for_at(edge, "web.example.org", 200, "web /").1,
+        "web /"
+    );
+}

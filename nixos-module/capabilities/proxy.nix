@@ -95,6 +95,19 @@ let
           ];
           description = "Where plain-HTTP virtual hosts listen: `PORT`, `IPv4:PORT` or `[IPv6]:PORT`.";
         };
+        serverNamesHashBucketSize = mkOption {
+          type = types.ints.between 32 4096;
+          default =
+            if nginxCfg.serverNamesHashBucketSize != null then nginxCfg.serverNamesHashBucketSize else 64;
+          defaultText = literalExpression "config.services.nginx.serverNamesHashBucketSize, else 64";
+          description = ''
+            nginx's `server_names_hash_bucket_size`, as the provider's nginx runs with it.
+            A server name longer than one bucket holds is refused (46 characters with 64,
+            110 with 128): nginx takes such a name while its virtual host is alone on its
+            address, and then refuses every other one added there. With `configureNginx`
+            the module sets `services.nginx.serverNamesHashBucketSize` to 128 by default.
+          '';
+        };
         listenTls = mkOption {
           type = types.nonEmptyListOf listen;
           default = [
@@ -185,6 +198,7 @@ let
         listen_tls = s.listenTls;
         tls = mapAttrs (_: t: { inherit (t) certificate key; }) s.tls;
         upstream_hosts = s.upstreamHosts;
+        server_names_hash_bucket_size = s.serverNamesHashBucketSize;
       }
     );
 
@@ -250,6 +264,8 @@ in
       ];
     services.nginx = mkIf (configured != { }) {
       enableReload = mkDefault true;
+      # Names of up to 110 characters; the handler is told the same.
+      serverNamesHashBucketSize = mkDefault 128;
       appendHttpConfig = lib.concatStringsSep "\n" (
         mapAttrsToList (_: c: "include ${c.proxy.includeDir}/*.conf;") configured
       );

@@ -183,6 +183,10 @@ in
         type = types.lines;
         default = "";
       };
+      services.nginx.serverNamesHashBucketSize = mkOption {
+        type = types.nullOr types.ints.positive;
+        default = null;
+      };
       services.openssh.extraConfig = mkOption {
         type = types.lines;
         default = "";

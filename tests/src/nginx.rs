@@ -114,24 +114,39 @@ impl Nginx {
     /// configuration until they are gone) until `GET /` for `host` answers `status`; the
     /// last answer.
     pub fn wait_for(&self, host: &str, status: u16) -> (u16, String) {
-        self.answer(host, "/", |got| got.0 == status)
+        self.answer(self.addr, host, "/", |got| got.0 == status)
+    }
+
+    /// Waits as `wait_for` until `GET /` for `host` at another address this nginx listens
+    /// on (a vhost's own `listen`) answers `status` with `body`; the last answer.
+    pub fn wait_for_at(
+        &self,
+        addr: SocketAddr,
+        host: &str,
+        status: u16,
+        body: &str,
+    ) -> (u16, String) {
+        self.answer(addr, host, "/", |got| got.0 == status && got.1 == body)
     }
 
     /// Waits as `wait_for` until `GET path` for `host` answers `status` with `body`; the
     /// last answer.
     pub fn wait_for_body(&self, host: &str, path: &str, status: u16, body: &str) -> (u16, String) {
-        self.answer(host, path, |got| got.0 == status && got.1 == body)
+        self.answer(self.addr, host, path, |got| {
+            got.0 == status && got.1 == body
+        })
     }
 
     fn answer(
         &self,
+        addr: SocketAddr,
         host: &str,
         path: &str,
         done: impl Fn(&(u16, String)) -> bool,
     ) -> (u16, String) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let got = self.get(host, path);
+            let got = http_get(addr, host, path);
             if done(&got) || Instant::now() > deadline {
                 return got;
             }

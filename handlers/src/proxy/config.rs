@@ -58,6 +58,12 @@ pub struct Config {
     /// address from hosts.json.
     #[serde(default)]
     pub upstream_hosts: Allowances,
+    /// nginx's `server_names_hash_bucket_size` as the provider's nginx.conf sets it. A
+    /// server name longer than one bucket holds is refused: nginx accepts such a name
+    /// while its vhost is the only one on its address, and then refuses every other vhost
+    /// added there. Unset: 64, nginx's default on 64-bit machines.
+    #[serde(default = "bucket_size")]
+    pub server_names_hash_bucket_size: u32,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -80,6 +86,9 @@ fn reload_command() -> Vec<String> {
 }
 fn command_timeout() -> u64 {
     20
+}
+fn bucket_size() -> u32 {
+    64
 }
 fn listen_http() -> Vec<String> {
     ["80", "[::]:80"].map(String::from).to_vec()
@@ -143,11 +152,27 @@ impl Config {
                 }
             }
         }
+        if !(32..=4096).contains(&self.server_names_hash_bucket_size) {
+            return Err("server_names_hash_bucket_size: 32 to 4096".into());
+        }
         self.allow.validate().map_err(|e| e.to_string())?;
         self.upstream_hosts
             .validate()
             .map_err(|e| format!("upstream_hosts: {e}"))?;
         Ok(())
+    }
+}
+
+impl Config {
+    /// The longest server name nginx can hash with `server_names_hash_bucket_size`, on a
+    /// 64-bit machine: nginx rounds the bucket up to its cache line (64 bytes here), and
+    /// each name takes a pointer, its length and two bytes, rounded up to a pointer, with
+    /// a pointer left over for the bucket's end (`ngx_hash_init`).
+    pub fn longest_server_name(&self) -> usize {
+        const POINTER: usize = 8;
+        const CACHE_LINE: usize = 64;
+        let bucket = (self.server_names_hash_bucket_size as usize).next_multiple_of(CACHE_LINE);
+        (bucket - POINTER) / POINTER * POINTER - POINTER - 2
     }
 }
 
@@ -225,6 +250,14 @@ mod tests {
         bad(&|v| v["tls"]["x"] = json!({"certificate": "/a", "key": "b"}));
         bad(&|v| v["allow"] = json!({"app": ["*"]}));
         bad(&|v| v["colour"] = json!(1));
+        bad(&|v| v["server_names_hash_bucket_size"] = json!(16));
+        // What nginx's own check accepts (ngx_hash_init): 46 with the default bucket, 110
+        // with 128, 238 with 256.
+        for (bucket, longest) in [(64, 46), (32, 46), (128, 110), (100, 110), (256, 238)] {
+            let mut v = good.clone();
+            v["server_names_hash_bucket_size"] = json!(bucket);
+            assert_eq!(parse(v).unwrap().longest_server_name(), longest, "{bucket}");
+        }
         for ok in ["8080", "127.0.0.1:80", "[::]:443", "[fd00::1]:8443"] {
             assert!(is_listen(ok), "{ok}");
         }

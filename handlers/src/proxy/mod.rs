@@ -171,7 +171,10 @@ pub async fn reconcile_all(
             &state,
             &wanted,
             &refused,
-            &BTreeSet::new(),
+            &Waiting {
+                untested: &BTreeSet::new(),
+                conflicts: &BTreeMap::new(),
+            },
             &mut notes,
             started,
         ));
@@ -191,6 +194,7 @@ pub async fn reconcile_all(
     }
     let mut accepted: Vec<String> = Vec::new();
     let mut untested: BTreeSet<String> = BTreeSet::new();
+    let mut conflicts: BTreeMap<String, String> = BTreeMap::new();
     if !changes.is_empty() {
         match test(config, &mut notes).await {
             Err(e) => {
@@ -217,8 +221,17 @@ pub async fn reconcile_all(
                         return Err(e.context("the vhosts could not be tested; nothing changed"));
                     }
                 }
+                let held_files: Vec<String> = state.held.values().map(|h| h.file.clone()).collect();
                 let found = bisect(
-                    config, &mut dir, &wanted, &changes, &previous, output, started, &mut notes,
+                    config,
+                    &mut dir,
+                    &wanted,
+                    &changes,
+                    &previous,
+                    &held_files,
+                    output,
+                    started,
+                    &mut notes,
                 )
                 .await;
                 let found = match found {
@@ -230,6 +243,9 @@ pub async fn reconcile_all(
                 };
                 accepted = found.accepted;
                 untested = found.untested;
+                for (key, reason) in found.conflicts {
+                    conflicts.insert(key, reason);
+                }
                 for (key, reason) in found.culprits {
                     refused.insert(key.clone(), refusal(&reason, state.held.contains_key(&key)));
                     state.broken.insert(
@@ -273,8 +289,12 @@ pub async fn reconcile_all(
         notes.reloaded = true;
     }
     file.save(STATE_VERSION, &state)?;
+    let waiting = Waiting {
+        untested: &untested,
+        conflicts: &conflicts,
+    };
     Ok(answer(
-        &entries, &state, &wanted, &refused, &untested, &mut notes, started,
+        &entries, &state, &wanted, &refused, &waiting, &mut notes, started,
     ))
 }
 
@@ -334,7 +354,11 @@ fn orphans(
 /// What bisection found.
 struct Found {
     accepted: Vec<String>,
+    /// Entries that fail on their own: refused, and remembered until they change.
     culprits: Vec<(String, String)>,
+    /// Entries that pass without any other vhost of this provider but fail beside them:
+    /// not their fault alone, so held (not refused, not remembered) and tried again.
+    conflicts: Vec<(String, String)>,
     /// Not tested within the budget: taken back, tried next run.
     untested: BTreeSet<String>,
 }
@@ -342,6 +366,10 @@ struct Found {
 /// Finds the changed entries that make the test fail. The directory holds the run's
 /// removals and none of `changes`; groups are added on top of what passed so far and
 /// halved while they fail, so the directory always ends holding a tested configuration.
+/// An entry that fails alone on top of that is tested once more with no other vhost of
+/// this provider (`held` files and this run's accepted ones), to tell a vhost nginx
+/// refuses from one that only clashes with another: the first is refused, the second
+/// held, so a caller whose vhost breaks the set can never have an innocent one refused.
 #[allow(clippy::too_many_arguments)]
 async fn bisect(
     config: &Config,
@@ -349,6 +377,7 @@ async fn bisect(
     wanted: &BTreeMap<String, Want>,
     changes: &[String],
     previous: &BTreeMap<String, Option<String>>,
+    held: &[String],
     first_failure: String,
     started: Instant,
     notes: &mut Notes,
@@ -356,17 +385,37 @@ async fn bisect(
     let mut found = Found {
         accepted: Vec::new(),
         culprits: Vec::new(),
+        conflicts: Vec::new(),
         untested: BTreeSet::new(),
     };
-    if changes.len() == 1 {
-        found
-            .culprits
-            .push((changes[0].clone(), nginx::reason(&first_failure)));
-        return Ok(found);
-    }
-    let half = changes.len() / 2;
-    let mut stack: Vec<Vec<String>> = vec![changes[half..].to_vec(), changes[..half].to_vec()];
-    while let Some(group) = stack.pop() {
+    let mut stack: Vec<Vec<String>> = if changes.len() == 1 {
+        Vec::new()
+    } else {
+        let half = changes.len() / 2;
+        vec![changes[half..].to_vec(), changes[..half].to_vec()]
+    };
+    let mut single = (changes.len() == 1).then(|| (changes[0].clone(), first_failure));
+    loop {
+        if let Some((key, failure)) = single.take() {
+            let others: Vec<String> = held
+                .iter()
+                .chain(found.accepted.iter().map(|k| &wanted[k].file))
+                .filter(|f| **f != wanted[&key].file)
+                .cloned()
+                .collect();
+            match alone(config, dir, &wanted[&key], &others, notes).await? {
+                Ran::Passed => found.conflicts.push((
+                    key,
+                    format!(
+                        "it clashes with another vhost of this provider, so it waits: {}",
+                        nginx::reason(&failure)
+                    ),
+                )),
+                Ran::Failed(_) => found.culprits.push((key, nginx::reason(&failure))),
+            }
+            continue;
+        }
+        let Some(group) = stack.pop() else { break };
         if started.elapsed() >= BUDGET {
             found.untested.extend(group);
             continue;
@@ -375,18 +424,15 @@ async fn bisect(
             dir.set(&wanted[key].file, Some(&wanted[key].text))?;
         }
         let ran = test(config, notes).await?;
-        if ran == Ran::Passed {
+        let Ran::Failed(out) = ran else {
             found.accepted.extend(group);
             continue;
-        }
+        };
         for key in &group {
             dir.set(&wanted[key].file, previous[&wanted[key].file].as_deref())?;
         }
         if group.len() == 1 {
-            let Ran::Failed(out) = ran else {
-                unreachable!()
-            };
-            found.culprits.push((group[0].clone(), nginx::reason(&out)));
+            single = Some((group[0].clone(), out));
         } else {
             let half = group.len() / 2;
             stack.push(group[half..].to_vec());
@@ -396,13 +442,49 @@ async fn bisect(
     Ok(found)
 }
 
+/// Tests `want` with none of `others` (files of this provider's other vhosts) in the
+/// directory, then puts them back as they were, whatever the test did.
+async fn alone(
+    config: &Config,
+    dir: &mut Dir,
+    want: &Want,
+    others: &[String],
+    notes: &mut Notes,
+) -> anyhow::Result<Ran> {
+    let mut aside: Vec<(String, Option<String>)> = Vec::with_capacity(others.len());
+    for f in others {
+        aside.push((f.clone(), dir.read(f)?));
+    }
+    let tested = async {
+        for (f, _) in &aside {
+            dir.set(f, None)?;
+        }
+        dir.set(&want.file, Some(&want.text))?;
+        test(config, notes).await
+    }
+    .await;
+    for (f, text) in &aside {
+        dir.set(f, text.as_deref())?;
+    }
+    dir.set(&want.file, None)?;
+    tested
+}
+
+/// Entries left waiting by this run, and why.
+struct Waiting<'a> {
+    /// Not tested within the budget.
+    untested: &'a BTreeSet<String>,
+    /// Held: they clash with another vhost.
+    conflicts: &'a BTreeMap<String, String>,
+}
+
 /// One answer per entry, and the run's notes.
 fn answer(
     entries: &[Entry],
     state: &State,
     wanted: &BTreeMap<String, Want>,
     refused: &BTreeMap<String, String>,
-    untested: &BTreeSet<String>,
+    waiting: &Waiting,
     notes: &mut Notes,
     started: Instant,
 ) -> Output {
@@ -412,8 +494,13 @@ fn answer(
         if let Some(why) = refused.get(&e.key) {
             output.refuse(e, why);
             notes.refused.push(format!("{}: {why}", e.key));
-        } else if untested.contains(&e.key) {
+        } else if let Some(why) = waiting.conflicts.get(&e.key) {
+            // Tried again when a run comes, not sooner: a clash does not pass by itself.
+            output.pending(e, why);
+            pending += 1;
+        } else if waiting.untested.contains(&e.key) {
             output.pending(e, "waiting for its turn at nginx's test");
+            output.rerun_within(1);
             pending += 1;
         } else if let Some(w) = wanted
             .get(&e.key)
@@ -421,9 +508,6 @@ fn answer(
         {
             output.respond(e, reconcile::response(&w.vhost));
         }
-    }
-    if pending > 0 {
-        output.rerun_within(1);
     }
     eprintln!(
         "proxy: {} entries: {} vhosts written, {} removed, {} refused, {pending} waiting; {} tests, {}; {} ms",

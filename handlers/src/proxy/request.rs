@@ -99,6 +99,16 @@ pub fn resolve(
     let mut server_names: Vec<String> = Vec::with_capacity(request.server_names.len());
     for given in &request.server_names {
         let name = DnsName::parse(given).map_err(|e| format!("server_names: {e}"))?;
+        let longest = config.longest_server_name();
+        if name.as_str().len() > longest {
+            return Err(format!(
+                "server_names: {} has {} characters; this provider's nginx hashes names of \
+                 at most {longest} (server_names_hash_bucket_size {})",
+                short(name.as_str()),
+                name.as_str().len(),
+                config.server_names_hash_bucket_size
+            ));
+        }
         if !Allowances::any_permits(patterns, name.as_str()) {
             return Err(format!(
                 "{origin} may not have the server name {name} (the provider's allow list)"
