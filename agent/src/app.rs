@@ -257,7 +257,8 @@ impl App {
                 provider_store,
                 config.callbacks.concurrency,
                 config.callbacks.per_consumer,
-            ),
+            )
+            .with_renew_interval(config.renew_interval),
             signer,
             loaded: ArcSwap::from_pointee(loaded.clone()),
             nonces,

@@ -89,6 +89,13 @@ pub struct Config {
     /// exactly the need ids they declare. Unset: 64.
     #[serde(default = "defaults::max_entries_per_origin")]
     pub max_entries_per_origin: usize,
+    /// The least time between two renewals (§11.4) of one entry: a `renew` asked sooner
+    /// after the entry's last renewed response is not passed to the handler, so a caller
+    /// asking to renew over and over costs the provider (and a CA's rate limits) one new
+    /// credential per interval, not one per request. The consumer asks again at its next
+    /// nag. Counted from the agent's start, in memory. Unset: 10 minutes.
+    #[serde(default = "defaults::renew_interval", with = "humantime_serde")]
+    pub renew_interval: Duration,
     /// Largest stored async request (its `request` object as compact JSON); larger is
     /// 413. Unset: 64 KiB.
     #[serde(default = "defaults::max_request_bytes")]
@@ -243,7 +250,7 @@ mod addr {
     }
 }
 
-mod defaults {
+pub(crate) mod defaults {
     use std::time::Duration;
     pub fn yes() -> bool {
         true
@@ -286,6 +293,9 @@ mod defaults {
     }
     pub fn max_entries_per_origin() -> usize {
         64
+    }
+    pub fn renew_interval() -> Duration {
+        Duration::from_secs(600)
     }
     pub fn max_request_bytes() -> usize {
         64 * 1024

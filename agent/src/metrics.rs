@@ -41,6 +41,7 @@ pub struct Metrics {
     pub handler_seconds: Counter,
     pub callbacks: Counter,
     pub gc: Counter,
+    pub renewals_held: Counter,
 }
 
 impl Metrics {
@@ -80,6 +81,12 @@ impl Metrics {
         self.gc.render(
             "fort_gc_total",
             "GC decisions (removed, kept_no_proof) by reason.",
+            "counter",
+            &mut out,
+        );
+        self.renewals_held.render(
+            "fort_renewals_held_total",
+            "Renewals asked for sooner than renew_interval after the entry's last one, not passed to the handler, by capability.",
             "counter",
             &mut out,
         );

@@ -269,17 +269,25 @@ fn acme_http01_issue_keep_renew_and_revoke() {
                "revoke_on_release": true, "rerun_seconds": 1, "state": state}),
     );
 
-    // renew: a new certificate for the same CSR, the old one kept while it is issued.
-    let (renewed, runs) = issue(&config, &request, Some(&first), true);
-    assert!(runs.len() >= 2);
-    let serial2 = assert_issued(&renewed, &pebble.root(), &key, &names);
-    assert_ne!(serial, serial2);
-    assert_ne!(renewed["certificate"], first["certificate"]);
+    // renew long before the certificate's last third: kept, no order (the CA would count
+    // a duplicate); renewals that are due are in acme_renewals_and_certificates_bounded.
+    let early = run(
+        &config,
+        &json!({ KEY: {"request": request, "response": first, "renew": true} }),
+    );
+    assert!(early.ok, "{}", early.stderr);
+    assert_eq!(early.out[KEY], first);
+    assert!(
+        early.stderr.contains("1 renewals not due"),
+        "{}",
+        early.stderr
+    );
+    let _ = serial;
 
-    // A new CSR (a new key) is a new certificate too.
+    // A new CSR (a new key) is a new certificate.
     let (key3, csr3) = csr(&["www.app.example.test"]);
     let request3 = json!({"csr": csr3, "names": ["www.app.example.test"]});
-    let (third, _) = issue(&config, &request3, Some(&renewed), false);
+    let (third, _) = issue(&config, &request3, Some(&first), false);
     let serial3 = assert_issued(&third, &pebble.root(), &key3, &["www.app.example.test"]);
     assert_eq!(pebble.cert_status(&serial3), "Valid");
 
@@ -392,4 +400,76 @@ fn acme_refusals_before_any_request() {
                 .unwrap()
                 .contains("order")
     );
+}
+
+/// A renewal is honoured once the certificate is in its last third (and kept before);
+/// one caller's entry gets at most `max_certificates_per_week` certificates, however it
+/// asks (renewals, new keys), while another caller is served in the same runs.
+#[test]
+fn acme_renewals_and_certificates_bounded() {
+    const T: &str = "acme_renewals_and_certificates_bounded";
+    let records = "app IN A 127.0.0.1\nweb IN A 127.0.0.1\n";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    // Certificates living 12 s: due for renewal after 8.
+    let pebble = match Pebble::start(dns.addr, Some(12)) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["app.example.test"], "web": ["web.example.test"]},
+               "http01": {"webroot": web.path()}, "max_certificates_per_week": 2,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let (_, app_csr) = csr(&["app.example.test"]);
+    let request = json!({"csr": app_csr});
+    let (first, _) = issue(&config, &request, None, false);
+    let issued_at = std::time::Instant::now();
+
+    // Asked to renew at once: kept.
+    let early = run(
+        &config,
+        &json!({ KEY: {"request": request, "response": first, "renew": true} }),
+    );
+    assert_eq!(early.out[KEY], first, "{}", early.stderr);
+    // In its last third: renewed (the entry's second certificate this week).
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(issued_at.elapsed()));
+    let (second, _) = issue(&config, &request, Some(&first), true);
+    assert_ne!(second["certificate"], first["certificate"]);
+
+    // A third certificate for this entry, with a new key, waits; another caller asking
+    // in the same runs gets its own.
+    let (_, app_csr3) = csr(&["app.example.test"]);
+    let (_, web_csr) = csr(&["web.example.test"]);
+    let mut web_answer = Value::Null;
+    for _ in 0..40 {
+        let r = run(
+            &config,
+            &json!({ KEY: {"request": {"csr": app_csr3}, "response": second},
+                     "web:ssl-cert/site": {"request": {"csr": web_csr}, "response": null} }),
+        );
+        assert!(r.ok, "{}", r.stderr);
+        let held = r.out[KEY]["$fort_pending"].as_str().unwrap_or_default();
+        assert!(
+            held.contains("2 certificates were issued for this entry")
+                && held.contains("max_certificates_per_week"),
+            "{}",
+            r.out
+        );
+        if r.out["web:ssl-cert/site"].get("certificate").is_some() {
+            web_answer = r.out["web:ssl-cert/site"].clone();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(web_answer["certificate"].is_string(), "web was not served");
 }

@@ -149,6 +149,15 @@ let
           default = 60;
           description = "First wait after an order fails at the CA (doubled per failure, at most an hour).";
         };
+        maxCertificatesPerWeek = mkOption {
+          type = types.ints.between 1 10000;
+          default = 5;
+          description = ''
+            Certificates issued in any 7 days for one entry, and for one set of names;
+            past it the entry keeps its certificate and waits. A CA's rate limits are
+            shared by every caller (Let's Encrypt: 5 a week for one set of names).
+          '';
+        };
         stateFile = mkOption {
           type = types.str;
           default = "/var/lib/fort/handlers/${name}.json";
@@ -170,6 +179,7 @@ let
           revoke_on_release = s.revokeOnRelease;
           rerun_seconds = s.rerunSeconds;
           backoff_seconds = s.backoffSeconds;
+          max_certificates_per_week = s.maxCertificatesPerWeek;
           state = s.stateFile;
         }
         // lib.optionalAttrs (s.eab != null) {

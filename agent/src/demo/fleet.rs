@@ -71,6 +71,8 @@ const NAG_SECONDS: u64 = 5;
 
 /// Tunables that make a loopback fleet converge in well under a second and retry fast.
 const AGENT_TOML_EXTRA: &str = r#"handler_timeout = "30s"
+# The demo's certificates live seconds: each may be renewed within a second of the last.
+renew_interval = "1s"
 
 [access]
 journal = ["ops"]

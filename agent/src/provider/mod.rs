@@ -3,6 +3,7 @@
 
 pub mod callbacks;
 pub mod gc;
+pub mod renewals;
 mod send;
 pub mod state;
 pub mod trigger;
@@ -105,6 +106,7 @@ pub struct Provider {
     workers: Mutex<HashMap<String, Arc<WorkerSlot>>>,
     stats: Mutex<HashMap<String, CapabilityStats>>,
     pub(crate) deliveries: callbacks::Deliveries,
+    pub(crate) renewals: renewals::Renewals,
 }
 
 impl Provider {
@@ -114,7 +116,14 @@ impl Provider {
             workers: Mutex::new(HashMap::new()),
             stats: Mutex::new(HashMap::new()),
             deliveries: callbacks::Deliveries::new(callback_concurrency, per_consumer),
+            renewals: renewals::Renewals::new(crate::config::defaults::renew_interval()),
         }
+    }
+
+    /// The least time between two renewals of one entry (`renew_interval`).
+    pub fn with_renew_interval(mut self, interval: std::time::Duration) -> Provider {
+        self.renewals = renewals::Renewals::new(interval);
+        self
     }
 
     /// Stores (or refreshes) `origin:need` durably, then queues a run. Returns once the
@@ -131,6 +140,14 @@ impl Provider {
     ) -> Result<Option<Notice>, UpsertError> {
         let key = entry_key(origin, need);
         let request = state::raw(&request);
+        // Renewed too recently: stored as a plain request; the consumer asks again.
+        let renew = renew
+            && (self.renewals.allows(&key) || {
+                app.metrics
+                    .renewals_held
+                    .inc(&[("capability", need.kind())]);
+                false
+            });
         let prefix = format!("{origin}:{}/", need.kind());
         let now = unix_now();
         let mut verdict = None;

@@ -414,7 +414,9 @@ impl Worker {
                 if changed {
                     entry.set_response(new.clone());
                     // A new response is what a renewal asked for.
-                    entry.renew = false;
+                    if std::mem::take(&mut entry.renew) {
+                        self.app.provider.renewals.renewed(key);
+                    }
                     changed_any = true;
                 }
                 if notice_changed {

@@ -59,6 +59,12 @@ pub struct Config {
     /// Seconds to wait for one answer of the CA. Unset: 20.
     #[serde(default = "timeout_seconds")]
     pub timeout_seconds: u64,
+    /// Certificates issued in any 7 days for one entry, and for one set of names: past
+    /// it, the entry keeps what it holds and waits. A CA's limits are shared by every
+    /// caller (Let's Encrypt: 5 certificates a week for one set of names, 50 for one
+    /// registered domain), so no caller may spend them by asking. Unset: 5.
+    #[serde(default = "max_certificates_per_week")]
+    pub max_certificates_per_week: u32,
     /// The handler's state file: the ACME account (its key), and per entry the
     /// certificate issued and the order under way. Required; 0600.
     pub state: PathBuf,
@@ -98,6 +104,9 @@ pub struct Dns01Config {
     pub timeout_seconds: u64,
 }
 
+fn max_certificates_per_week() -> u32 {
+    5
+}
 fn rerun_seconds() -> u64 {
     3
 }
@@ -150,6 +159,12 @@ impl Config {
                 7 * 86_400,
             ),
             ("timeout_seconds", self.timeout_seconds, 1, 120),
+            (
+                "max_certificates_per_week",
+                u64::from(self.max_certificates_per_week),
+                1,
+                10_000,
+            ),
         ] {
             if !(lo..=hi).contains(&v) {
                 anyhow::bail!("{what}: {v} is not {lo} to {hi}");

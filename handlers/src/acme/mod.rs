@@ -7,6 +7,7 @@
 //! certificate. Unchanged entries cost no request to the CA.
 
 pub mod config;
+pub mod issued;
 pub mod kept;
 pub mod order;
 pub mod request;
@@ -16,10 +17,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures_util::stream::{self, StreamExt};
 use serde_json::json;
 use tokio::sync::OnceCell;
 
+use crate::common::isolate::{self, Attempt, Budget};
 use crate::common::state::StateFile;
 use crate::common::{Entry, Output, Trigger};
 use crate::{Capability, RunFuture};
@@ -136,6 +137,19 @@ fn unchanged<'a>(state: &'a State, e: &Entry, now: u64) -> Option<&'a Issued> {
     same.then_some(i)
 }
 
+/// Whether `i` is in the last third of its lifetime (or its certificate cannot be read,
+/// which a new one mends).
+fn renewal_due(i: &Issued, now: u64) -> bool {
+    let not_before = x509_parser::pem::parse_x509_pem(i.certificate.as_bytes())
+        .ok()
+        .and_then(|(_, pem)| {
+            pem.parse_x509()
+                .ok()
+                .map(|c| c.validity().not_before.timestamp())
+        });
+    not_before.is_none_or(|from| issued::due(from, i.not_after, now))
+}
+
 /// The CA as reasons name it: the directory's host.
 fn ca_name(directory: &str) -> String {
     let rest = directory.strip_prefix("https://").unwrap_or(directory);
@@ -154,10 +168,13 @@ pub async fn reconcile_all(
     let mut state: State = file.load(STATE_VERSION)?;
     let mut kept = kept::Kept::load(&config.state);
     let now = now();
+    let mut issue_log = issued::IssueLog::load(&config.state, now);
+    let mut not_due = 0usize;
     let mut output = Output::default();
     let mut dirty = false;
     let mut work: Vec<(String, Work)> = Vec::new();
     let mut refused = 0usize;
+    let mut waiting = 0usize;
 
     for e in &entries {
         // An entry whose certificate is still good: answered without a signature check
@@ -236,8 +253,16 @@ pub async fn reconcile_all(
                 output.pending(e, format!("{}; trying again in {wait} s", b.reason));
                 output.rerun_within(wait);
             }
-        } else if let Some(i) = current.filter(|_| !e.renew) {
+        } else if let Some(i) = current.filter(|i| !e.renew || !renewal_due(i, now)) {
+            // A renewal asked for long before the certificate's last third keeps it: the
+            // CA counts every duplicate against limits all callers share.
+            not_due += usize::from(e.renew);
             answer(&mut output, &mut kept, e, i);
+        } else if let Some(why) =
+            issue_log.held_back(&e.key, &req.names, config.max_certificates_per_week, now)
+        {
+            output.pending(e, format!("a new certificate waits: {why}"));
+            waiting += 1;
         } else {
             work.push((e.key.clone(), Work::Place(req)));
         }
@@ -302,37 +327,53 @@ pub async fn reconcile_all(
     }
 
     let ctx = &ctx;
-    let results: Vec<(String, Option<Result<Step, StepError>>)> = stream::iter(work)
-        .map(|(key, w)| async move {
-            if Instant::now() >= deadline {
-                return (key, None);
-            }
-            let step = match &w {
-                Work::Place(req) => order::place(ctx, req).await,
-                Work::Advance(req, url) => order::advance(ctx, url, req).await,
-            };
-            (key, Some(step))
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .collect()
-        .await;
+    // Each order's step under its own share of the run: one caller's order that hangs or
+    // trips a bug waits alone.
+    let budget = Budget {
+        deadline,
+        per_entry: Duration::from_secs(config.timeout_seconds.saturating_mul(2)),
+        in_flight: IN_FLIGHT,
+    };
+    let results = isolate::each(work, budget, |w| async move {
+        match &w {
+            Work::Place(req) => order::place(ctx, req).await,
+            Work::Advance(req, url) => order::advance(ctx, url, req).await,
+        }
+    })
+    .await;
+    // The CA answered this run (the account, fetched above, or a step): a step that could
+    // not reach it failed alone, and waits; otherwise the CA is down and the run fails.
+    let ca_answered = ctx.account.is_some()
+        || results
+            .iter()
+            .any(|(_, a)| matches!(a, Attempt::Done(Ok(_) | Err(StepError::Ca { .. }))));
     let by_key: BTreeMap<&str, &Entry> = entries.iter().map(|e| (e.key.as_str(), e)).collect();
-    let (mut issued, mut waiting) = (0usize, 0usize);
-    for (key, result) in results {
+    let mut issued = 0usize;
+    for (key, attempt) in results {
         let e = by_key[key.as_str()];
         let st = state.entries.entry(key.clone()).or_default();
-        let (reason, refuse) = match result {
-            None => {
+        let result = match attempt {
+            Attempt::Done(result) => result,
+            Attempt::NotStarted => {
                 output.pending(e, format!("waiting for its turn at {}", ctx.ca));
                 output.rerun_within(1);
                 waiting += 1;
                 continue;
             }
-            Some(Ok(Step::Waiting {
+            other => {
+                let why = other.reason(&ctx.ca).unwrap_or_default();
+                output.pending(e, why);
+                output.rerun_within(config.rerun_seconds);
+                waiting += 1;
+                continue;
+            }
+        };
+        let (reason, refuse) = match result {
+            Ok(Step::Waiting {
                 url,
                 published,
                 why,
-            })) => {
+            }) => {
                 let req = request::parse(&e.request).expect("parsed above");
                 let timeout = config.order_timeout_seconds;
                 if let Some(o) = st.order.as_mut() {
@@ -363,10 +404,11 @@ pub async fn reconcile_all(
                     continue;
                 }
             }
-            Some(Ok(Step::Issued(i))) => {
+            Ok(Step::Issued(i)) => {
                 if let Some(o) = st.order.take() {
                     state.orphans.extend(o.published);
                 }
+                issue_log.record(&key, &i.names, now);
                 st.backoff = None;
                 output.respond(e, response(&i));
                 st.issued = Some(i);
@@ -374,9 +416,15 @@ pub async fn reconcile_all(
                 issued += 1;
                 continue;
             }
-            Some(Ok(Step::Failed { reason, refused })) => (reason, refused),
-            Some(Err(StepError::Ca { reason, refused })) => (reason, refused),
-            Some(Err(StepError::Down(why))) => {
+            Ok(Step::Failed { reason, refused }) => (reason, refused),
+            Err(StepError::Ca { reason, refused }) => (reason, refused),
+            Err(StepError::Down(why)) if ca_answered => {
+                output.pending(e, format!("{why}; tried again in a later run"));
+                output.rerun_within(config.rerun_seconds);
+                waiting += 1;
+                continue;
+            }
+            Err(StepError::Down(why)) => {
                 failure = failure.or(Some(why));
                 continue;
             }
@@ -449,11 +497,12 @@ pub async fn reconcile_all(
         file.save(STATE_VERSION, &state)?;
     }
     kept.save(&present);
+    issue_log.save();
     if let Some(why) = failure {
         anyhow::bail!("{why}; nothing is answered this run");
     }
     eprintln!(
-        "acme: {} entries: {issued} issued, {waiting} waiting, {refused} refused, {revoked} revoked; {} ms",
+        "acme: {} entries: {issued} issued, {waiting} waiting, {refused} refused, {revoked} revoked, {not_due} renewals not due; {} ms",
         entries.len(),
         started.elapsed().as_millis()
     );

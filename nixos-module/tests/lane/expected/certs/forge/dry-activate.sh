@@ -7,10 +7,10 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/cb370bd81dbbfd24d109a09e4cffca24-fort-agent-checked.toml \
+      --new-config /nix/store/6f7728c9262655f059a98ac9082a4a1f-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
       --needs /nix/store/bd8ff07b55d4ced48ea021b8b5bca122-fort-needs.json \
-      --capabilities /nix/store/8d4af699148e5e0620abb96dbbaadfc8-fort-capabilities.json ||
+      --capabilities /nix/store/b0aedbcddb2ddace87a813595bfd32c2-fort-capabilities.json ||
       echo "fort: fort-agent plan failed (exit $?); dry-activate goes on"
   }
   fortPlan || true
