@@ -137,6 +137,7 @@ on_both!(
     changes_replace_only_what_fort_made,
     unchanged_entries_need_no_primary,
     one_callers_large_record_set_costs_only_its_own_entry,
+    a_refused_change_keeps_the_records_in_service,
 );
 
 const HAND_MADE: &str = "manual IN A 192.0.2.1\nshared IN TXT \"admin made this\"\n";
@@ -532,4 +533,36 @@ fn one_callers_large_record_set_costs_only_its_own_entry(flavor: Flavor, test: &
     );
     // What the attacker could never change is not left behind either.
     assert!(s.server.dig("big.app.example.test", "TXT").is_empty());
+}
+
+/// A caller renames its record to a name it may not have: refused, and the records it had
+/// stay (and stay its own); the provider narrowing the allowance takes them away.
+fn a_refused_change_keeps_the_records_in_service(flavor: Flavor, test: &str) {
+    let Some(s) = setup(test, flavor, "") else {
+        return;
+    };
+    let key = "app:dns-record/www";
+    let (ok, _, err) = s.run("request", &[(key, json!({"name": "shared.example.test"}))]);
+    assert!(ok, "{err}");
+    let renamed = [
+        (key, json!({"name": "www.web.example.test"})),
+        // Another caller asking for the name in the same run does not get it.
+        ("web:dns-record/www", json!({"name": "shared.example.test"})),
+    ];
+    let (ok, out, err) = s.run("request", &renamed);
+    assert!(ok, "{err}");
+    let why = refusal(&out, key);
+    assert!(
+        why.contains("may not hold records at www.web.example.test")
+            && why.contains("the records it had stay in service"),
+        "{why}"
+    );
+    assert!(refusal(&out, "web:dns-record/www").contains("already held"));
+    assert_eq!(s.server.dig("shared.example.test", "A"), ["10.0.0.2"]);
+    // The allowance narrowed: what it had goes.
+    s.write_config(|c| c["allow"] = json!({"app": ["other.app.example.test"]}));
+    let (ok, out, err) = s.run("request", &renamed[..1]);
+    assert!(ok, "{err}");
+    assert!(!refusal(&out, key).contains("stay in service"));
+    assert!(s.server.dig("shared.example.test", "A").is_empty());
 }

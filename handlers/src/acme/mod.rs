@@ -203,13 +203,25 @@ pub async fn reconcile_all(
             .allow
             .first_refused(&e.origin, req.names.iter().map(String::as_str))
         {
-            output.refuse(
-                e,
-                format!(
-                    "{name} is not a name {} may get a certificate for",
-                    e.origin
-                ),
+            let mut why = format!(
+                "{name} is not a name {} may get a certificate for",
+                e.origin
             );
+            // The certificate it had is not revoked: it serves until it expires.
+            if let Some(i) = state
+                .entries
+                .get(&e.key)
+                .and_then(|st| st.issued.as_ref())
+                .filter(|i| i.not_after > now as i64)
+            {
+                why.push_str(&format!(
+                    "; the certificate it had stays valid until {}",
+                    humantime::format_rfc3339_seconds(
+                        UNIX_EPOCH + Duration::from_secs(i.not_after.max(0) as u64)
+                    )
+                ));
+            }
+            output.refuse(e, why);
             refused += 1;
             continue;
         }

@@ -32,7 +32,9 @@ pub struct State {
 /// Every entry's fate before the primary is asked anything.
 #[derive(Debug, Default)]
 pub struct Plan {
-    /// Entry key → the record set it will hold.
+    /// Entry key → the record set it will hold. A refused entry whose records in place
+    /// the provider still allows is here too, with those records: a refused change never
+    /// takes down what works (an allowance taken away does).
     pub wanted: BTreeMap<String, RecordSet>,
     /// Entry key → why it is refused.
     pub refused: BTreeMap<String, String>,
@@ -48,20 +50,33 @@ pub fn plan(
 ) -> Plan {
     let mut out = Plan::default();
     let mut candidates = Vec::with_capacity(entries.len());
+    let mut names: HashMap<DnsName, BTreeSet<Kind>> = HashMap::new();
     for e in entries {
         match policy.resolve(&e.origin, address_of(&e.origin), &e.request) {
             Ok(set) => {
                 let incumbent = held.get(&e.key).is_some_and(|h| h.same_slot(&set));
                 candidates.push((!incumbent, e.key.as_str(), set));
             }
-            Err(reason) => {
-                out.refused.insert(e.key.clone(), reason);
-            }
+            Err(reason) => match held
+                .get(&e.key)
+                .filter(|h| policy.still_allows(&e.origin, h))
+            {
+                Some(h) => {
+                    names.entry(h.name.clone()).or_default().insert(h.kind);
+                    out.wanted.insert(e.key.clone(), h.clone());
+                    out.refused.insert(
+                        e.key.clone(),
+                        format!("{reason}; the records it had stay in service"),
+                    );
+                }
+                None => {
+                    out.refused.insert(e.key.clone(), reason);
+                }
+            },
         }
     }
     // Incumbents first, then by key: the outcome does not depend on input order.
     candidates.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
-    let mut names: HashMap<DnsName, BTreeSet<Kind>> = HashMap::new();
     for (_, key, set) in candidates {
         let kinds = names.entry(set.name.clone()).or_default();
         let taken = kinds.contains(&Kind::Cname)

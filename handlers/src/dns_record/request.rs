@@ -117,6 +117,18 @@ impl Policy<'_> {
     }
 }
 
+impl Policy<'_> {
+    /// Whether `origin` may still hold `set`, records made for it before: in the zone, at
+    /// a name its allowance has, within today's bounds.
+    pub fn still_allows(&self, origin: &str, set: &RecordSet) -> bool {
+        set.name.is_in(self.zone)
+            && self.allow.permits(origin, set.name.as_str())
+            && (1..=self.max_ttl).contains(&set.ttl)
+            && set.values.len() <= VALUES_MAX
+            && set.wire_len() <= SET_WIRE_MAX
+    }
+}
+
 fn clip(text: &str) -> String {
     text.chars().take(40).collect()
 }

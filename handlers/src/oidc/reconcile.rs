@@ -153,7 +153,7 @@ pub async fn reconcile(
                 out.output
                     .pending(entry, format!("the provider failed this client: {e:#}"));
             }
-            Err(Failure::Down(e)) => {
+            Err(Failure::Down(e) | Failure::Denied(e)) => {
                 out.failure = Some(e);
                 return out;
             }
@@ -198,7 +198,7 @@ pub async fn reconcile(
                     state.retired.push(c.registration.clone());
                 }
             }
-            Err(Failure::Down(e)) => {
+            Err(Failure::Down(e) | Failure::Denied(e)) => {
                 // Kept as it is: the entry may come back, and must find its client.
                 out.failure = Some(e);
                 return out;
@@ -329,7 +329,7 @@ async fn delete_retired(
                 );
                 keep.push(r);
             }
-            Err(Failure::Down(e)) => {
+            Err(Failure::Down(e) | Failure::Denied(e)) => {
                 failure = Some(e);
                 keep.push(r);
             }
@@ -352,6 +352,18 @@ fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled)
         let request = match decide(config, entry) {
             Ok(r) => r,
             Err(reason) => {
+                // A refused change leaves the client it had in service, while the
+                // provider's policy still allows that client.
+                let stays = state
+                    .clients
+                    .get(&entry.key)
+                    .is_some_and(|c| permitted(config, &entry.origin, &c.metadata).is_ok());
+                let reason = if stays {
+                    wanted.insert(&entry.key);
+                    format!("{reason}; the client it had stays in service")
+                } else {
+                    reason
+                };
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
                 continue;
@@ -396,7 +408,12 @@ fn decide(config: &Config, entry: &Entry) -> Result<Request, String> {
         return Err("the caller's name is not a fort host or principal name".into());
     }
     let request = Request::parse(&entry.request)?;
-    let m = &request.metadata;
+    permitted(config, origin, &request.metadata)?;
+    Ok(request)
+}
+
+/// Whether the provider's policy lets `origin` have a client with `m`, or why not.
+fn permitted(config: &Config, origin: &str, m: &Metadata) -> Result<(), String> {
     if !config.allow.permits(origin, &m.client_name) {
         return Err(format!(
             "{origin} may not register the client name {} (the provider's allow list)",
@@ -422,7 +439,7 @@ fn decide(config: &Config, entry: &Entry) -> Result<Request, String> {
             g.as_str()
         ));
     }
-    Ok(request)
+    Ok(())
 }
 
 /// The credential a consumer gets.

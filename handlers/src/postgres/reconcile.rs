@@ -259,6 +259,21 @@ fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled)
         let (name, rotate) = match decided {
             Ok(d) => d,
             Err(reason) => {
+                // A refused change leaves the database it had in service (its role keeps
+                // its password), while the provider still allows that name.
+                let stays = state.roles.iter().find(|(name, m)| {
+                    m.entry == entry.key
+                        && m.password.is_some()
+                        && !wanted.contains_key(*name)
+                        && permitted(config, entry, name)
+                });
+                let reason = match stays {
+                    Some((name, _)) => {
+                        wanted.insert(name.clone(), &entry.key);
+                        format!("{reason}; the database it had stays in service")
+                    }
+                    None => reason,
+                };
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
                 continue;
@@ -323,6 +338,13 @@ fn decide(
         return Err(format!("the database {name} belongs to another entry"));
     }
     Ok((name, request.rotate))
+}
+
+/// Whether `entry` may have the database `name`: the one derived for it, or one the
+/// provider's allow list gives its caller.
+fn permitted(config: &Config, entry: &Entry, name: &str) -> bool {
+    name == names::derived(&config.name_prefix, &entry.origin, entry.need.id())
+        || config.allow.permits(&entry.origin, name)
 }
 
 /// One query over the kept entries' roles; whatever the server no longer holds as the

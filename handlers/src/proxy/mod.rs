@@ -80,11 +80,36 @@ pub async fn reconcile_all(
     let fleet = Fleet::load(&config.hosts)?;
     let file = StateFile::new(&config.state_file);
     let mut state: State = file.load(STATE_VERSION)?;
-    let plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o));
-    let wanted = plan.wanted;
-    let mut refused = plan.refused;
-    let reconciling = trigger.reconciles();
     let mut dir = Dir::new(&config.include_dir);
+    let none = BTreeSet::new();
+    let mut plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o), &none);
+    // A refused entry whose vhost in place the provider still allows keeps it in service
+    // (its names stay reserved for it) until a change of it is accepted.
+    let mut stays = BTreeSet::new();
+    for e in entries.iter().filter(|e| plan.refused.contains_key(&e.key)) {
+        let Some(h) = state.held.get(&e.key) else {
+            continue;
+        };
+        let own = fleet.host_of(&e.origin);
+        if dir
+            .read(&h.file)?
+            .is_some_and(|text| reconcile::still_served(config, e, h, &text, own.as_deref()))
+        {
+            stays.insert(e.key.clone());
+        }
+    }
+    if !stays.is_empty() {
+        plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o), &stays);
+    }
+    let wanted = plan.wanted;
+    let kept = plan.kept;
+    let mut refused = plan.refused;
+    for key in &kept {
+        if let Some(why) = refused.get_mut(key) {
+            why.push_str("; the vhost it had stays in service");
+        }
+    }
+    let reconciling = trigger.reconciles();
     let mut notes = Notes::default();
     let mut save = false;
 
@@ -145,7 +170,7 @@ pub async fn reconcile_all(
     let mut removals: Vec<String> = Vec::new();
     let mut forget: Vec<String> = Vec::new();
     for (key, h) in &state.held {
-        if wanted.contains_key(key) {
+        if wanted.contains_key(key) || kept.contains(key) {
             continue;
         }
         match dir.read(&h.file)? {

@@ -88,6 +88,42 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
     out
 }
 
+/// The request a vhost file this handler wrote answers, read back from its lines
+/// (`server_name`, `proxy_pass`, `ssl_certificate`), for checking it against today's
+/// config; `None` when the file is not in the form `render` writes.
+pub fn read_back(config: &Config, text: &str) -> Option<serde_json::Value> {
+    let value = |directive: &str| {
+        text.lines()
+            .map(str::trim)
+            .find_map(|l| l.strip_prefix(directive)?.strip_suffix(';'))
+    };
+    let names: Vec<&str> = value("server_name ")?.split(' ').collect();
+    let upstream = value("proxy_pass http://")?;
+    let (authority, path) = match upstream.find('/') {
+        Some(i) => (&upstream[..i], Some(&upstream[i..])),
+        None => (upstream, None),
+    };
+    let (host, port) = authority.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let tls = match value("ssl_certificate ") {
+        None => None,
+        Some(path) => Some(
+            config
+                .tls
+                .iter()
+                .find(|(_, set)| set.certificate.to_str() == Some(path))
+                .map(|(name, _)| name.clone())?,
+        ),
+    };
+    Some(serde_json::json!({
+        "server_names": names,
+        "port": port,
+        "path": path,
+        "upstream_host": host,
+        "tls": tls,
+    }))
+}
+
 /// The digest the state keeps of a file's content.
 pub fn digest(text: &str) -> String {
     hex::encode(Sha256::digest(text.as_bytes()))
@@ -130,11 +166,34 @@ mod tests {
             "k",
             &Vhost {
                 tls: Some("t".into()),
-                ..vhost
+                ..vhost.clone()
             },
         );
         assert!(tls.contains("listen 443 ssl;") && tls.contains("ssl_certificate_key /k.pem;"));
         assert!(tls.contains("return 301"));
         assert_eq!(digest("x").len(), 64);
+        // What a file answers reads back into the request that renders it again.
+        for v in [
+            &vhost,
+            &Vhost {
+                tls: Some("t".into()),
+                path: Some("/wiki/".into()),
+                upstream_host: "[fd00::3]".into(),
+                ..vhost.clone()
+            },
+        ] {
+            let text = render(&config, "k", v);
+            let request = read_back(&config, &text).unwrap();
+            let again = crate::proxy::request::resolve(
+                &config,
+                "app",
+                &["*.example.org".to_owned()],
+                Some(&v.upstream_host),
+                &request,
+            )
+            .unwrap();
+            assert_eq!(render(&config, "k", &again), text);
+        }
+        assert_eq!(read_back(&config, "# not ours\n"), None);
     }
 }

@@ -206,12 +206,30 @@ pub fn reconcile(
                 }))
             }
             Decision::Refuse(reason) => {
-                if let Some(old) = state.entries.remove(&entry.key) {
-                    counts.changed = true;
-                    let before = state.revoked.len();
-                    krl_changed |= state.revoke_entry(&old, &ca.public_line, now);
-                    counts.revoked += state.revoked.len() - before;
-                }
+                // A refused change leaves the certificate it had valid, while the
+                // provider still allows its principals; an allowance taken away revokes.
+                let stays = state
+                    .entries
+                    .get(&entry.key)
+                    .filter(|old| !ca_changed && still_certified(&entry, old, &allow))
+                    .map(|old| old.valid_before);
+                let reason = match stays {
+                    Some(until) => format!(
+                        "{reason}; the certificate it had stays valid until {}",
+                        humantime::format_rfc3339_seconds(
+                            std::time::UNIX_EPOCH + std::time::Duration::from_secs(until)
+                        )
+                    ),
+                    None => {
+                        if let Some(old) = state.entries.remove(&entry.key) {
+                            counts.changed = true;
+                            let before = state.revoked.len();
+                            krl_changed |= state.revoke_entry(&old, &ca.public_line, now);
+                            counts.revoked += state.revoked.len() - before;
+                        }
+                        reason
+                    }
+                };
                 counts.refused += 1;
                 tracing::info!(entry = %entry.key, %reason, "refused");
                 Decision::Refuse(reason)
@@ -277,6 +295,34 @@ pub fn reconcile(
 /// Keep, issue or refuse one entry. Cheap when the entry is unchanged: the request is
 /// read and its principals checked against the allowances (which may have changed), but
 /// its key is parsed and a certificate signed only when one must be issued.
+/// Whether the certificate `entry` holds (its cached response, of the serial `issued`
+/// records) is one the provider would still give it: every principal still allowed for
+/// its kind.
+fn still_certified<'c>(
+    entry: &Entry,
+    issued: &Issued,
+    allow: &impl Fn(Kind) -> &'c Allowances,
+) -> bool {
+    let Some(r) = &entry.response else {
+        return false;
+    };
+    let kind = match r.get("kind").and_then(Value::as_str) {
+        Some("host") => Kind::Host,
+        Some("user") => Kind::User,
+        _ => return false,
+    };
+    let patterns = allow(kind).patterns(&entry.origin);
+    let principals = r.get("principals").and_then(Value::as_array);
+    r.get("serial").and_then(Value::as_u64) == Some(issued.serial)
+        && principals.is_some_and(|list| {
+            !list.is_empty()
+                && list.iter().all(|p| {
+                    p.as_str()
+                        .is_some_and(|p| Allowances::any_permits(&patterns, p))
+                })
+        })
+}
+
 fn decide<'c>(
     config: &'c Config,
     state: &State,
