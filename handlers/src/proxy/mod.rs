@@ -101,8 +101,9 @@ pub async fn reconcile_all(
     if !stays.is_empty() {
         plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o), &stays);
     }
-    let wanted = plan.wanted;
+    let mut wanted = plan.wanted;
     let kept = plan.kept;
+    let tls_waits = serve_plain_until_certified(config, &mut wanted);
     let mut refused = plan.refused;
     for key in &kept {
         if let Some(why) = refused.get_mut(key) {
@@ -199,6 +200,7 @@ pub async fn reconcile_all(
             &Waiting {
                 untested: &BTreeSet::new(),
                 conflicts: &BTreeMap::new(),
+                tls: &tls_waits,
             },
             &mut notes,
             started,
@@ -317,10 +319,56 @@ pub async fn reconcile_all(
     let waiting = Waiting {
         untested: &untested,
         conflicts: &conflicts,
+        tls: &tls_waits,
     };
     Ok(answer(
         &entries, &state, &wanted, &refused, &waiting, &mut notes, started,
     ))
+}
+
+/// How soon a run looks again for a TLS set's certificate that is not there yet.
+const TLS_RECHECK_SECONDS: u64 = 30;
+
+/// Vhosts whose TLS set has no certificate or key file yet are written for plain HTTP
+/// meanwhile (with the challenge answers, so the certificate can be ordered through
+/// them): a set's files often come from a certificate need of this host, which may be
+/// answered only after the vhost asks. Returns entry key → why it waits.
+fn serve_plain_until_certified(
+    config: &Config,
+    wanted: &mut BTreeMap<String, reconcile::Want>,
+) -> BTreeMap<String, String> {
+    let absent = |p: &Path| {
+        std::fs::symlink_metadata(p).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    };
+    let mut ready: BTreeMap<String, bool> = BTreeMap::new();
+    let mut waits = BTreeMap::new();
+    for (key, want) in wanted.iter_mut() {
+        let Some(name) = want.vhost.tls.clone() else {
+            continue;
+        };
+        let Some(set) = config.tls.get(&name) else {
+            continue;
+        };
+        let here = *ready
+            .entry(name.clone())
+            .or_insert_with(|| !absent(&set.certificate) && !absent(&set.key));
+        if !here {
+            let plain = request::Vhost {
+                tls: None,
+                ..want.vhost.clone()
+            };
+            want.text = vhost::render(config, key, &plain);
+            want.digest = vhost::digest(&want.text);
+            waits.insert(
+                key.clone(),
+                format!(
+                    "served over plain HTTP until the certificate of {name} ({}) is in place",
+                    set.certificate.display()
+                ),
+            );
+        }
+    }
+    waits
 }
 
 /// The reason an entry whose vhost failed the test gets.
@@ -499,6 +547,8 @@ async fn alone(
 struct Waiting<'a> {
     /// Not tested within the budget.
     untested: &'a BTreeSet<String>,
+    /// Served over plain HTTP until their TLS set's certificate is in place.
+    tls: &'a BTreeMap<String, String>,
     /// Held: they clash with another vhost.
     conflicts: &'a BTreeMap<String, String>,
 }
@@ -519,6 +569,18 @@ fn answer(
         if let Some(why) = refused.get(&e.key) {
             output.refuse(e, why);
             notes.refused.push(format!("{}: {why}", e.key));
+        } else if let Some(why) = waiting.tls.get(&e.key).filter(|_| {
+            // Its plain vhost is in place (written now or before).
+            state
+                .held
+                .get(&e.key)
+                .zip(wanted.get(&e.key))
+                .is_some_and(|(h, w)| h.digest == w.digest)
+        }) {
+            // Looked at again soon: the certificate comes by another need.
+            output.pending(e, why);
+            output.rerun_within(TLS_RECHECK_SECONDS);
+            pending += 1;
         } else if let Some(why) = waiting.conflicts.get(&e.key) {
             // Tried again when a run comes, not sooner: a clash does not pass by itself.
             output.pending(e, why);

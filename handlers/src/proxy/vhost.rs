@@ -47,13 +47,26 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
     let names = vhost.server_names.join(" ");
     let mut out = marker(key);
     out.push('\n');
-    let location = format!(
-        "    location / {{\n        proxy_pass {};\n        proxy_http_version 1.1;\n        \
-         proxy_set_header Host $host;\n        proxy_set_header X-Real-IP $remote_addr;\n        \
-         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n        \
-         proxy_set_header X-Forwarded-Proto $scheme;\n    }}\n",
-        vhost.upstream()
-    );
+    let proxy = |target: &str| {
+        format!(
+            "        proxy_pass {target};\n        proxy_http_version 1.1;\n        \
+             proxy_set_header Host $host;\n        proxy_set_header X-Real-IP $remote_addr;\n        \
+             proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n        \
+             proxy_set_header X-Forwarded-Proto $scheme;\n"
+        )
+    };
+    let location = format!("    location / {{\n{}    }}\n", proxy(&vhost.upstream()));
+    // The HTTP-01 answers of this host's acme capability, for the names it serves: a
+    // file there is served, any other path under it goes where it would without them.
+    let challenge = |fallback: &str| {
+        config.acme_webroot.as_ref().map(|root| {
+            format!(
+                "    location ^~ /.well-known/acme-challenge/ {{\n        root {};\n        \
+                 try_files $uri {fallback};\n    }}\n",
+                root.display()
+            )
+        })
+    };
     match vhost.tls.as_deref().and_then(|t| config.tls.get(t)) {
         None => {
             out.push_str("server {\n");
@@ -62,6 +75,15 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
             }
             out.push_str(&format!("    server_name {names};\n"));
             out.push_str(&location);
+            if let Some(c) = challenge("@fort_upstream") {
+                out.push_str(&c);
+                // A named location forwards the request as it came (no path of its own).
+                let bare = format!("http://{}:{}", vhost.upstream_host, vhost.port);
+                out.push_str(&format!(
+                    "    location @fort_upstream {{\n{}    }}\n",
+                    proxy(&bare)
+                ));
+            }
             out.push_str("}\n");
         }
         Some(set) => {
@@ -80,9 +102,20 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
             for l in &config.listen {
                 out.push_str(&format!("    listen {l};\n"));
             }
-            out.push_str(&format!(
-                "    server_name {names};\n    return 301 https://$host$request_uri;\n}}\n"
-            ));
+            out.push_str(&format!("    server_name {names};\n"));
+            let redirect = "return 301 https://$host$request_uri;";
+            match challenge("@fort_https") {
+                None => out.push_str(&format!("    {redirect}\n}}\n")),
+                Some(c) => {
+                    // The redirect moves into locations: at the server level it would
+                    // answer before the challenge location is looked at.
+                    out.push_str(&c);
+                    out.push_str(&format!(
+                        "    location / {{\n        {redirect}\n    }}\n    \
+                         location @fort_https {{\n        {redirect}\n    }}\n}}\n"
+                    ));
+                }
+            }
         }
     }
     out
