@@ -535,6 +535,24 @@ fn leaf_for(content: &[u8], keys: &[Material]) -> Option<bool> {
     )
 }
 
+/// The need's request as it would be sent, its `$fort_key` references filled from keys
+/// made now and thrown away (a CSR names exactly the key's `names`): what a check before a
+/// deploy holds against the provider's policy. No key is kept or written anywhere.
+pub fn with_throwaway_keys(spec: &NeedSpec) -> Result<serde_json::Value, String> {
+    let mut made: BTreeMap<String, Material> = BTreeMap::new();
+    let mut records = BTreeMap::new();
+    fort_core::schema::keys::resolve_keys(&spec.request, &mut |r| {
+        let k = spec
+            .keys
+            .get(&r.key)
+            .ok_or_else(|| format!("no key {:?}", r.key))?;
+        if !made.contains_key(&r.key) {
+            made.insert(r.key.clone(), Material::generate(k.key_type)?);
+        }
+        form(&r.key, k, &made[&r.key], r.form, &mut records)
+    })
+}
+
 /// For tests: the next key of a need, as its public OpenSSH line.
 #[doc(hidden)]
 pub fn next_key_public(dir: &Path, need: &NeedKey, name: &str, t: KeyType) -> Option<String> {

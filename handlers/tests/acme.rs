@@ -227,7 +227,7 @@ fn acme_http01_issue_keep_renew_and_revoke() {
     assert!(other.ok);
     assert_eq!(
         other.out["web:ssl-cert/x"]["$fort_refused"],
-        "app.example.test is not a name web may get a certificate for"
+        "app.example.test is not a name web may get a certificate for (nothing is allowed for web)"
     );
     assert_eq!(other.out[KEY], first);
 
@@ -383,7 +383,8 @@ fn acme_refusals_before_any_request() {
     };
     assert_eq!(
         reason("app:ssl-cert/outside"),
-        "evil.example.test is not a name app may get a certificate for"
+        "evil.example.test is not a name app may get a certificate for \
+         (allowed for app: app.example.test, app.hosts.example.test)"
     );
     assert!(reason("app:ssl-cert/names").contains("x.app.example.test"));
     assert_eq!(

@@ -140,6 +140,18 @@ impl Config {
         config.check()
     }
 
+    /// Loads what decides which names a caller may have (allowances, DNS-01 or not),
+    /// without reading the files the config names: what the fleet check holds requests
+    /// against.
+    pub fn load_policy(path: &Path) -> anyhow::Result<Config> {
+        let config: Config = crate::common::config::load(path)?;
+        config
+            .allow
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(config)
+    }
+
     fn check(self) -> anyhow::Result<Checked> {
         if !self.directory.starts_with("https://") || self.directory.len() > 2048 {
             anyhow::bail!("directory: {:?} is not an https:// URL", self.directory);

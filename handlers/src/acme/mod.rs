@@ -35,6 +35,7 @@ pub const CAPABILITY: Capability = Capability {
     about: "certificates from an ACME CA for the consumer's CSR (HTTP-01, DNS-01)",
     check,
     run,
+    vet,
 };
 
 /// Orders moved on at once: each step is a few requests to the CA.
@@ -137,6 +138,47 @@ fn unchanged<'a>(state: &'a State, e: &Entry, now: u64) -> Option<&'a Issued> {
     same.then_some(i)
 }
 
+/// Why the provider's policy refuses `e` its request `req`, decided from the config
+/// alone: a name the caller may not have, or a wildcard without DNS-01.
+fn refusal(config: &Config, e: &Entry, req: &Request) -> Option<String> {
+    if let Some(name) = config
+        .allow
+        .first_refused(&e.origin, req.names.iter().map(String::as_str))
+    {
+        return Some(format!(
+            "{name} is not a name {} may get a certificate for ({})",
+            e.origin,
+            config.allow.describe(&e.origin)
+        ));
+    }
+    if config.dns01.is_none() {
+        if let Some(w) = req.names.iter().find(|n| n.starts_with("*.")) {
+            return Some(format!(
+                "{w} is a wildcard name, and this provider has no DNS-01"
+            ));
+        }
+    }
+    None
+}
+
+fn vet(
+    path: &Path,
+    _fleet: &crate::common::hosts::Fleet,
+    entries: &[Entry],
+) -> anyhow::Result<crate::Refusals> {
+    let config = Config::load_policy(path)?;
+    Ok(entries
+        .iter()
+        .filter_map(|e| {
+            let why = match request::parse(&e.request) {
+                Ok(req) => refusal(&config, e, &req)?,
+                Err(why) => why,
+            };
+            Some((e.key.clone(), why))
+        })
+        .collect())
+}
+
 /// Whether `i` is in the last third of its lifetime (or its certificate cannot be read,
 /// which a new one mends).
 fn renewal_due(i: &Issued, now: u64) -> bool {
@@ -199,14 +241,7 @@ pub async fn reconcile_all(
                 continue;
             }
         };
-        if let Some(name) = config
-            .allow
-            .first_refused(&e.origin, req.names.iter().map(String::as_str))
-        {
-            let mut why = format!(
-                "{name} is not a name {} may get a certificate for",
-                e.origin
-            );
+        if let Some(mut why) = refusal(config, e, &req) {
             // The certificate it had is not revoked: it serves until it expires.
             if let Some(i) = state
                 .entries
@@ -224,16 +259,6 @@ pub async fn reconcile_all(
             output.refuse(e, why);
             refused += 1;
             continue;
-        }
-        if config.dns01.is_none() {
-            if let Some(w) = req.names.iter().find(|n| n.starts_with("*.")) {
-                output.refuse(
-                    e,
-                    format!("{w} is a wildcard name, and this provider has no DNS-01"),
-                );
-                refused += 1;
-                continue;
-            }
         }
         let st = state.entries.entry(e.key.clone()).or_default();
         // An order for another CSR is given up; its challenge answers are removed.

@@ -52,7 +52,10 @@ impl Policy<'_> {
             return Err(format!("{name} is not in the zone {}", self.zone));
         }
         if !self.allow.permits(origin, name.as_str()) {
-            return Err(format!("{origin} may not hold records at {name}"));
+            return Err(format!(
+                "{origin} may not hold records at {name} ({})",
+                self.allow.describe(origin)
+            ));
         }
         let kind = match request.kind.as_deref() {
             Some(text) => Kind::parse(text)

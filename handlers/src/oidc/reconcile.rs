@@ -343,6 +343,26 @@ async fn delete_retired(
     failure.map_or(Ok(()), Err)
 }
 
+/// The entries the provider's policy refuses, decided from the config alone (no server,
+/// no state): what the fleet check holds requests against.
+pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
+    let mut out = Reconciled {
+        output: Output::default(),
+        changed: false,
+        counts: Counts::default(),
+        failure: None,
+    };
+    plan(config, &State::default(), entries, &mut out);
+    out.output
+        .answers
+        .into_iter()
+        .filter_map(|(key, answer)| match answer {
+            crate::Answer::Refused(why) => Some((key, why)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Sorts every entry into kept, refused (answered here) and work, and lists the clients
 /// no entry wants.
 fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled) -> Plan {
@@ -416,8 +436,9 @@ fn decide(config: &Config, entry: &Entry) -> Result<Request, String> {
 fn permitted(config: &Config, origin: &str, m: &Metadata) -> Result<(), String> {
     if !config.allow.permits(origin, &m.client_name) {
         return Err(format!(
-            "{origin} may not register the client name {} (the provider's allow list)",
-            m.client_name
+            "{origin} may not register the client name {} (the provider's allow list; {})",
+            m.client_name,
+            config.allow.describe(origin)
         ));
     }
     if let Some(uri) = m

@@ -247,6 +247,26 @@ pub async fn reconcile(
     out
 }
 
+/// The entries the provider's policy refuses, decided from the config alone (no server,
+/// no state): what the fleet check holds requests against.
+pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
+    let mut out = Reconciled {
+        output: Output::default(),
+        changed: false,
+        counts: Counts::default(),
+        failure: None,
+    };
+    plan(config, &State::default(), entries, &mut out);
+    out.output
+        .answers
+        .into_iter()
+        .filter_map(|(key, answer)| match answer {
+            crate::Answer::Refused(why) => Some((key, why)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Sorts every entry into kept, refused (answered here) and work, and lists the roles no
 /// entry wants.
 fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled) -> Plan {
@@ -325,8 +345,9 @@ fn decide(
         Some(name) => {
             if !config.allow.permits(&entry.origin, &name) {
                 return Err(format!(
-                    "{} may not have the database {name} (the provider's allow list)",
-                    entry.origin
+                    "{} may not have the database {name} (the provider's allow list; {})",
+                    entry.origin,
+                    config.allow.describe(&entry.origin)
                 ));
             }
             name

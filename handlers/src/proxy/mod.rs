@@ -33,6 +33,7 @@ pub const CAPABILITY: Capability = Capability {
     about: "an nginx vhost per entry, tested with nginx -t before every reload",
     check,
     run,
+    vet,
 };
 
 /// Past this, no further test is started: the agent kills a run at 60 s.
@@ -42,6 +43,19 @@ fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     Fleet::load(&config.hosts)?;
     Ok(())
+}
+
+fn vet(path: &Path, fleet: &Fleet, entries: &[Entry]) -> anyhow::Result<crate::Refusals> {
+    let config = Config::load(path)?;
+    let none = BTreeSet::new();
+    let plan = reconcile::plan(
+        &config,
+        entries,
+        &BTreeMap::new(),
+        |o| fleet.host_of(o),
+        &none,
+    );
+    Ok(plan.refused)
 }
 
 fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {

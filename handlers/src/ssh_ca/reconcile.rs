@@ -61,6 +61,41 @@ struct IssueSpec {
     hash: String,
 }
 
+/// Host principals for callers that are not hosts (people, CI): only where the config
+/// names them explicitly, never through `"*"`.
+fn host_principals_named(config: &Config) -> Allowances {
+    Allowances(
+        config
+            .host_principals
+            .0
+            .iter()
+            .filter(|(k, _)| k.as_str() != "*")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    )
+}
+
+/// The entries the provider's policy refuses, decided from the config and the fleet's
+/// hosts alone (no CA key, no state): what the fleet check holds requests against.
+pub fn vet(config: &Config, hosts: &dyn Hosts, entries: &[Entry], now: u64) -> crate::Refusals {
+    let named = host_principals_named(config);
+    let state = State::default();
+    entries
+        .iter()
+        .filter_map(|e| {
+            let is_host = hosts.is_host(&e.origin);
+            let allow = |kind: Kind| match kind {
+                Kind::Host if is_host => &config.host_principals,
+                Kind::Host => &named,
+                Kind::User => &config.user_principals,
+            };
+            let mut entry = e.clone();
+            let why = decide(config, &state, false, &mut entry, allow, now).err()?;
+            Some((e.key.clone(), why))
+        })
+        .collect()
+}
+
 /// Decides every entry, signs what must be signed, and changes `state` accordingly.
 /// The caller saves the state before printing the output.
 pub fn reconcile(
@@ -91,16 +126,7 @@ pub fn reconcile(
         state.ca = ca.fingerprint.clone();
         counts.changed = true;
     }
-    // Principals (people, CI) get host principals only where named explicitly.
-    let host_principals_named = Allowances(
-        config
-            .host_principals
-            .0
-            .iter()
-            .filter(|(k, _)| k.as_str() != "*")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    );
+    let host_principals_named = host_principals_named(config);
 
     // Released: entries the input no longer holds.
     let present: BTreeSet<&str> = entries.iter().map(|e| e.key.as_str()).collect();
@@ -362,8 +388,9 @@ fn decide<'c>(
         request::check_principal(req.kind, p)?;
         if !Allowances::any_permits(&patterns, p) {
             return Err(format!(
-                "principal {p} is not one {origin} may have on a {} certificate",
-                req.kind.name()
+                "principal {p} is not one {origin} may have on a {} certificate ({})",
+                req.kind.name(),
+                allowances.describe(origin)
             ));
         }
     }
