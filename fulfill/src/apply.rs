@@ -427,12 +427,12 @@ impl Fulfiller {
             // than renew_before, a stale cached response): a failed renewal, asked again
             // at most once per nag interval while it persists.
             (Phase::Expired, Some(at)) => Some(format!(
-                "the payload received expired at {}; asking again every {}",
+                "the payload received expired at {}; asking again {}",
                 crate::status::when(at),
                 crate::status::every(spec.nag_seconds)
             )),
             (Phase::Expiring, Some(at)) => Some(format!(
-                "the payload received expires at {}, inside the renewal window; asking again every {}",
+                "the payload received expires at {}, inside the renewal window; asking again {}",
                 crate::status::when(at),
                 crate::status::every(spec.nag_seconds)
             )),
