@@ -5,6 +5,7 @@
 mod apply;
 mod ask;
 mod batch;
+mod certs;
 mod deliver;
 pub mod expiry;
 pub mod files;

@@ -1,0 +1,223 @@
+//! Keys made on the consumer's host (docs/protocol.md §11.10) against a hostile or broken
+//! provider, with real agents: whatever the provider sends, the host keeps a private key
+//! and a certificate that belong together. A fullchain for another key, a certificate
+//! that does not parse, one that expired or is not valid yet: refused with the reason in
+//! the need's state, the working pair left in place. The expiry comes from the
+//! certificate itself.
+
+use std::path::Path;
+use std::time::Duration;
+
+use fort_tests::pki::{pair_matches, stranger_public_pem, Ca};
+use fort_tests::{eventually, Fleet};
+use serde_json::{json, Value};
+
+const ENTRY: &str = "c:ssl-cert/web";
+const NAME: &str = "web.example.test";
+
+/// Provider `p`, capability `ssl-cert`: a CA played by the test. Its handler keeps each
+/// run's input in `<dir>/input.json` and prints `<dir>/answer.json`, which the test writes,
+/// and asks to be run again a second later.
+fn provider(f: &mut Fleet) {
+    let d = f.dir.path().display().to_string();
+    std::fs::write(
+        f.dir.path().join("answer.json"),
+        r#"{"$fort_rerun_after": 1}"#,
+    )
+    .unwrap();
+    let h = f.script(
+        "ca",
+        &format!("cat > {d}/input.tmp && mv {d}/input.tmp {d}/input.json; cat {d}/answer.json"),
+    );
+    f.capability("p", "ssl-cert", json!({"handler": h, "mode": "async"}));
+}
+
+/// What the provider answers the consumer's entry from its next run on.
+fn answer(f: &Fleet, payload: Value) {
+    let tmp = f.dir.path().join("answer.tmp");
+    std::fs::write(
+        &tmp,
+        json!({ENTRY: payload, "$fort_rerun_after": 1}).to_string(),
+    )
+    .unwrap();
+    std::fs::rename(tmp, f.dir.path().join("answer.json")).unwrap();
+}
+
+/// The public key (PEM) the consumer's request carries in the provider's latest run.
+fn asked_with(f: &Fleet) -> Option<String> {
+    let input: Value =
+        serde_json::from_slice(&std::fs::read(f.dir.path().join("input.json")).ok()?).ok()?;
+    input[ENTRY]["request"]["public"]
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Consumer `c`'s need `ssl-cert/web`: a P-256 key made on `c`, and the certificate, chain
+/// and fullchain beside it in `dir` (the layout of the NixOS module's default paths).
+fn consumer(f: &mut Fleet, dir: &Path, reuse: bool, nag_seconds: u64) {
+    f.host("c").extra_toml = "[fulfill]\nbackoff = \"200ms\"\n".into();
+    let file = |name: &str| {
+        json!({"name": name, "path": dir.join(format!("{name}.pem")),
+               "pointer": format!("/{name}"), "mode": "0644"})
+    };
+    f.need(
+        "c",
+        "ssl-cert/web",
+        "p",
+        json!({"request": {"public": {"$fort_key": "tls", "as": "public"}},
+               "nag_seconds": nag_seconds,
+               "renew_before_seconds": 86_400,
+               "keys": {"tls": {"type": "ecdsa-p256", "path": dir.join("key.pem"),
+                                "mode": "0600", "reuse": reuse}},
+               "files": [file("certificate"), file("chain"), file("fullchain")]}),
+    );
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Key, certificate, chain and fullchain as they are on disk.
+fn installed(dir: &Path) -> [String; 4] {
+    ["key", "certificate", "chain", "fullchain"].map(|n| read(&dir.join(format!("{n}.pem"))))
+}
+
+fn now() -> i64 {
+    fort_core::wire::unix_now() as i64
+}
+
+async fn first_request(f: &Fleet) -> String {
+    let mut public = None;
+    eventually(Duration::from_secs(20), || {
+        public = asked_with(f);
+        public.is_some()
+    })
+    .await;
+    public.expect("the consumer asked with a public key")
+}
+
+/// A certificate, its issuer and both together.
+fn issued(ca: &Ca, leaf: &str) -> Value {
+    json!({"certificate": leaf, "chain": ca.pem, "fullchain": format!("{leaf}{}", ca.pem)})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_payload_replaces_a_working_pair_with_one_that_does_not_work() {
+    let mut f = Fleet::new();
+    provider(&mut f);
+    let dir = f.dir.path().join("run/needs/ssl-cert/web");
+    consumer(&mut f, &dir, true, 2);
+    f.start();
+    let public = first_request(&f).await;
+    let ca = Ca::new("fort test CA");
+    let leaf = ca.sign(&public, NAME, 30);
+    answer(&f, issued(&ca, &leaf));
+    assert!(
+        eventually(Duration::from_secs(20), || f.all_satisfied("c")).await,
+        "{}",
+        f.need_status("c", "ssl-cert/web")
+    );
+    let working = installed(&dir);
+    assert!(pair_matches(&working[0], working[1].as_bytes()));
+    assert!(pair_matches(&working[0], working[3].as_bytes()));
+    // The chain starts with the issuer's certificate, a CA's: that is no leaf for
+    // another key, and it is installed.
+    assert_eq!(working[2], ca.pem);
+
+    let t = now();
+    let stranger = ca.sign_with(
+        &stranger_public_pem(),
+        NAME,
+        t - 3600,
+        t + 30 * 86_400,
+        true,
+    );
+    let garbage = "-----BEGIN CERTIFICATE-----\nMIIBAAECAwQ=\n-----END CERTIFICATE-----\n";
+    let with_leaf = |leaf: &str| issued(&ca, leaf);
+    let cases = [
+        (
+            "a fullchain for another key, after a line of text and marked CA:TRUE",
+            json!({"certificate": leaf, "chain": ca.pem,
+                   "fullchain": format!("issued by the test CA\n{stranger}{}", ca.pem)}),
+            "file fullchain starts with a certificate",
+        ),
+        (
+            "a fullchain whose first certificate does not parse",
+            json!({"certificate": leaf, "chain": ca.pem,
+                   "fullchain": format!("{garbage}{leaf}{}", ca.pem)}),
+            "does not parse",
+        ),
+        (
+            "a certificate that expired in 2002",
+            with_leaf(&ca.sign_with(&public, NAME, 978_307_200, 1_009_843_200, false)),
+            "expired at 2002-01-01T00:00:00Z",
+        ),
+        (
+            "a certificate valid from tomorrow",
+            with_leaf(&ca.sign_with(&public, NAME, t + 86_400, t + 60 * 86_400, false)),
+            "is not valid before",
+        ),
+    ];
+    // Each hostile payload in turn, the working one sent again after it: every one
+    // is refused with its reason, and the working pair never leaves.
+    let mut broken = Vec::new();
+    for (what, payload, reason) in cases {
+        answer(&f, payload);
+        let mut st = Value::Null;
+        let refused = eventually(Duration::from_secs(15), || {
+            st = f.need_status("c", "ssl-cert/web");
+            st["state"] == "failed" && st["reason"].as_str().is_some_and(|r| r.contains(reason))
+        })
+        .await;
+        if !refused {
+            broken.push(format!("{what}: not refused with {reason:?}: {st}"));
+        }
+        if installed(&dir) != working {
+            broken.push(format!("{what}: the working pair was replaced"));
+        }
+        answer(&f, issued(&ca, &leaf));
+        let back = eventually(Duration::from_secs(15), || {
+            f.all_satisfied("c") && installed(&dir) == working
+        })
+        .await;
+        assert!(back, "{what}: {}", f.need_status("c", "ssl-cert/web"));
+    }
+
+    // The expiry is the certificate's, however the payload carries it: a certificate
+    // ending in two hours in a JSON payload that claims three months, or claims nothing.
+    for claimed in [Some(t + 90 * 86_400), None] {
+        let ends = now() + 7200;
+        let short = ca.sign_with(&public, NAME, t - 3600, ends, false);
+        let mut payload = with_leaf(&short);
+        if let Some(at) = claimed {
+            payload["expires_at"] = json!(at);
+        }
+        answer(&f, payload);
+        let mut st = Value::Null;
+        let read = eventually(Duration::from_secs(15), || {
+            st = f.need_status("c", "ssl-cert/web");
+            st["expires_at"] == json!(ends)
+        })
+        .await;
+        let what = format!("a certificate ending at {ends} with expires_at {claimed:?}");
+        if !read {
+            broken.push(format!(
+                "{what}: the need's expiry is not the certificate's: {st}"
+            ));
+            continue;
+        }
+        // Inside the day-long renewal window: renewing, and saying so in plain words.
+        let reason = st["reason"].as_str().unwrap_or_default();
+        if st["state"] != "expiring"
+            || !reason.ends_with("inside the renewal window; asking again every 2s")
+        {
+            broken.push(format!("{what}: {st}"));
+        }
+        assert!(pair_matches(&read_key(&dir), short.as_bytes()));
+    }
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+fn read_key(dir: &Path) -> String {
+    read(&dir.join("key.pem"))
+}
