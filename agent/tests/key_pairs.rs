@@ -3,9 +3,14 @@
 //! and a certificate that belong together. A fullchain for another key, a certificate
 //! that does not parse, one that expired or is not valid yet: refused with the reason in
 //! the need's state, the working pair left in place. The expiry comes from the
-//! certificate itself.
+//! certificate itself. And a service reading key and certificate while they rotate never
+//! reads a key with another key's certificate.
 
+use std::collections::BTreeSet;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fort_tests::pki::{pair_matches, stranger_public_pem, Ca};
@@ -220,4 +225,117 @@ async fn no_payload_replaces_a_working_pair_with_one_that_does_not_work() {
 
 fn read_key(dir: &Path) -> String {
     read(&dir.join("key.pem"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_never_sees_a_key_with_another_keys_certificate() {
+    let mut f = Fleet::new();
+    provider(&mut f);
+    let dir = f.dir.path().join("run/needs/ssl-cert/web");
+    // A new key on every renewal, asked for at most every second.
+    consumer(&mut f, &dir, false, 1);
+    f.start();
+    let ca = Ca::new("fort test CA");
+
+    // A service reading its pair as a server does: the key, then the certificate; the
+    // key read again tells whether the two reads saw one installation.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (stop, key_path, cert_path) = (
+            stop.clone(),
+            dir.join("key.pem"),
+            dir.join("certificate.pem"),
+        );
+        std::thread::spawn(move || {
+            let mut seen = BTreeSet::new();
+            let mut samples = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let key = std::fs::read(&key_path).unwrap_or_default();
+                let cert = std::fs::read(&cert_path).unwrap_or_default();
+                let again = std::fs::read(&key_path).unwrap_or_default();
+                if key == again && !key.is_empty() && !cert.is_empty() {
+                    samples += 1;
+                    seen.insert((key, cert));
+                }
+            }
+            (samples, seen)
+        })
+    };
+
+    // The layout's directory as the first pair lands in it.
+    let inode = |p: &Path| std::fs::metadata(p).map(|m| m.ino()).unwrap_or(0);
+    let mut first_inodes = None;
+
+    // Every certificate enters its renewal window (a day before its end) 5 s after it is
+    // made, so each installation is renewed with a new key moments later.
+    const ROTATIONS: usize = 10;
+    let mut signed = BTreeSet::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(150);
+    while signed.len() < ROTATIONS && std::time::Instant::now() < deadline {
+        if let Some(public) = asked_with(&f) {
+            if signed.insert(public.clone()) {
+                let t = now();
+                let end = t + 86_400 + 5;
+                let leaf = ca.sign_with(&public, NAME, t - 3600, end, false);
+                let mut payload = issued(&ca, &leaf);
+                payload["expires_at"] = json!(end);
+                answer(&f, payload);
+            }
+        }
+        if first_inodes.is_none() && dir.join("chain.pem").exists() {
+            first_inodes = Some((inode(&dir), inode(&dir.join("chain.pem"))));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The last one installed too.
+    let last_installed = eventually(Duration::from_secs(20), || {
+        let key = read_key(&dir);
+        !key.is_empty() && pair_matches(&key, read(&dir.join("certificate.pem")).as_bytes())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (samples, seen) = reader.join().unwrap();
+    assert!(last_installed, "{}", f.need_status("c", "ssl-cert/web"));
+    let keys: BTreeSet<&Vec<u8>> = seen.iter().map(|(k, _)| k).collect();
+    assert!(
+        keys.len() + 1 >= ROTATIONS,
+        "only {} keys were installed in {} renewals: {}",
+        keys.len(),
+        signed.len(),
+        f.need_status("c", "ssl-cert/web")
+    );
+    let mismatched = seen
+        .iter()
+        .filter(|(k, c)| !pair_matches(&String::from_utf8_lossy(k), c))
+        .count();
+    assert_eq!(
+        mismatched,
+        0,
+        "{mismatched} of {} pairs read ({samples} reads, {} keys) were a key with another key's certificate",
+        seen.len(),
+        keys.len()
+    );
+
+    // The directory was replaced as a whole; the chain, the same in every answer, was
+    // carried over as it was (linked, not written again).
+    let (dir_inode, chain_inode) = first_inodes.expect("a first pair");
+    assert_ne!(inode(&dir), dir_inode, "the directory was never exchanged");
+    assert_eq!(inode(&dir.join("chain.pem")), chain_inode);
+
+    // A directory left half-built or half-removed by a crash holds a private key: it is
+    // removed when the agent starts again.
+    f.kill("c");
+    let leftover = dir.parent().unwrap().join(".web.fort-dir");
+    std::fs::create_dir(&leftover).unwrap();
+    std::fs::write(leftover.join("key.pem"), read_key(&dir)).unwrap();
+    f.start_host("c");
+    assert!(
+        eventually(Duration::from_secs(10), || !leftover.exists()).await,
+        "the leftover directory is still there"
+    );
+    assert!(pair_matches(
+        &read_key(&dir),
+        read(&dir.join("certificate.pem")).as_bytes()
+    ));
 }

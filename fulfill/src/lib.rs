@@ -17,6 +17,7 @@ mod safe_path;
 mod schedule;
 pub mod state;
 mod status;
+mod swap;
 mod units;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};
