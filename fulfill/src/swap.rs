@@ -208,16 +208,18 @@ fn try_write(dir: &Path, planned: &[Planned]) -> io::Result<Option<Vec<Outcome>>
         rfs::renameat_with(&parent, temp.as_os_str(), &parent, name, flags)?;
         Ok::<(), io::Error>(())
     })();
-    // Under the temporary name now: the new set if the exchange failed, else the old one.
-    let removed = remove_dir(&parent, &temp);
+    // Under the temporary name now: the new set if the exchange failed, the old one if it
+    // was made, nothing if the directory was made new.
     if let Err(e) = result {
-        if let Err(e) = removed {
+        if let Err(e) = remove_dir(&parent, &temp) {
             tracing::warn!(directory = %dir.display(), error = %e, "cannot remove an unfinished replacement of a need's files");
         }
         return Err(e);
     }
-    if let Err(e) = removed {
-        tracing::warn!(directory = %dir.display(), error = %e, "cannot remove the replaced files of a need; removed at the next start");
+    if current.is_some() {
+        if let Err(e) = remove_dir(&parent, &temp) {
+            tracing::warn!(directory = %dir.display(), error = %e, "cannot remove the replaced files of a need; removed at the next start");
+        }
     }
     // Done whatever happens now: what the exchange did is reported, not written again.
     if let Err(e) = rfs::fsync(&parent) {
