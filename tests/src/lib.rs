@@ -6,6 +6,7 @@ pub mod dns;
 pub mod nginx;
 pub mod oidc;
 pub mod pebble;
+pub mod pki;
 pub mod postgres;
 
 use std::collections::BTreeMap;
