@@ -473,3 +473,90 @@ fn acme_renewals_and_certificates_bounded() {
     }
     assert!(web_answer["certificate"].is_string(), "web was not served");
 }
+
+/// A caller's entries together get at most `max_certificates_per_caller_per_week`
+/// certificates, however it asks: many entries at once, or entries released and asked
+/// for again under new ids with new names (each entry, and each set of names, would be
+/// new to the per-entry limits). Another caller is served in the same runs.
+#[test]
+fn acme_a_caller_cannot_spend_the_cas_limits_for_everyone() {
+    const T: &str = "acme_a_caller_cannot_spend_the_cas_limits_for_everyone";
+    let records = "*.app IN A 127.0.0.1\nweb IN A 127.0.0.1\n";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let pebble = match Pebble::start(dns.addr, None) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["*.app.example.test"], "web": ["web.example.test"]},
+               "http01": {"webroot": web.path()}, "max_certificates_per_caller_per_week": 2,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let request = |name: &str| json!({"csr": csr(&[name]).1});
+    let (web_key, web_request) = ("web:ssl-cert/site", request("web.example.test"));
+    // Runs the entries (responses kept) until none is under way; the last output.
+    let settle = |input: &mut Value| -> Value {
+        for _ in 0..40 {
+            let r = run(&config, input);
+            assert!(r.ok, "the run failed: {}", r.stderr);
+            let mut under_way = false;
+            for (key, answer) in r.out.as_object().unwrap() {
+                if key.starts_with('$') {
+                    continue;
+                }
+                if answer.get("certificate").is_some() {
+                    input[key]["response"] = answer.clone();
+                }
+                let pending = answer["$fort_pending"].as_str().unwrap_or_default();
+                under_way |= pending.starts_with("order ");
+            }
+            if !under_way {
+                return r.out;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        panic!("orders still under way after 40 runs");
+    };
+
+    let mut input = json!({});
+    for i in 1..=3 {
+        input[format!("app:ssl-cert/c{i}")] =
+            json!({"request": request(&format!("c{i}.app.example.test")), "response": null});
+    }
+    input[web_key] = json!({"request": web_request, "response": null});
+    let out = settle(&mut input);
+    assert!(out[web_key]["certificate"].is_string(), "{out}");
+    let issued = (1..=3)
+        .filter(|i| out[format!("app:ssl-cert/c{i}")]["certificate"].is_string())
+        .count();
+    assert_eq!(issued, 2, "{out}");
+    let held = out["app:ssl-cert/c3"]["$fort_pending"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        held.contains("app's entries") && held.contains("max_certificates_per_caller_per_week"),
+        "{out}"
+    );
+
+    // Released, and asked for again under a new id with a new name: still held.
+    let mut input = json!({
+        "app:ssl-cert/fresh": {"request": request("fresh.app.example.test"), "response": null},
+        web_key: input[web_key].clone(),
+    });
+    let out = settle(&mut input);
+    let held = out["app:ssl-cert/fresh"]["$fort_pending"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(held.contains("app's entries"), "{out}");
+    assert!(out[web_key]["certificate"].is_string(), "{out}");
+}

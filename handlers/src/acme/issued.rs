@@ -6,7 +6,7 @@
 //! form, so the release before this one still reads it. A missing or unreadable file
 //! starts empty: it forgets the last week's issuances, never more.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -26,16 +26,34 @@ struct Times {
     names: BTreeMap<String, Vec<u64>>,
 }
 
+/// The limits `IssueLog::held_back` applies, per 7 days.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// For one entry, and for one set of names.
+    pub per_entry: u32,
+    /// For every entry of one caller together.
+    pub per_caller: u32,
+}
+
 pub struct IssueLog {
     file: StateFile,
     times: Times,
     changed: bool,
+    /// Orders under way (or placed this run), per caller and per set of names: each may
+    /// end in a certificate, so each counts as one until it does.
+    ordered_by_caller: HashMap<String, usize>,
+    ordered_by_names: HashMap<String, usize>,
 }
 
 fn path_for(state: &Path) -> PathBuf {
     let mut name = state.as_os_str().to_owned();
     name.push(".issued");
     PathBuf::from(name)
+}
+
+/// The caller of an entry key (`<origin>:<type>/<id>`).
+fn caller_of(key: &str) -> &str {
+    key.split_once(':').map_or(key, |(origin, _)| origin)
 }
 
 fn name_set(names: &[String]) -> String {
@@ -63,32 +81,93 @@ impl IssueLog {
             file,
             times,
             changed,
+            ordered_by_caller: HashMap::new(),
+            ordered_by_names: HashMap::new(),
         }
     }
 
-    /// Why `key` may not get another certificate for `names` now (the limit `max` is
-    /// reached for the entry or for the names), with when it may; `None`: it may.
-    pub fn held_back(&self, key: &str, names: &[String], max: u32, now: u64) -> Option<String> {
-        let max = max as usize;
-        let check = |list: Option<&Vec<u64>>, whose: &str| {
-            let list = list?;
-            (list.len() >= max).then(|| {
-                let oldest = list.iter().min().copied().unwrap_or(now);
-                let wait = (oldest + WEEK).saturating_sub(now);
+    /// `key` has an order for `names` under way, or places one now: counted against the
+    /// caller's and the names' limits as if issued, so that the orders of one run cannot
+    /// go past them together.
+    pub fn ordered(&mut self, key: &str, names: &[String]) {
+        *self
+            .ordered_by_caller
+            .entry(caller_of(key).to_owned())
+            .or_default() += 1;
+        *self.ordered_by_names.entry(name_set(names)).or_default() += 1;
+    }
+
+    /// Why `key` may not get another certificate for `names` now (a limit of `limits` is
+    /// reached for the entry, its caller or the names), with when it may; `None`: it may.
+    pub fn held_back(
+        &self,
+        key: &str,
+        names: &[String],
+        limits: Limits,
+        now: u64,
+    ) -> Option<String> {
+        let check = |count: usize, oldest: Option<u64>, max: u32, whose: &str, setting: &str| {
+            (count >= max as usize).then(|| {
+                let wait = (oldest.unwrap_or(now) + WEEK).saturating_sub(now);
                 format!(
-                    "{} certificates were issued for {whose} in the last 7 days, the most \
-                     max_certificates_per_week allows; the next in {} h",
-                    list.len(),
+                    "{count} certificates were issued{} for {whose} in the last 7 days, the \
+                     most {setting} allows; the next in {} h",
+                    if whose == "this entry" {
+                        ""
+                    } else {
+                        " or ordered"
+                    },
                     wait.div_ceil(3600)
                 )
             })
         };
-        check(self.times.entries.get(key), "this entry").or_else(|| {
+        let of = |list: Option<&Vec<u64>>| {
+            list.map_or((0, None), |l| (l.len(), l.iter().min().copied()))
+        };
+        let (n, oldest) = of(self.times.entries.get(key));
+        let entry = check(
+            n,
+            oldest,
+            limits.per_entry,
+            "this entry",
+            "max_certificates_per_week",
+        );
+        // Every entry of the caller, those it released included: a new id starts no
+        // new count.
+        let caller = caller_of(key);
+        let prefix = format!("{caller}:");
+        let (n, oldest) = self
+            .times
+            .entries
+            .range(prefix.clone()..)
+            .take_while(|(k, _)| k.starts_with(&prefix))
+            .flat_map(|(_, l)| l)
+            .fold((0, None::<u64>), |(n, o), t| {
+                (n + 1, Some(o.map_or(*t, |o| o.min(*t))))
+            });
+        let n = n + self.ordered_by_caller.get(caller).copied().unwrap_or(0);
+        let by_caller = || {
             check(
-                self.times.names.get(&name_set(names)),
-                "these names (by any caller)",
+                n,
+                oldest,
+                limits.per_caller,
+                &format!("{caller}'s entries"),
+                "max_certificates_per_caller_per_week",
             )
-        })
+        };
+        let set = name_set(names);
+        let (n, oldest) = of(self.times.names.get(&set));
+        let n = n + self.ordered_by_names.get(&set).copied().unwrap_or(0);
+        let by_names = || {
+            check(
+                n,
+                oldest,
+                limits.per_entry,
+                "these names (by any caller)",
+                "max_certificates_per_week",
+            )
+        };
+        entry.or_else(by_caller).or_else(by_names)
     }
 
     /// `key` got a certificate for `names` at `now`.
@@ -136,15 +215,21 @@ mod tests {
         let state = dir.path().join("acme.json");
         let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let t0 = 1_800_000_000;
+        let two = Limits {
+            per_entry: 2,
+            per_caller: 100,
+        };
         let mut log = IssueLog::load(&state, t0);
         for i in 0..2 {
-            assert!(log.held_back("a:c/x", &names(&["a.test"]), 2, t0).is_none());
+            assert!(log
+                .held_back("a:c/x", &names(&["a.test"]), two, t0)
+                .is_none());
             log.record("a:c/x", &names(&["a.test"]), t0 + i);
         }
         log.save();
         let log = IssueLog::load(&state, t0 + 10);
         let why = log
-            .held_back("a:c/x", &names(&["b.test"]), 2, t0 + 10)
+            .held_back("a:c/x", &names(&["b.test"]), two, t0 + 10)
             .unwrap();
         assert!(
             why.contains("for this entry") && why.contains("168 h"),
@@ -152,22 +237,74 @@ mod tests {
         );
         // Another caller asking for the same names (in another order) is held back too.
         let why = log
-            .held_back("b:c/y", &names(&["a.test", "a.test"]), 2, t0 + 10)
+            .held_back("b:c/y", &names(&["a.test", "a.test"]), two, t0 + 10)
             .unwrap();
         assert!(why.contains("these names"), "{why}");
         assert!(log
-            .held_back("b:c/y", &names(&["b.test"]), 2, t0 + 10)
+            .held_back("b:c/y", &names(&["b.test"]), two, t0 + 10)
             .is_none());
         // A week on, forgotten.
         let later = IssueLog::load(&state, t0 + WEEK + 2);
         assert!(later
-            .held_back("a:c/x", &names(&["a.test"]), 2, t0 + WEEK + 2)
+            .held_back("a:c/x", &names(&["a.test"]), two, t0 + WEEK + 2)
             .is_none());
         // A broken file starts empty.
         std::fs::write(path_for(&state), "{").unwrap();
         assert!(IssueLog::load(&state, t0)
-            .held_back("a:c/x", &names(&["a.test"]), 1, t0)
+            .held_back(
+                "a:c/x",
+                &names(&["a.test"]),
+                Limits {
+                    per_entry: 1,
+                    ..two
+                },
+                t0
+            )
             .is_none());
+    }
+
+    #[test]
+    fn a_caller_counts_all_its_entries_released_ones_included() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("acme.json");
+        let t0 = 1_800_000_000;
+        let limits = Limits {
+            per_entry: 5,
+            per_caller: 3,
+        };
+        let mut log = IssueLog::load(&state, t0);
+        for i in 0..3 {
+            let name = vec![format!("n{i}.test")];
+            assert!(log
+                .held_back(&format!("app:c/e{i}"), &name, limits, t0)
+                .is_none());
+            log.record(&format!("app:c/e{i}"), &name, t0 + i);
+        }
+        // A new id and new names: the caller's count goes on.
+        let why = log
+            .held_back("app:c/fresh", &["n9.test".to_owned()], limits, t0 + 10)
+            .unwrap();
+        assert!(
+            why.contains("app's entries") && why.contains("max_certificates_per_caller_per_week"),
+            "{why}"
+        );
+        // Orders under way count as certificates.
+        let mut log = IssueLog::load(&state, t0);
+        assert!(log
+            .held_back("web:c/a", &["w.test".to_owned()], limits, t0)
+            .is_none());
+        for i in 0..3 {
+            log.ordered(&format!("web:c/o{i}"), &[format!("o{i}.test")]);
+        }
+        assert!(log
+            .held_back("web:c/a", &["w.test".to_owned()], limits, t0)
+            .is_some_and(|why| why.contains("3 certificates")));
+        // Another caller, and a caller whose name begins like it, are not counted with it.
+        for key in ["ops:c/e0", "apple:c/e0"] {
+            assert!(log
+                .held_back(key, &["w.test".to_owned()], limits, t0 + 10)
+                .is_none());
+        }
     }
 
     #[test]

@@ -169,12 +169,23 @@ pub async fn reconcile_all(
     let mut kept = kept::Kept::load(&config.state);
     let now = now();
     let mut issue_log = issued::IssueLog::load(&config.state, now);
+    let limits = issued::Limits {
+        per_entry: config.max_certificates_per_week,
+        per_caller: config.max_certificates_per_caller_per_week,
+    };
     let mut not_due = 0usize;
     let mut output = Output::default();
     let mut dirty = false;
     let mut work: Vec<(String, Work)> = Vec::new();
     let mut refused = 0usize;
     let mut waiting = 0usize;
+
+    // Orders under way count against the limits until they end.
+    for (key, st) in &state.entries {
+        if let Some(o) = &st.order {
+            issue_log.ordered(key, &o.names);
+        }
+    }
 
     for e in &entries {
         // An entry whose certificate is still good: answered without a signature check
@@ -270,12 +281,11 @@ pub async fn reconcile_all(
             // CA counts every duplicate against limits all callers share.
             not_due += usize::from(e.renew);
             answer(&mut output, &mut kept, e, i);
-        } else if let Some(why) =
-            issue_log.held_back(&e.key, &req.names, config.max_certificates_per_week, now)
-        {
+        } else if let Some(why) = issue_log.held_back(&e.key, &req.names, limits, now) {
             output.pending(e, format!("a new certificate waits: {why}"));
             waiting += 1;
         } else {
+            issue_log.ordered(&e.key, &req.names);
             work.push((e.key.clone(), Work::Place(req)));
         }
     }
