@@ -560,3 +560,75 @@ fn acme_a_caller_cannot_spend_the_cas_limits_for_everyone() {
     assert!(held.contains("app's entries"), "{out}");
     assert!(out[web_key]["certificate"].is_string(), "{out}");
 }
+
+/// Two callers allowed the same names share that set's weekly limit, as they share the
+/// CA's. Another caller's new certificates for those names cannot take its last one: the
+/// holder's renewal, once due, gets it, in the same runs as the other caller is held.
+#[test]
+fn acme_another_caller_cannot_take_a_holders_renewal() {
+    const T: &str = "acme_another_caller_cannot_take_a_holders_renewal";
+    let records = "app IN A 127.0.0.1\n";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    // Certificates living 12 s: due for renewal after 8.
+    let pebble = match Pebble::start(dns.addr, Some(12)) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["app.example.test"], "web": ["app.example.test"]},
+               "http01": {"webroot": web.path()}, "max_certificates_per_week": 2,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let (_, holder_csr) = csr(&["app.example.test"]);
+    let (first, _) = issue(&config, &json!({"csr": holder_csr}), None, false);
+    let issued_at = std::time::Instant::now();
+
+    // The other caller asks for the same names while the holder's certificate is young.
+    let (_, other_csr) = csr(&["app.example.test"]);
+    let other = "web:ssl-cert/same";
+    let r = run(
+        &config,
+        &json!({ KEY: {"request": {"csr": holder_csr}, "response": first},
+                 other: {"request": {"csr": other_csr}, "response": null} }),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    let held = r.out[other]["$fort_pending"].as_str().unwrap_or_default();
+    assert!(held.contains("due for renewal"), "{}", r.out);
+
+    // Due: the holder renews with a new key and gets the names' last certificate, while
+    // the other caller keeps waiting.
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(issued_at.elapsed()));
+    let (_, renewal_csr) = csr(&["app.example.test"]);
+    let mut renewed = Value::Null;
+    for _ in 0..40 {
+        let r = run(
+            &config,
+            &json!({ KEY: {"request": {"csr": renewal_csr}, "response": first},
+                     other: {"request": {"csr": other_csr}, "response": null} }),
+        );
+        assert!(r.ok, "{}", r.stderr);
+        assert!(
+            r.out[other]["$fort_pending"].as_str().is_some(),
+            "{}",
+            r.out
+        );
+        if r.out[KEY].get("certificate").is_some() {
+            renewed = r.out[KEY].clone();
+            break;
+        }
+        let why = r.out[KEY]["$fort_pending"].as_str().unwrap_or_default();
+        assert!(why.starts_with("order "), "{}", r.out);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_ne!(renewed["certificate"], first["certificate"], "not renewed");
+}

@@ -99,11 +99,16 @@ impl IssueLog {
 
     /// Why `key` may not get another certificate for `names` now (a limit of `limits` is
     /// reached for the entry, its caller or the names), with when it may; `None`: it may.
+    /// `renewing`: the entry holds a certificate for exactly these names that is due for
+    /// renewal (or expired). Only such a renewal may take the names' last certificate of
+    /// the week: every caller allowed these names shares their limit, and another one's
+    /// new certificates must not leave a holder unable to renew.
     pub fn held_back(
         &self,
         key: &str,
         names: &[String],
         limits: Limits,
+        renewing: bool,
         now: u64,
     ) -> Option<String> {
         let check = |count: usize, oldest: Option<u64>, max: u32, whose: &str, setting: &str| {
@@ -159,6 +164,8 @@ impl IssueLog {
         let (n, oldest) = of(self.times.names.get(&set));
         let n = n + self.ordered_by_names.get(&set).copied().unwrap_or(0);
         let by_names = || {
+            let reserved = usize::from(!renewing && limits.per_entry > 1);
+            let max = limits.per_entry as usize - reserved;
             check(
                 n,
                 oldest,
@@ -166,6 +173,15 @@ impl IssueLog {
                 "these names (by any caller)",
                 "max_certificates_per_week",
             )
+            .or_else(|| {
+                (n >= max).then(|| {
+                    format!(
+                        "{n} certificates were issued or ordered for these names (by any caller) \
+                         in the last 7 days, and the last one max_certificates_per_week allows \
+                         is kept for a certificate of them that is due for renewal"
+                    )
+                })
+            })
         };
         entry.or_else(by_caller).or_else(by_names)
     }
@@ -221,15 +237,16 @@ mod tests {
         };
         let mut log = IssueLog::load(&state, t0);
         for i in 0..2 {
+            // The second a renewal that is due: the names' last of the week is for it.
             assert!(log
-                .held_back("a:c/x", &names(&["a.test"]), two, t0)
+                .held_back("a:c/x", &names(&["a.test"]), two, i == 1, t0)
                 .is_none());
             log.record("a:c/x", &names(&["a.test"]), t0 + i);
         }
         log.save();
         let log = IssueLog::load(&state, t0 + 10);
         let why = log
-            .held_back("a:c/x", &names(&["b.test"]), two, t0 + 10)
+            .held_back("a:c/x", &names(&["b.test"]), two, false, t0 + 10)
             .unwrap();
         assert!(
             why.contains("for this entry") && why.contains("168 h"),
@@ -237,16 +254,16 @@ mod tests {
         );
         // Another caller asking for the same names (in another order) is held back too.
         let why = log
-            .held_back("b:c/y", &names(&["a.test", "a.test"]), two, t0 + 10)
+            .held_back("b:c/y", &names(&["a.test", "a.test"]), two, false, t0 + 10)
             .unwrap();
         assert!(why.contains("these names"), "{why}");
         assert!(log
-            .held_back("b:c/y", &names(&["b.test"]), two, t0 + 10)
+            .held_back("b:c/y", &names(&["b.test"]), two, false, t0 + 10)
             .is_none());
         // A week on, forgotten.
         let later = IssueLog::load(&state, t0 + WEEK + 2);
         assert!(later
-            .held_back("a:c/x", &names(&["a.test"]), two, t0 + WEEK + 2)
+            .held_back("a:c/x", &names(&["a.test"]), two, false, t0 + WEEK + 2)
             .is_none());
         // A broken file starts empty.
         std::fs::write(path_for(&state), "{").unwrap();
@@ -258,6 +275,7 @@ mod tests {
                     per_entry: 1,
                     ..two
                 },
+                false,
                 t0
             )
             .is_none());
@@ -276,13 +294,19 @@ mod tests {
         for i in 0..3 {
             let name = vec![format!("n{i}.test")];
             assert!(log
-                .held_back(&format!("app:c/e{i}"), &name, limits, t0)
+                .held_back(&format!("app:c/e{i}"), &name, limits, false, t0)
                 .is_none());
             log.record(&format!("app:c/e{i}"), &name, t0 + i);
         }
         // A new id and new names: the caller's count goes on.
         let why = log
-            .held_back("app:c/fresh", &["n9.test".to_owned()], limits, t0 + 10)
+            .held_back(
+                "app:c/fresh",
+                &["n9.test".to_owned()],
+                limits,
+                false,
+                t0 + 10,
+            )
             .unwrap();
         assert!(
             why.contains("app's entries") && why.contains("max_certificates_per_caller_per_week"),
@@ -291,20 +315,58 @@ mod tests {
         // Orders under way count as certificates.
         let mut log = IssueLog::load(&state, t0);
         assert!(log
-            .held_back("web:c/a", &["w.test".to_owned()], limits, t0)
+            .held_back("web:c/a", &["w.test".to_owned()], limits, false, t0)
             .is_none());
         for i in 0..3 {
             log.ordered(&format!("web:c/o{i}"), &[format!("o{i}.test")]);
         }
         assert!(log
-            .held_back("web:c/a", &["w.test".to_owned()], limits, t0)
+            .held_back("web:c/a", &["w.test".to_owned()], limits, false, t0)
             .is_some_and(|why| why.contains("3 certificates")));
         // Another caller, and a caller whose name begins like it, are not counted with it.
         for key in ["ops:c/e0", "apple:c/e0"] {
             assert!(log
-                .held_back(key, &["w.test".to_owned()], limits, t0 + 10)
+                .held_back(key, &["w.test".to_owned()], limits, false, t0 + 10)
                 .is_none());
         }
+    }
+
+    #[test]
+    fn the_names_last_certificate_of_the_week_is_kept_for_a_due_renewal() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("acme.json");
+        let t0 = 1_800_000_000;
+        let limits = Limits {
+            per_entry: 3,
+            per_caller: 100,
+        };
+        let names = ["shared.test".to_owned()];
+        let mut log = IssueLog::load(&state, t0);
+        log.record("holder:c/x", &names, t0);
+        // Another caller allowed the same names: one more, not the last.
+        assert!(log
+            .held_back("other:c/y", &names, limits, false, t0)
+            .is_none());
+        log.record("other:c/y", &names, t0);
+        let why = log
+            .held_back("other:c/z", &names, limits, false, t0)
+            .unwrap();
+        assert!(why.contains("due for renewal"), "{why}");
+        // The holder's renewal that is due takes it.
+        assert!(log
+            .held_back("holder:c/x", &names, limits, true, t0)
+            .is_none());
+        log.record("holder:c/x", &names, t0);
+        assert!(log
+            .held_back("holder:c/x", &names, limits, true, t0)
+            .is_some());
+        // A limit of one keeps nothing back.
+        let one = Limits {
+            per_entry: 1,
+            per_caller: 100,
+        };
+        let fresh = IssueLog::load(&dir.path().join("other.json"), t0);
+        assert!(fresh.held_back("a:c/x", &names, one, false, t0).is_none());
     }
 
     #[test]

@@ -281,7 +281,14 @@ pub async fn reconcile_all(
             // CA counts every duplicate against limits all callers share.
             not_due += usize::from(e.renew);
             answer(&mut output, &mut kept, e, i);
-        } else if let Some(why) = issue_log.held_back(&e.key, &req.names, limits, now) {
+        } else if let Some(why) = {
+            // The entry's certificate for these names is due (whatever key it asks with
+            // now: a consumer renews with a new one).
+            let renewing = st.issued.as_ref().is_some_and(|i| {
+                i.names == req.names && (i.not_after <= now as i64 || renewal_due(i, now))
+            });
+            issue_log.held_back(&e.key, &req.names, limits, renewing, now)
+        } {
             output.pending(e, format!("a new certificate waits: {why}"));
             waiting += 1;
         } else {
