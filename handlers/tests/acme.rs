@@ -632,3 +632,82 @@ fn acme_another_caller_cannot_take_a_holders_renewal() {
     }
     assert_ne!(renewed["certificate"], first["certificate"], "not renewed");
 }
+
+/// A caller's orders that fail (names the CA cannot validate), asked for again under new
+/// ids to escape each entry's back-off, would spend the CA's new orders per account for
+/// every caller: at most `max_orders_per_caller_per_hour` are placed, whatever became of
+/// them, and another caller's order is placed and served in the same runs.
+#[test]
+fn acme_a_callers_failing_orders_cannot_spend_the_accounts_orders() {
+    const T: &str = "acme_a_callers_failing_orders_cannot_spend_the_accounts_orders";
+    // No record for the caller's names: every validation of them fails.
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", "web IN A 127.0.0.1\n") {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let pebble = match Pebble::start(dns.addr, None) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["*.app.example.test"], "web": ["web.example.test"]},
+               "http01": {"webroot": web.path()}, "max_orders_per_caller_per_hour": 3,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let site = "web:ssl-cert/site";
+    let web_request = json!({"csr": csr(&["web.example.test"]).1});
+    let mut web_response = Value::Null;
+    let mut placed = 0;
+    // Each round: new ids with new names (the ones before released), and web's entry.
+    for round in 0..6 {
+        let mut input = json!({ site: {"request": web_request, "response": web_response} });
+        for i in 0..2 {
+            let name = format!("r{round}n{i}.app.example.test");
+            input[format!("app:ssl-cert/r{round}n{i}")] =
+                json!({"request": {"csr": csr(&[&name]).1}, "response": null});
+        }
+        let r = run(&config, &input);
+        assert!(r.ok, "{}", r.stderr);
+        for i in 0..2 {
+            let why = r.out[format!("app:ssl-cert/r{round}n{i}")]["$fort_pending"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            if why.contains("max_orders_per_caller_per_hour") {
+                assert!(why.contains("3 orders"), "{why}");
+            } else {
+                placed += 1;
+            }
+        }
+        if r.out[site].get("certificate").is_some() {
+            web_response = r.out[site].clone();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(placed, 3, "orders placed for app");
+    for _ in 0..20 {
+        if web_response.get("certificate").is_some() {
+            break;
+        }
+        let r = run(
+            &config,
+            &json!({ site: {"request": web_request, "response": web_response} }),
+        );
+        assert!(r.ok, "{}", r.stderr);
+        if r.out[site].get("certificate").is_some() {
+            web_response = r.out[site].clone();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        web_response["certificate"].is_string(),
+        "web was not served"
+    );
+}

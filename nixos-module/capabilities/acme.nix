@@ -169,6 +169,16 @@ let
             certificates with it.
           '';
         };
+        maxOrdersPerCallerPerHour = mkOption {
+          type = types.nullOr (types.ints.between 1 100000);
+          default = null;
+          description = ''
+            Orders placed in any hour for all entries of one caller together, whatever
+            became of them. `null`: 30. A CA limits new orders per account (Let's
+            Encrypt: 300 in 3 hours); without it a caller whose orders fail, or that asks
+            again under new ids, could spend that limit for every caller.
+          '';
+        };
         stateFile = mkOption {
           type = types.str;
           default = "/var/lib/fort/handlers/${name}.json";
@@ -201,6 +211,9 @@ let
         }
         // lib.optionalAttrs (s.maxCertificatesPerCallerPerWeek != null) {
           max_certificates_per_caller_per_week = s.maxCertificatesPerCallerPerWeek;
+        }
+        // lib.optionalAttrs (s.maxOrdersPerCallerPerHour != null) {
+          max_orders_per_caller_per_hour = s.maxOrdersPerCallerPerHour;
         }
         // lib.optionalAttrs (s.caRoot != null) { ca_root = "${s.caRoot}"; }
         // lib.optionalAttrs (s.webroot != null) { http01.webroot = s.webroot; }

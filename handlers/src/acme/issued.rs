@@ -1,6 +1,8 @@
-//! When each certificate was issued, per entry and per set of names, for the last 7 days:
-//! so that no caller spends the CA's rate limits, which every caller of the provider
-//! shares (`max_certificates_per_week`), and a renewal is only honoured when it is due.
+//! When each certificate was issued, per entry and per set of names, for the last 7 days,
+//! and when each caller's orders were placed, for the last hour: so that no caller spends
+//! the CA's rate limits, which every caller of the provider shares
+//! (`max_certificates_per_week`, `max_orders_per_caller_per_hour`), and a renewal is only
+//! honoured when it is due.
 //!
 //! A file of its own beside the state file (`<state>.issued`): the state file keeps its
 //! form, so the release before this one still reads it. A missing or unreadable file
@@ -15,6 +17,7 @@ use crate::common::state::StateFile;
 
 const FORM: u32 = 1;
 const WEEK: u64 = 7 * 86_400;
+const HOUR: u64 = 3600;
 
 #[derive(Default, Serialize, Deserialize)]
 struct Times {
@@ -24,6 +27,10 @@ struct Times {
     /// The names, sorted and joined by `,` → unix seconds of each certificate for them.
     #[serde(default)]
     names: BTreeMap<String, Vec<u64>>,
+    /// Caller → unix seconds of each order placed for its entries (whatever became of
+    /// it: a failed validation counts at the CA as much as a certificate).
+    #[serde(default)]
+    orders: BTreeMap<String, Vec<u64>>,
 }
 
 /// The limits `IssueLog::held_back` applies, per 7 days.
@@ -33,6 +40,8 @@ pub struct Limits {
     pub per_entry: u32,
     /// For every entry of one caller together.
     pub per_caller: u32,
+    /// Orders placed for every entry of one caller together, per hour.
+    pub orders_per_caller: u32,
 }
 
 pub struct IssueLog {
@@ -43,6 +52,8 @@ pub struct IssueLog {
     /// end in a certificate, so each counts as one until it does.
     ordered_by_caller: HashMap<String, usize>,
     ordered_by_names: HashMap<String, usize>,
+    /// Orders this run is about to place, per caller: not recorded until they are.
+    placing: HashMap<String, usize>,
 }
 
 fn path_for(state: &Path) -> PathBuf {
@@ -70,20 +81,33 @@ impl IssueLog {
             eprintln!("acme: {e:#}; the issuances of the last week are forgotten");
             Times::default()
         });
-        let before = times.entries.len() + times.names.len();
+        let count = |t: &Times| t.entries.len() + t.names.len() + t.orders.len();
+        let before = count(&times);
         for list in times.entries.values_mut().chain(times.names.values_mut()) {
             list.retain(|t| now.saturating_sub(*t) < WEEK && *t <= now);
         }
+        for list in times.orders.values_mut() {
+            list.retain(|t| now.saturating_sub(*t) < HOUR && *t <= now);
+        }
         times.entries.retain(|_, l| !l.is_empty());
         times.names.retain(|_, l| !l.is_empty());
-        let changed = before != times.entries.len() + times.names.len();
+        times.orders.retain(|_, l| !l.is_empty());
+        let changed = before != count(&times);
         IssueLog {
             file,
             times,
             changed,
             ordered_by_caller: HashMap::new(),
             ordered_by_names: HashMap::new(),
+            placing: HashMap::new(),
         }
+    }
+
+    /// `key` places an order for `names` this run: counted against every limit at once,
+    /// so that the orders of one run cannot go past one together.
+    pub fn placing(&mut self, key: &str, names: &[String]) {
+        *self.placing.entry(caller_of(key).to_owned()).or_default() += 1;
+        self.ordered(key, names);
     }
 
     /// `key` has an order for `names` under way, or places one now: counted against the
@@ -183,7 +207,33 @@ impl IssueLog {
                 })
             })
         };
-        entry.or_else(by_caller).or_else(by_names)
+        let by_orders = || {
+            let orders = self.times.orders.get(caller);
+            let n = orders.map_or(0, Vec::len) + self.placing.get(caller).copied().unwrap_or(0);
+            (n >= limits.orders_per_caller as usize).then(|| {
+                let oldest = orders.and_then(|o| o.iter().min().copied());
+                let wait = (oldest.unwrap_or(now) + HOUR).saturating_sub(now);
+                format!(
+                    "{n} orders were placed for {caller}'s entries in the last hour, the most \
+                     max_orders_per_caller_per_hour allows; the next in {} min",
+                    wait.div_ceil(60)
+                )
+            })
+        };
+        entry
+            .or_else(by_caller)
+            .or_else(by_names)
+            .or_else(by_orders)
+    }
+
+    /// An order was placed for `key` at `now`.
+    pub fn placed(&mut self, key: &str, now: u64) {
+        self.times
+            .orders
+            .entry(caller_of(key).to_owned())
+            .or_default()
+            .push(now);
+        self.changed = true;
     }
 
     /// `key` got a certificate for `names` at `now`.
@@ -234,6 +284,7 @@ mod tests {
         let two = Limits {
             per_entry: 2,
             per_caller: 100,
+            orders_per_caller: 1000,
         };
         let mut log = IssueLog::load(&state, t0);
         for i in 0..2 {
@@ -289,6 +340,7 @@ mod tests {
         let limits = Limits {
             per_entry: 5,
             per_caller: 3,
+            orders_per_caller: 1000,
         };
         let mut log = IssueLog::load(&state, t0);
         for i in 0..3 {
@@ -339,6 +391,7 @@ mod tests {
         let limits = Limits {
             per_entry: 3,
             per_caller: 100,
+            orders_per_caller: 1000,
         };
         let names = ["shared.test".to_owned()];
         let mut log = IssueLog::load(&state, t0);
@@ -364,9 +417,47 @@ mod tests {
         let one = Limits {
             per_entry: 1,
             per_caller: 100,
+            orders_per_caller: 1000,
         };
         let fresh = IssueLog::load(&dir.path().join("other.json"), t0);
         assert!(fresh.held_back("a:c/x", &names, one, false, t0).is_none());
+    }
+
+    #[test]
+    fn a_callers_orders_are_bounded_per_hour_whatever_became_of_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("acme.json");
+        let t0 = 1_800_000_000;
+        let limits = Limits {
+            per_entry: 5,
+            per_caller: 100,
+            orders_per_caller: 2,
+        };
+        let mut log = IssueLog::load(&state, t0);
+        log.placed("app:c/a", t0);
+        log.placed("app:c/b", t0 + 60);
+        log.save();
+        let log = IssueLog::load(&state, t0 + 120);
+        let why = log
+            .held_back("app:c/new", &["n.test".to_owned()], limits, false, t0 + 120)
+            .unwrap();
+        assert!(
+            why.contains("2 orders") && why.contains("the next in 58 min"),
+            "{why}"
+        );
+        assert!(log
+            .held_back("web:c/a", &["w.test".to_owned()], limits, false, t0 + 120)
+            .is_none());
+        let later = IssueLog::load(&state, t0 + HOUR + 1);
+        assert!(later
+            .held_back(
+                "app:c/new",
+                &["n.test".to_owned()],
+                limits,
+                false,
+                t0 + HOUR + 1
+            )
+            .is_none());
     }
 
     #[test]

@@ -172,6 +172,7 @@ pub async fn reconcile_all(
     let limits = issued::Limits {
         per_entry: config.max_certificates_per_week,
         per_caller: config.max_certificates_per_caller_per_week,
+        orders_per_caller: config.max_orders_per_caller_per_hour,
     };
     let mut not_due = 0usize;
     let mut output = Output::default();
@@ -292,7 +293,7 @@ pub async fn reconcile_all(
             output.pending(e, format!("a new certificate waits: {why}"));
             waiting += 1;
         } else {
-            issue_log.ordered(&e.key, &req.names);
+            issue_log.placing(&e.key, &req.names);
             work.push((e.key.clone(), Work::Place(req)));
         }
     }
@@ -363,6 +364,11 @@ pub async fn reconcile_all(
         per_entry: Duration::from_secs(config.timeout_seconds.saturating_mul(2)),
         in_flight: IN_FLIGHT,
     };
+    let placing: BTreeSet<String> = work
+        .iter()
+        .filter(|(_, w)| matches!(w, Work::Place(_)))
+        .map(|(k, _)| k.clone())
+        .collect();
     let results = isolate::each(work, budget, |w| async move {
         match &w {
             Work::Place(req) => order::place(ctx, req).await,
@@ -380,6 +386,11 @@ pub async fn reconcile_all(
     let mut issued = 0usize;
     for (key, attempt) in results {
         let e = by_key[key.as_str()];
+        // An order that was started counts against its caller's orders, whatever became
+        // of it (the CA may have taken it before the step failed).
+        if placing.contains(&key) && !matches!(attempt, Attempt::NotStarted) {
+            issue_log.placed(&key, now);
+        }
         let st = state.entries.entry(key.clone()).or_default();
         let result = match attempt {
             Attempt::Done(result) => result,
