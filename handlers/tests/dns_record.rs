@@ -138,6 +138,7 @@ on_both!(
     unchanged_entries_need_no_primary,
     one_callers_large_record_set_costs_only_its_own_entry,
     a_refused_change_keeps_the_records_in_service,
+    one_caller_cannot_fill_a_shared_txt_name,
 );
 
 const HAND_MADE: &str = "manual IN A 192.0.2.1\nshared IN TXT \"admin made this\"\n";
@@ -565,4 +566,57 @@ fn a_refused_change_keeps_the_records_in_service(flavor: Flavor, test: &str) {
     assert!(ok, "{err}");
     assert!(!refusal(&out, key).contains("stay in service"));
     assert!(s.server.dig("shared.example.test", "A").is_empty());
+}
+
+/// TXT values at one name are shared by every caller allowed it, and a primary holds a
+/// bounded number of records of one type at a name (BIND: `max-records-per-type`, 100).
+/// One caller asks for seven sets of 16 values at a name another caller uses: its entries
+/// together get one set's worth, the rest are refused with the cause, and the other
+/// caller's values, old and new, are served.
+fn one_caller_cannot_fill_a_shared_txt_name(flavor: Flavor, test: &str) {
+    let Some(s) = setup(test, flavor, "") else {
+        return;
+    };
+    let shared = |values: Vec<String>| json!({"name": "shared.example.test", "type": "TXT", "values": values});
+    let mut entries: Vec<(String, Value)> = vec![(
+        "web:dns-record/txt".into(),
+        shared(vec!["web was here".into()]),
+    )];
+    for i in 0..7 {
+        let values = (0..16).map(|j| format!("app {i} {j}")).collect();
+        entries.push((format!("app:dns-record/t{i}"), shared(values)));
+    }
+    let run = |entries: &[(String, Value)]| {
+        let refs: Vec<(&str, Value)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let (ok, out, err) = s.run("request", &refs);
+        assert!(ok, "{err}");
+        out
+    };
+    let out = run(&entries);
+    assert_eq!(out["web:dns-record/txt"]["values"], json!(["web was here"]));
+    assert_eq!(
+        out["app:dns-record/t0"]["values"].as_array().unwrap().len(),
+        16
+    );
+    for i in 1..7 {
+        let why = refusal(&out, &format!("app:dns-record/t{i}"));
+        assert!(why.contains("one caller holds at most 16"), "{why}");
+    }
+    // The other caller adds values at its name: served.
+    entries.push((
+        "web:dns-record/more".into(),
+        shared((0..4).map(|j| format!("web more {j}")).collect()),
+    ));
+    let out = run(&entries);
+    assert_eq!(
+        out["web:dns-record/more"]["values"]
+            .as_array()
+            .map(Vec::len),
+        Some(4),
+        "{out}"
+    );
+    assert_eq!(s.server.dig("shared.example.test", "TXT").len(), 21);
 }

@@ -211,12 +211,24 @@ pub async fn reconcile_all(
     let mut kept = kept::Kept::load(&config.state);
     let now = now();
     let mut issue_log = issued::IssueLog::load(&config.state, now);
+    let limits = issued::Limits {
+        per_entry: config.max_certificates_per_week,
+        per_caller: config.max_certificates_per_caller_per_week,
+        orders_per_caller: config.max_orders_per_caller_per_hour,
+    };
     let mut not_due = 0usize;
     let mut output = Output::default();
     let mut dirty = false;
     let mut work: Vec<(String, Work)> = Vec::new();
     let mut refused = 0usize;
     let mut waiting = 0usize;
+
+    // Orders under way count against the limits until they end.
+    for (key, st) in &state.entries {
+        if let Some(o) = &st.order {
+            issue_log.ordered(key, &o.names);
+        }
+    }
 
     for e in &entries {
         // An entry whose certificate is still good: answered without a signature check
@@ -295,12 +307,18 @@ pub async fn reconcile_all(
             // CA counts every duplicate against limits all callers share.
             not_due += usize::from(e.renew);
             answer(&mut output, &mut kept, e, i);
-        } else if let Some(why) =
-            issue_log.held_back(&e.key, &req.names, config.max_certificates_per_week, now)
-        {
+        } else if let Some(why) = {
+            // The entry's certificate for these names is due (whatever key it asks with
+            // now: a consumer renews with a new one).
+            let renewing = st.issued.as_ref().is_some_and(|i| {
+                i.names == req.names && (i.not_after <= now as i64 || renewal_due(i, now))
+            });
+            issue_log.held_back(&e.key, &req.names, limits, renewing, now)
+        } {
             output.pending(e, format!("a new certificate waits: {why}"));
             waiting += 1;
         } else {
+            issue_log.placing(&e.key, &req.names);
             work.push((e.key.clone(), Work::Place(req)));
         }
     }
@@ -371,6 +389,11 @@ pub async fn reconcile_all(
         per_entry: Duration::from_secs(config.timeout_seconds.saturating_mul(2)),
         in_flight: IN_FLIGHT,
     };
+    let placing: BTreeSet<String> = work
+        .iter()
+        .filter(|(_, w)| matches!(w, Work::Place(_)))
+        .map(|(k, _)| k.clone())
+        .collect();
     let results = isolate::each(work, budget, |w| async move {
         match &w {
             Work::Place(req) => order::place(ctx, req).await,
@@ -388,6 +411,11 @@ pub async fn reconcile_all(
     let mut issued = 0usize;
     for (key, attempt) in results {
         let e = by_key[key.as_str()];
+        // An order that was started counts against its caller's orders, whatever became
+        // of it (the CA may have taken it before the step failed).
+        if placing.contains(&key) && !matches!(attempt, Attempt::NotStarted) {
+            issue_log.placed(&key, now);
+        }
         let st = state.entries.entry(key.clone()).or_default();
         let result = match attempt {
             Attempt::Done(result) => result,

@@ -2,7 +2,7 @@
 //! word to the server, which need server work (new, rotated, back from release, drifted),
 //! and which roles this handler made are no longer wanted.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use fort_core::names::{is_host_name, is_principal_name};
@@ -135,11 +135,29 @@ pub async fn reconcile(
         }
     }
     respond_kept(config, state, entries, &plan.keep, &mut out);
-    let mut left = 0usize;
-    for work in &plan.work {
+    // Every caller's first entry before anyone's second, and a caller whose entry made
+    // the server wait (a lock its consumer holds) gets no more server work this run: one
+    // caller costs the others at most one wait per run, however many entries it has.
+    let work = by_turns(plan.work, |w| entries[w.entry].origin.as_str());
+    let mut slow: HashSet<String> = HashSet::new();
+    let mut left: Vec<&Work> = Vec::new();
+    let mut deferred = 0usize;
+    for work in &work {
         let entry = &entries[work.entry];
+        if slow.contains(&entry.origin) {
+            out.output.pending(
+                entry,
+                format!(
+                    "another entry of {} waited for a lock this run; this one comes in a later run",
+                    entry.origin
+                ),
+            );
+            deferred += 1;
+            owe_rotation(state, work, &mut out);
+            continue;
+        }
         if started.elapsed() >= budget {
-            left += 1;
+            left.push(work);
             continue;
         }
         let password = match (work.why, state.roles.get(&work.name)) {
@@ -178,9 +196,22 @@ pub async fn reconcile(
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
             }
+            Err(Failure::Waited(reason)) => {
+                tracing::warn!("{}: {reason}; tried again in a later run", entry.key);
+                slow.insert(entry.origin.clone());
+                deferred += 1;
+                owe_rotation(state, work, &mut out);
+                out.output.pending(
+                    entry,
+                    format!(
+                        "{reason} (a session holds a lock on its role or database); tried again in a later run"
+                    ),
+                );
+            }
             Err(Failure::Down(e)) if server.alive().await => {
                 // The server answers: what failed was this entry's alone.
                 tracing::warn!("{}: {e:#}; tried again next run", entry.key);
+                slow.insert(entry.origin.clone());
                 out.counts.pending += 1;
                 out.output
                     .pending(entry, format!("the server failed this entry: {e:#}"));
@@ -191,29 +222,34 @@ pub async fn reconcile(
             }
         }
     }
-    if left > 0 {
+    if deferred > 0 {
+        out.counts.pending += deferred;
+        // Not at once: the lock is its consumer's, and may be held for long.
+        out.output.rerun_within(DEFERRED_RERUN_SECONDS);
+    }
+    if !left.is_empty() {
         // Later runs go on where this one stopped; meanwhile each keeps what it had.
-        for work in plan.work.iter().rev().take(left) {
-            if let Some(m) = state.roles.get_mut(&work.name) {
-                if work.why == Why::Rotate && !m.owed {
-                    m.owed = true;
-                    out.changed = true;
-                }
-            }
+        let n = left.len();
+        for work in left {
+            owe_rotation(state, work, &mut out);
             out.output.pending(
                 &entries[work.entry],
-                format!("{left} databases are being set up; this one comes in a later run"),
+                format!("{n} databases are being set up; this one comes in a later run"),
             );
         }
-        out.counts.pending += left;
+        out.counts.pending += n;
         out.output.rerun_within(1);
     }
     for name in &plan.release {
+        let made = state.roles[name].clone();
+        let origin = made.entry.split(':').next().unwrap_or_default().to_owned();
+        if slow.contains(&origin) {
+            continue;
+        }
         if started.elapsed() >= budget {
             out.output.rerun_within(1);
             break;
         }
-        let made = state.roles[name].clone();
         let drop = config.on_release == OnRelease::Drop;
         let marker = names::marker(provider, &made.entry);
         match server.release(name, &marker, drop).await {
@@ -231,6 +267,12 @@ pub async fn reconcile(
             }
             Err(Failure::Refused(reason)) => {
                 tracing::warn!("{name}: cannot release: {reason}; tried again next run");
+                continue;
+            }
+            Err(Failure::Waited(reason)) => {
+                tracing::warn!("{name}: cannot release: {reason}; tried again next run");
+                slow.insert(origin);
+                out.output.rerun_within(DEFERRED_RERUN_SECONDS);
                 continue;
             }
             Err(Failure::Down(e)) if server.alive().await => {
@@ -265,6 +307,46 @@ pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
             _ => None,
         })
         .collect()
+}
+
+/// How soon to run again when a caller's entries waited for a lock of its own.
+const DEFERRED_RERUN_SECONDS: u64 = 30;
+
+/// A rotation asked for (`--force`, `renew`) but not done this run is remembered, so a
+/// later run does it although the entry then looks unchanged.
+fn owe_rotation(state: &mut State, work: &Work, out: &mut Reconciled) {
+    if let Some(m) = state.roles.get_mut(&work.name) {
+        if work.why == Why::Rotate && !m.owed {
+            m.owed = true;
+            out.changed = true;
+        }
+    }
+}
+
+/// `items` reordered in turns: each key's first item, then each key's second, and so
+/// on; keys in the order they first appear, items of one key in their order.
+fn by_turns<'a, T>(items: Vec<T>, key: impl Fn(&T) -> &'a str) -> Vec<T> {
+    let mut index: HashMap<&'a str, usize> = HashMap::new();
+    let mut queues: Vec<Vec<T>> = Vec::new();
+    for item in items {
+        let next = queues.len();
+        let i = *index.entry(key(&item)).or_insert(next);
+        if i == next {
+            queues.push(Vec::new());
+        }
+        queues[i].push(item);
+    }
+    let mut turns: Vec<std::vec::IntoIter<T>> = queues.into_iter().map(Vec::into_iter).collect();
+    let mut out = Vec::new();
+    loop {
+        let before = out.len();
+        for q in &mut turns {
+            out.extend(q.next());
+        }
+        if out.len() == before {
+            return out;
+        }
+    }
 }
 
 /// Sorts every entry into kept, refused (answered here) and work, and lists the roles no
@@ -381,7 +463,9 @@ async fn find_drift(
     let names: Vec<String> = plan.keep.iter().map(|(_, n)| n.clone()).collect();
     let seen = match server.survey(&names).await {
         Ok(s) => s,
-        Err(Failure::Refused(r)) => anyhow::bail!("cannot read the roles: {r}"),
+        Err(Failure::Refused(r) | Failure::Waited(r)) => {
+            anyhow::bail!("cannot read the roles: {r}")
+        }
         Err(Failure::Down(e)) => return Err(e),
     };
     let limit = config.connection_limit();
@@ -535,5 +619,13 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("web may not have the database gitea"));
+    }
+
+    #[test]
+    fn work_goes_by_turns_of_callers() {
+        let items = vec!["a1", "a2", "a3", "b1", "c1", "c2"];
+        let turns = by_turns(items, |s| &s[..1]);
+        assert_eq!(turns, ["a1", "b1", "c1", "a2", "c2", "a3"]);
+        assert!(by_turns(Vec::<&str>::new(), |s| s).is_empty());
     }
 }

@@ -13,6 +13,7 @@ pub mod config;
 pub mod nginx;
 pub mod reconcile;
 pub mod request;
+mod set_aside;
 pub mod vhost;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -236,6 +237,8 @@ pub async fn reconcile_all(
     let mut accepted: Vec<String> = Vec::new();
     let mut untested: BTreeSet<String> = BTreeSet::new();
     let mut conflicts: BTreeMap<String, String> = BTreeMap::new();
+    // Vhosts in place that nginx refuses now on their own: taken out, with the reason.
+    let mut taken_out: Vec<(String, String)> = Vec::new();
     if !changes.is_empty() {
         match test(config, &mut notes).await {
             Err(e) => {
@@ -247,15 +250,44 @@ pub async fn reconcile_all(
                 for key in &changes {
                     dir.set(&wanted[key].file, previous[&wanted[key].file].as_deref())?;
                 }
+                // What bisection takes a failing change back to.
+                let mut reset = previous.clone();
                 match test(config, &mut notes).await {
                     Ok(Ran::Passed) => {}
                     Ok(Ran::Failed(base)) => {
-                        restore(&mut dir, &previous)?;
-                        anyhow::bail!(
-                            "the nginx configuration fails its test without any of this run's \
-                             changes, so none is made and nginx is not reloaded: {}",
-                            nginx::reason(&base)
-                        );
+                        // A vhost in place that fails now on its own is its entry's
+                        // failure: taken out, and the others go on.
+                        let in_place = set_aside::in_place(&state, &removals, &mut dir)?;
+                        let found = set_aside::broken_in_place(
+                            config, &mut dir, &in_place, started, &mut notes,
+                        )
+                        .await;
+                        match found {
+                            Ok(Some(broken)) => {
+                                for (key, reason) in broken {
+                                    let v = in_place.iter().find(|v| v.key == key);
+                                    let v = v.expect("found among them");
+                                    // Restored on a later error, never by bisection.
+                                    previous.insert(v.file.clone(), Some(v.text.clone()));
+                                    reset.insert(v.file.clone(), None);
+                                    taken_out.push((key, reason));
+                                }
+                            }
+                            Ok(None) => {
+                                restore(&mut dir, &previous)?;
+                                anyhow::bail!(
+                                    "the nginx configuration fails its test without any of this \
+                                     run's changes, so none is made and nginx is not reloaded: {}",
+                                    nginx::reason(&base)
+                                );
+                            }
+                            Err(e) => {
+                                restore(&mut dir, &previous)?;
+                                return Err(
+                                    e.context("the vhosts could not be tested; nothing changed")
+                                );
+                            }
+                        }
                     }
                     Err(e) => {
                         restore(&mut dir, &previous)?;
@@ -268,9 +300,9 @@ pub async fn reconcile_all(
                     &mut dir,
                     &wanted,
                     &changes,
-                    &previous,
+                    &reset,
                     &held_files,
-                    output,
+                    taken_out.is_empty().then_some(output),
                     started,
                     &mut notes,
                 )
@@ -306,13 +338,23 @@ pub async fn reconcile_all(
     for key in forget {
         state.held.remove(&key);
     }
+    for (key, reason) in &taken_out {
+        if accepted.contains(key) {
+            continue;
+        }
+        state.held.remove(key);
+        refused.insert(
+            key.clone(),
+            format!("nginx refuses the vhost it had, which is taken out: {reason}"),
+        );
+    }
     for key in &accepted {
         state.held.insert(key.clone(), wanted[key].held());
         state.broken.remove(key);
     }
     notes.written = accepted.len();
-    notes.removed = removals.len();
-    if !accepted.is_empty() || !removals.is_empty() {
+    notes.removed = removals.len() + taken_out.len();
+    if !accepted.is_empty() || !removals.is_empty() || !taken_out.is_empty() {
         state.reload_owed = true;
     }
     if state.reload_owed {
@@ -335,9 +377,15 @@ pub async fn reconcile_all(
         conflicts: &conflicts,
         tls: &tls_waits,
     };
-    Ok(answer(
+    let mut output = answer(
         &entries, &state, &wanted, &refused, &waiting, &mut notes, started,
-    ))
+    );
+    if !taken_out.is_empty() {
+        // Tested again soon as a new vhost: what failed may have been passing (a name
+        // that did not resolve for a moment); what fails again is remembered as broken.
+        output.rerun_within(TAKEN_OUT_RERUN_SECONDS);
+    }
+    Ok(output)
 }
 
 /// How soon a run looks again for a TLS set's certificate that is not there yet.
@@ -384,6 +432,9 @@ fn serve_plain_until_certified(
     }
     waits
 }
+
+/// How soon vhosts taken out are tried again.
+const TAKEN_OUT_RERUN_SECONDS: u64 = 60;
 
 /// The reason an entry whose vhost failed the test gets.
 fn refusal(reason: &str, has_previous: bool) -> String {
@@ -450,9 +501,11 @@ struct Found {
     untested: BTreeSet<String>,
 }
 
-/// Finds the changed entries that make the test fail. The directory holds the run's
-/// removals and none of `changes`; groups are added on top of what passed so far and
-/// halved while they fail, so the directory always ends holding a tested configuration.
+/// Finds the changed entries that make the test fail (`first_failure`: how the test with
+/// all of them failed, if that was on the configuration they are now added to). The
+/// directory holds the run's removals and none of `changes`; groups are added on top of
+/// what passed so far and halved while they fail, so the directory always ends holding a
+/// tested configuration.
 /// An entry that fails alone on top of that is tested once more with no other vhost of
 /// this provider (`held` files and this run's accepted ones), to tell a vhost nginx
 /// refuses from one that only clashes with another: the first is refused, the second
@@ -465,7 +518,7 @@ async fn bisect(
     changes: &[String],
     previous: &BTreeMap<String, Option<String>>,
     held: &[String],
-    first_failure: String,
+    first_failure: Option<String>,
     started: Instant,
     notes: &mut Notes,
 ) -> anyhow::Result<Found> {
@@ -475,13 +528,19 @@ async fn bisect(
         conflicts: Vec::new(),
         untested: BTreeSet::new(),
     };
-    let mut stack: Vec<Vec<String>> = if changes.len() == 1 {
-        Vec::new()
-    } else {
-        let half = changes.len() / 2;
-        vec![changes[half..].to_vec(), changes[..half].to_vec()]
+    let (mut stack, mut single) = match first_failure {
+        // The configuration under the changes is not the one that failed (vhosts were
+        // taken out since): all of them are tested again first.
+        None => (vec![changes.to_vec()], None),
+        Some(failure) if changes.len() == 1 => (Vec::new(), Some((changes[0].clone(), failure))),
+        Some(_) => {
+            let half = changes.len() / 2;
+            (
+                vec![changes[half..].to_vec(), changes[..half].to_vec()],
+                None,
+            )
+        }
     };
-    let mut single = (changes.len() == 1).then(|| (changes[0].clone(), first_failure));
     loop {
         if let Some((key, failure)) = single.take() {
             let others: Vec<String> = held
