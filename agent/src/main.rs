@@ -513,16 +513,29 @@ async fn plan(args: &PlanArgs, json: bool) -> ExitCode {
                 .unwrap_or("the agent refused the plan"),
         );
     }
+    // The state formats this binary writes against those of the release running: the
+    // running agent (maybe an older release) does not know what this binary will write.
+    let running_status = admin::call(
+        &running.admin_socket,
+        &AdminRequest::Status { entries: false },
+    )
+    .await
+    .map(|v| v["status"].clone())
+    .unwrap_or_default();
+    let formats = fort_agent::cli::versions::format_changes(&running_status);
     if json {
+        let mut plan = reply["plan"].clone();
+        plan["state_formats"] = formats;
         println!(
             "{}",
-            serde_json::to_string_pretty(&reply["plan"]).unwrap_or_default()
+            serde_json::to_string_pretty(&plan).unwrap_or_default()
         );
         return ExitCode::SUCCESS;
     }
     match serde_json::from_value::<plan::Plan>(reply["plan"].clone()) {
         Ok(p) => {
             print!("{}", plan::render::text(&p));
+            print!("{}", fort_agent::cli::versions::format_text(&formats));
             ExitCode::SUCCESS
         }
         Err(e) => fail(&format!("the agent's plan does not parse: {e}")),
