@@ -1,0 +1,81 @@
+//! Other fort releases for the compatibility lane: the binaries of the release before the
+//! tree (RELEASES' last line), built and cached by `scripts/previous-release.sh`.
+
+use std::path::{Path, PathBuf};
+
+/// The binaries of a release, built.
+#[derive(Debug, Clone)]
+pub struct Release {
+    pub version: String,
+    pub commit: String,
+    pub dir: PathBuf,
+}
+
+impl Release {
+    pub fn agent(&self) -> PathBuf {
+        self.dir.join("fort-agent")
+    }
+    pub fn handler(&self) -> PathBuf {
+        self.dir.join("fort-handler")
+    }
+    pub fn cli(&self) -> PathBuf {
+        self.dir.join("fort")
+    }
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `(version, commit)` of each release in RELEASES, oldest first.
+pub fn recorded() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(workspace().join("RELEASES")).expect("RELEASES");
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter_map(|l| {
+            let mut parts = l.split_whitespace();
+            Some((parts.next()?.to_owned(), parts.next()?.to_owned()))
+        })
+        .collect()
+}
+
+/// The release before the tree, built: `Err` says why it is not (the lane's tests then
+/// SKIP with it). `FORT_PREVIOUS_RELEASE` names a directory of its binaries instead.
+pub fn previous() -> Result<Release, String> {
+    let (version, commit) = recorded()
+        .pop()
+        .ok_or_else(|| "RELEASES lists no release".to_owned())?;
+    let dir = match std::env::var_os("FORT_PREVIOUS_RELEASE") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let cache = std::env::var_os("FORT_RELEASE_CACHE")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/fort/releases"))
+                })
+                .ok_or_else(|| "no HOME for the release cache".to_owned())?;
+            let out = cache.join(&commit);
+            if let Ok(why) = std::fs::read_to_string(out.join("unavailable")) {
+                return Err(format!(
+                    "fort {version} ({commit}) could not be built: {}",
+                    why.trim()
+                ));
+            }
+            out.join("bin")
+        }
+    };
+    let release = Release {
+        version,
+        commit: commit.clone(),
+        dir,
+    };
+    for b in [release.agent(), release.handler(), release.cli()] {
+        if !b.exists() {
+            return Err(format!(
+                "{} is not built; run scripts/previous-release.sh (scripts/test.sh and .ci/run do)",
+                b.display()
+            ));
+        }
+    }
+    Ok(release)
+}
