@@ -318,7 +318,7 @@ async fn a_newer_format_is_refused_by_name_and_recover_keeps_what_it_reads() {
         "fulfillment-state.json: needs.cred/y.phase: unknown variant `quarantined`",
         "written by fort 9.0.0",
         &format!("this release (fort {})", fort_core::compat::RELEASE),
-        "Nothing was changed",
+        "nothing was changed",
         &format!("fort-agent serve --recover --config {}", config.display()),
         &format!(
             "fort-agent set-aside --config {} fulfillment-state.json",

@@ -50,7 +50,7 @@ pub enum LoadError {
     #[error("{file}: unreadable: {detail}. The agent will not start and overwrite it: restore it from a backup, or move it aside to start with an empty state")]
     Corrupt { file: String, detail: String },
     /// Well-formed, but in a form this release cannot read: another release wrote it.
-    #[error("{file}: {field}: {problem}; written by {written_by}, which this release (fort {release}) cannot read. Nothing was changed", release = compat::RELEASE)]
+    #[error("{file}: {field}: {problem}; written by {written_by}, which this release (fort {release}) cannot read. The agent will not start on it, and nothing was changed", release = compat::RELEASE)]
     Refused {
         file: String,
         /// Where in the file: `version`, `needs.oidc/wiki.phase`, `line 3: v.phase`.
