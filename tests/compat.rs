@@ -407,3 +407,45 @@ async fn the_lane_catches_a_state_the_previous_release_cannot_read() {
         "{refused}"
     );
 }
+
+/// Two releases back is outside what may be mixed: the first build of 0.1.0 (3829ed3)
+/// refuses the need state of 3833b22 and later (`seq` and more), naming file and field,
+/// and does not start. The ways on the README gives work: the tree's `set-aside` moves the
+/// file so that it starts and asks again, and rolling forward finds everything kept.
+/// Runs where that release was built (`scripts/previous-release.sh 3829ed3…`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_two_releases_back_is_refused_by_name_and_set_aside_gets_past_it() {
+    let test = "a_rollback_two_releases_back_is_refused_by_name_and_set_aside_gets_past_it";
+    let two_back = match releases::older(1) {
+        Ok(r) => r,
+        Err(why) => return skip(test, &why),
+    };
+    let (mut f, file) = settled_tree_fleet().await;
+    f.start_host("p");
+    let before = f.read_state("c", "fulfillment-state.json");
+    let refused = previous_release_starts(&mut f, "c", &two_back)
+        .expect_err("3829ed3 does not read the need state of later releases");
+    assert!(
+        refused.contains("fulfillment-state.json") && refused.contains("unknown field `seq`"),
+        "{refused}"
+    );
+    assert_eq!(
+        f.read_state("c", "fulfillment-state.json"),
+        before,
+        "nothing changed"
+    );
+    // Rolling forward again: everything is there.
+    f.start_host("c");
+    assert!(satisfied(&f, "c", "cred/x").await);
+    stop(&mut f, "c");
+    // Or set it aside (with the newer binary, still on the host) and run the old one.
+    let (ok, out) = f.admin("c", &["set-aside", "fulfillment-state.json"]);
+    assert!(ok, "{out}");
+    runs_with(&mut f, "c", Some(&two_back.agent()), &[]);
+    f.start_host("c");
+    assert!(
+        satisfied(&f, "c", "cred/x").await,
+        "asked again from scratch"
+    );
+    assert!(file.exists());
+}

@@ -45,7 +45,27 @@ pub fn previous() -> Result<Release, String> {
     let (version, commit) = recorded()
         .pop()
         .ok_or_else(|| "RELEASES lists no release".to_owned())?;
-    let dir = match std::env::var_os("FORT_PREVIOUS_RELEASE") {
+    built(version, commit, std::env::var_os("FORT_PREVIOUS_RELEASE"))
+}
+
+/// An older release of RELEASES (`back` lines before the last), if it was built
+/// (`scripts/previous-release.sh COMMIT`; CI builds only the last).
+pub fn older(back: usize) -> Result<Release, String> {
+    let all = recorded();
+    let (version, commit) = all
+        .len()
+        .checked_sub(back + 1)
+        .and_then(|i| all.get(i).cloned())
+        .ok_or_else(|| format!("RELEASES lists fewer than {} releases", back + 1))?;
+    built(version, commit, None)
+}
+
+fn built(
+    version: String,
+    commit: String,
+    dir: Option<std::ffi::OsString>,
+) -> Result<Release, String> {
+    let dir = match dir {
         Some(d) => PathBuf::from(d),
         None => {
             let cache = std::env::var_os("FORT_RELEASE_CACHE")
@@ -72,7 +92,7 @@ pub fn previous() -> Result<Release, String> {
     for b in [release.agent(), release.handler(), release.cli()] {
         if !b.exists() {
             return Err(format!(
-                "{} is not built; run scripts/previous-release.sh (scripts/test.sh and .ci/run do)",
+                "{} is not built; run scripts/previous-release.sh {commit} (scripts/test.sh and .ci/run build the last release only)",
                 b.display()
             ));
         }
