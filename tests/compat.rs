@@ -449,3 +449,116 @@ async fn a_rollback_two_releases_back_is_refused_by_name_and_set_aside_gets_past
     );
     assert!(file.exists());
 }
+
+/// One `fort-handler CAP --config CONFIG` run of `binary`, as the agent runs it.
+fn handler_run(binary: &Path, cap: &str, config: &Path, input: &Value) -> (bool, Value, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(binary)
+        .args([cap, "--config"])
+        .arg(config)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("FORT_CAPABILITY", cap)
+        .env("FORT_TRIGGER", "request")
+        .env("FORT_HOST", "forge")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("fort-handler");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A handler's state across releases, with the handler that needs no server (ssh-ca):
+/// the state the previous release's handler wrote is read by the tree's, which keeps
+/// every certificate it holds, and the tree's state by the previous one, whose serials
+/// go on from it (a rollback that reused a serial would revoke the wrong certificate).
+#[test]
+fn ssh_ca_state_upgrades_and_rolls_back() {
+    let Some(old) = previous("ssh_ca_state_upgrades_and_rolls_back") else {
+        return;
+    };
+    use ssh_key::rand_core::OsRng;
+    let dir = tempfile::tempdir().unwrap();
+    let path = |n: &str| dir.path().join(n);
+    let key = || ssh_key::PrivateKey::random(&mut OsRng, ssh_key::Algorithm::Ed25519).unwrap();
+    let public = |k: &ssh_key::PrivateKey| k.public_key().to_openssh().unwrap();
+    let host_key = public(&key());
+    std::fs::write(
+        path("hosts.json"),
+        json!({"hosts": {"app": {"address": "https://127.0.0.2:7770", "keys": [host_key]},
+                         "web": {"address": "https://127.0.0.3:7770", "keys": [host_key]}},
+               "principals": {}})
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        path("ca"),
+        key()
+            .to_openssh(ssh_key::LineEnding::LF)
+            .unwrap()
+            .as_bytes(),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path("ca"), std::fs::Permissions::from_mode(0o400)).unwrap();
+    std::fs::write(
+        path("config.json"),
+        json!({"ca_key_file": path("ca"), "state_file": path("state/ssh-ca.json"),
+               "hosts_file": path("hosts.json"), "host_principals": {"*": ["{origin}"]}})
+        .to_string(),
+    )
+    .unwrap();
+    let new = fort_tests::bin("fort-handler");
+    let entry = |k: &ssh_key::PrivateKey| json!({"request": {"kind": "host", "public_key": public(k)}, "response": null});
+    let (a, b, c) = (key(), key(), key());
+    let state = || -> Value {
+        serde_json::from_slice(&std::fs::read(path("state/ssh-ca.json")).unwrap()).unwrap()
+    };
+    let serial = |out: &Value, k: &str| out[k]["serial"].as_u64().unwrap();
+
+    let mut input = json!({"app:ssh-ca/a": entry(&a)});
+    let (ok, first, err) = handler_run(&old.handler(), "ssh-ca", &path("config.json"), &input);
+    assert!(ok, "the previous release's handler: {err}");
+    let written_by_old = state();
+    // Upgrade: the tree's handler holds the certificate the old one issued.
+    input["app:ssh-ca/a"]["response"] = first["app:ssh-ca/a"].clone();
+    input["web:ssh-ca/b"] = entry(&b);
+    let (ok, second, err) = handler_run(&new, "ssh-ca", &path("config.json"), &input);
+    assert!(
+        ok,
+        "the tree's handler on the previous release's state: {err}"
+    );
+    assert!(
+        second["app:ssh-ca/a"] == first["app:ssh-ca/a"]
+            || second["app:ssh-ca/a"]["$fort_keep"].is_string()
+            || second["app:ssh-ca/a"].is_null(),
+        "kept, not issued again: {second}"
+    );
+    assert_eq!(
+        state()["state"]["entries"]["app:ssh-ca/a"],
+        written_by_old["state"]["entries"]["app:ssh-ca/a"]
+    );
+    let b_serial = serial(&second, "web:ssh-ca/b");
+    // Rollback: the previous release's handler reads the tree's state and goes on.
+    input["web:ssh-ca/b"]["response"] = second["web:ssh-ca/b"].clone();
+    input["web:ssh-ca/c"] = entry(&c);
+    let (ok, third, err) = handler_run(&old.handler(), "ssh-ca", &path("config.json"), &input);
+    assert!(
+        ok,
+        "the previous release's handler on the tree's state: {err}"
+    );
+    assert!(serial(&third, "web:ssh-ca/c") > b_serial, "{third}");
+    assert_eq!(state()["version"], 1);
+}
