@@ -562,3 +562,53 @@ fn ssh_ca_state_upgrades_and_rolls_back() {
     assert!(serial(&third, "web:ssh-ca/c") > b_serial, "{third}");
     assert_eq!(state()["version"], 1);
 }
+
+/// Protocol 1.2 (docs/protocol.md §11.12): every reply says what the agent speaks; a peer
+/// of a later minor is served as usual, one of a later major is told why it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_announce_their_protocol_and_a_later_major_is_refused_by_name() {
+    let mut f = Fleet::new();
+    f.host("a");
+    f.principal("ops");
+    f.start();
+    let h = &f.hosts["a"];
+    let body = b"{}";
+    let now = fort_core::wire::unix_now();
+    let signer = f.principals["ops"].clone();
+    let mut headers = fort_tests::signed_headers(&signer, "ops", "a", "/agent/needs", body, now);
+    headers.push(("X-Fort-Protocol".into(), "1.9".into()));
+    let (status, head, _) =
+        fort_tests::raw_http(h, &fort_tests::raw_post("/agent/needs", &headers, body));
+    assert_eq!(status, 200, "{head}");
+    let head = head.to_ascii_lowercase();
+    assert!(head.contains("x-fort-protocol: 1.2"), "{head}");
+    assert!(
+        head.contains(&format!("x-fort-release: {}", fort_core::compat::RELEASE)),
+        "{head}"
+    );
+
+    let mut headers = fort_tests::signed_headers(&signer, "ops", "a", "/agent/needs", body, now);
+    headers.push(("X-Fort-Protocol".into(), "2.0".into()));
+    let (status, head, reply) =
+        fort_tests::raw_http(h, &fort_tests::raw_post("/agent/needs", &headers, body));
+    assert_eq!(status, 400, "{head}");
+    let reply: Value = serde_json::from_slice(&reply).unwrap();
+    assert_eq!(reply["error"], "unsupported_protocol");
+    assert!(
+        reply["message"]
+            .as_str()
+            .unwrap()
+            .contains("speaks fort protocol 1.2")
+            && reply["message"]
+                .as_str()
+                .unwrap()
+                .contains("announced protocol 2.x"),
+        "{reply}"
+    );
+    // A value that breaks the grammar is from a 1.1 peer: served.
+    let mut headers = fort_tests::signed_headers(&signer, "ops", "a", "/agent/needs", body, now);
+    headers.push(("X-Fort-Protocol".into(), "2.0-beta".into()));
+    let (status, head, _) =
+        fort_tests::raw_http(h, &fort_tests::raw_post("/agent/needs", &headers, body));
+    assert_eq!(status, 200, "{head}");
+}
