@@ -2,7 +2,7 @@
 # Builds the previous release (the last line of RELEASES) once and caches its binaries,
 # for the compatibility lane (tests/compat.rs):
 #
-#   $FORT_RELEASE_CACHE/<commit>/bin/{fort-agent,fort,fort-handler}
+#   $FORT_RELEASE_CACHE/<commit>/bin/{fort-agent,fort,fort-handler (from 3833b22 on)}
 #
 # (default cache: ~/.cache/fort/releases). A second run finds them and does nothing. When
 # the release cannot be built here (its commit is not in this clone and cannot be fetched,
@@ -19,7 +19,7 @@ commit=${1:-$(grep -v '^#' RELEASES | awk 'NF { c = $2 } END { print c }')}
 cache=${FORT_RELEASE_CACHE:-$HOME/.cache/fort/releases}
 out=$cache/$commit
 bin=$out/bin
-if [ -x "$bin/fort-agent" ] && [ -x "$bin/fort-handler" ] && [ -x "$bin/fort" ]; then
+if [ -x "$bin/fort-agent" ] && [ -x "$bin/fort" ]; then
   echo "$bin"
   exit 0
 fi
@@ -60,9 +60,11 @@ if ! (cd "$src" && CARGO_TARGET_DIR=$target nice -n 10 cargo build --locked -q \
   unavailable "cargo build of $commit failed (see $out/build.log)"
 fi
 mkdir -p "$bin"
-for b in fort-agent fort fort-handler; do
+for b in fort-agent fort; do
   cp "$target/debug/$b" "$bin/$b" || unavailable "the build of $commit made no $b"
 done
+# Releases before the capability handlers (3829ed3) have no fort-handler.
+if [ -x "$target/debug/fort-handler" ]; then cp "$target/debug/fort-handler" "$bin/"; fi
 echo "$commit" > "$bin/COMMIT"
 # Only the binaries are kept: the sources and the build are gigabytes.
 rm -rf "$src" "$target"

@@ -422,6 +422,11 @@ async fn a_rollback_two_releases_back_is_refused_by_name_and_set_aside_gets_past
     };
     let (mut f, file) = settled_tree_fleet().await;
     f.start_host("p");
+    // A start folds the log into the snapshot, where 3829ed3 reads the records and
+    // refuses them. (Records still in a log it takes for a torn tail instead, drops with
+    // a warning, and asks for those needs again: it cannot tell them from damage.)
+    f.start_host("c");
+    stop(&mut f, "c");
     let before = f.read_state("c", "fulfillment-state.json");
     let refused = previous_release_starts(&mut f, "c", &two_back)
         .expect_err("3829ed3 does not read the need state of later releases");
@@ -489,6 +494,12 @@ fn ssh_ca_state_upgrades_and_rolls_back() {
     let Some(old) = previous("ssh_ca_state_upgrades_and_rolls_back") else {
         return;
     };
+    if !old.handler().exists() {
+        return skip(
+            "ssh_ca_state_upgrades_and_rolls_back",
+            &format!("fort {} ({}) has no fort-handler", old.version, old.commit),
+        );
+    }
     use ssh_key::rand_core::OsRng;
     let dir = tempfile::tempdir().unwrap();
     let path = |n: &str| dir.path().join(n);
