@@ -25,7 +25,6 @@ const MAX_KEY_FILE: u64 = 64 * 1024;
 /// What the need's state keeps about a key: its public half and the CSR made with it,
 /// so that every request carries the same bytes (an ECDSA signature differs each time).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct KeyRecord {
     /// SHA-256 of the raw public key the CSR was made with.
     pub public_sha256: String,

@@ -20,7 +20,6 @@ pub const STATE_VERSION: u32 = 1;
 /// What the handler created, per entry: exactly the record set the primary accepted for it.
 /// Nothing else in the zone is ever deleted.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// The zone the records are in.
     #[serde(default)]

@@ -19,7 +19,6 @@ pub const STATE_VERSION: u32 = 1;
 
 /// What this handler registered: the proof of ownership every update and delete goes by.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// Entry key → its client.
     #[serde(default)]
@@ -31,7 +30,6 @@ pub struct State {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Client {
     pub registration: Registration,
     pub client_secret: String,

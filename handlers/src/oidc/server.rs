@@ -22,7 +22,6 @@ const MAX_VALUE: usize = 4096;
 /// What the handler keeps to manage one client it registered: its only proof of
 /// ownership (it never touches a client it has no registration access token for).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Registration {
     pub client_id: String,
     pub registration_client_uri: String,

@@ -20,7 +20,6 @@ pub const STATE_VERSION: u32 = 1;
 
 /// What this handler made on the server: the proof of ownership that cleanup goes by.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// Role (and database) name → what it is for.
     #[serde(default)]
@@ -28,7 +27,6 @@ pub struct State {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Made {
     /// The entry key it was made for; no other entry may have it.
     pub entry: String,

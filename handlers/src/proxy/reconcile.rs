@@ -17,7 +17,6 @@ pub const STATE_VERSION: u32 = 1;
 /// What the handler wrote, per entry, and what nginx refused. Only files recorded here
 /// (or carrying the marker of the entry asking for them) are ever replaced or removed.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// Entry key → the vhost file in place for it, as nginx last accepted it.
     #[serde(default)]
@@ -33,7 +32,6 @@ pub struct State {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Held {
     pub file: String,
     /// SHA-256 of the file's content.
@@ -42,7 +40,6 @@ pub struct Held {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Broken {
     pub digest: String,
     pub reason: String,
