@@ -29,7 +29,7 @@ let
   hostNames = attrNames cluster.hosts;
   isHost = n: cluster.hosts ? ${n};
   quote = s: ''"${s}"'';
-  fleet = fortLib.fleetByHost cluster.fleet;
+  inherit (cluster) fleet;
   definedServices = fortLib.servicesDefinedElsewhere options;
 
   allNeeds = fortLib.needList needs;
@@ -49,8 +49,8 @@ let
     host:
     if host == self then
       lib.mapAttrs (_: c: { inherit (c) mode; }) capabilities
-    else if fleet ? ${host} then
-      fleet.${host}.capabilities
+    else if fleet != null && fleet.entry host != null then
+      (fleet.entry host).capabilities
     else
       null; # unknown without mkFleet: not checked (a warning says so)
 

@@ -33,7 +33,7 @@ let
   isPrincipal = n: cluster.principals ? ${n};
   quote = s: ''"${s}"'';
   inherit (fortLib) credentialKeyPath;
-  haveFleet = cluster.fleet != { };
+  haveFleet = cluster.fleet != null;
 
   check = assertion: message: { inherit assertion message; };
   # One assertion per offending item, so every mistake is reported at once.
@@ -189,10 +189,6 @@ let
             "services.fort-agent.settings.access.${builtin}: ${quote who} is not a principal in fort.cluster.principals."
         )
       ) (cfg.settings.access or { })
-    )
-    ++ each (filter (e: e.enable && !(isHost e.host)) (attrValues cluster.fleet)) (
-      e:
-      check false "lib.mkFleet: host ${quote e.host} runs an agent but is not in fort.cluster.hosts."
     );
 
   unusedTags = concatLists (

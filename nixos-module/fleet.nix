@@ -4,7 +4,8 @@
 # Design: each host exports a small, plain projection of itself (`fort.host.exported`:
 # its fort name, its needs as {type, id, from}, its capabilities' modes and request
 # interfaces, and the hash of its generated files), and
-# mkFleet feeds the projections of all hosts back into every host as the option
+# mkFleet indexes the projections of all hosts once (lib.nix fleetIndex: entries by host
+# name, every provider's callers) and hands that one value to every host as the option
 # `fort.cluster.fleet`. The hosts form a lazy fixpoint, as colmena's and NixOps' `nodes`
 # do: what a host reads of the others' `exported` (needs, capabilities) depends only on
 # their own needs and capabilities, never on `fort.cluster.fleet`, so there is no
@@ -12,16 +13,26 @@
 # one fleet-dependent attribute, manifestSha256, is read by tools (fleetManifest), never
 # by a host.
 #
+# Cost: the index is plain data, built once and never type-checked again by the hosts
+# (an option type checking every entry on every host made the fleet's evaluation grow
+# with its square). A consumer reads the entries of the providers it names; a provider
+# reads the callers index, which reads every host's needs once for the whole fleet.
+#
 # Why an option and not specialArgs (`nodes`): the module stays usable on its own (the
 # option defaults to {} and the module then computes callers from this host and the
 # inventory, with a warning), the fleet has a declared, checked type, the data crossing
 # hosts is the projection rather than whole configurations, and the NixOS VM test and the
 # evaluation test fill it the same way mkFleet does (`projection` below).
 { lib }:
+let
+  fortLib = import ./lib.nix { inherit lib; };
+in
 rec {
-  # fleet entry per host, from evaluated configs (`nodes` in a NixOS test, or the
-  # `.config` of each mkFleet result).
-  projection = configs: lib.mapAttrs (_: config: config.fort.host.exported) configs;
+  # The fleet index every host reads as fort.cluster.fleet (lib.nix fleetIndex), from
+  # evaluated configs (`nodes` in a NixOS test, or the `.config` of each mkFleet result).
+  # Build it once and give every host the same value: built per host, its grouping
+  # would be done once per host.
+  projection = configs: fortLib.fleetIndex (lib.mapAttrs (_: config: config.fort.host.exported) configs);
 
   # mkFleetWith { module, evalHost } { hosts, shared ? [ ], specialArgs ? { } }
   #   module:   the fort NixOS module, added to every host;
@@ -40,6 +51,8 @@ rec {
       interfaces ? { },
     }:
     let
+      # One index for the whole fleet, shared by every host.
+      fleet = projection (lib.mapAttrs (_: node: node.config) nodes);
       nodes = lib.mapAttrs (
         name: host:
         evalHost {
@@ -55,7 +68,7 @@ rec {
                 networking.hostName = lib.mkDefault name;
                 services.fort-agent.hostName = lib.mkDefault name;
                 fort.cluster.interfaces = interfaces;
-                fort.cluster.fleet = projection (lib.mapAttrs (_: node: node.config) nodes);
+                fort.cluster.fleet = fleet;
               }
             ];
         }
@@ -121,7 +134,7 @@ rec {
     configs:
     lib.listToAttrs (
       map (e: lib.nameValuePair e.host e.manifestSha256) (
-        lib.filter (e: e.enable) (lib.attrValues (projection (lib.mapAttrs (_: c: c.config or c) configs)))
+        lib.filter (e: e.enable) (lib.attrValues (projection (lib.mapAttrs (_: c: c.config or c) configs)).exports)
       )
     );
 }

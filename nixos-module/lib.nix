@@ -350,9 +350,47 @@ rec {
   # enabled agent stays in, exporting nothing: it serves nothing and calls nobody.
   fleetByHost = fleet: listToAttrs (map (e: nameValuePair e.host e) (attrValues fleet));
 
+  # The fleet as every host reads it (fort.cluster.fleet), built once for the fleet from
+  # each host's export ({ <flake attribute> = fort.host.exported; }) and handed to every
+  # host as it is, so that what is the same for all hosts is computed once, not once
+  # per host that reads it. Plain data: its parts are fort's own exportedOf.
+  fleetIndex = exports: rec {
+    inherit exports;
+    # Every entry by fort host name; reads every host's name.
+    byHost = fleetByHost exports;
+    # One host's entry by fort host name, or null. mkFleet names each host after its
+    # attribute unless told otherwise, so this reads that one host; only a name no
+    # attribute carries (or one whose host took another name) reads every host's.
+    entry =
+      name:
+      let
+        named = exports.${name} or null;
+      in
+      if named != null && named.host == name then named else byHost.${name} or null;
+    # { <provider> = { <capability> = { <consumer> = [ <need id> ... ]; }; }; }: every
+    # need of every host, grouped once, so a provider's callers cost what it serves.
+    callers =
+      let
+        needs = concatMap (
+          e:
+          map (n: {
+            inherit (n) from type id;
+            inherit (e) host;
+          }) (attrValues e.needs)
+        ) (attrValues byHost);
+        ids = ns: map (n: n.id) ns;
+      in
+      mapAttrs (
+        _: fromProvider:
+        mapAttrs (_: ofType: mapAttrs (_: ids) (lib.groupBy (n: n.host) ofType)) (
+          lib.groupBy (n: n.type) fromProvider
+        )
+      ) (lib.groupBy (n: n.from) needs);
+  };
+
   # The interface a need's request is checked against and filled from: the provider's
-  # own (this host, or its fleet export); without the fleet, the one declared
-  # fleet-wide in fort.cluster.interfaces; null when untyped or unknown.
+  # own (this host, or its entry in the fleet index); without the fleet, the one
+  # declared fleet-wide in fort.cluster.interfaces; null when untyped or unknown.
   providerInterface =
     {
       self,
@@ -362,20 +400,21 @@ rec {
     }:
     n:
     let
-      byHost = fleetByHost fleet;
+      provider = if fleet == null then null else fleet.entry n.from;
     in
     if n.from == self then
       capabilities.${n.type}.interface or null
-    else if byHost ? ${n.from} then
-      byHost.${n.from}.capabilities.${n.type}.interface or null
+    else if provider != null then
+      provider.capabilities.${n.type}.interface or null
     else
       interfaces.${n.type} or null;
 
   # docs/protocol.md §5 and §11.2: who may ask `self` for `capability`, as
   # { <host> = [ <need id> ... ]; }: every host that declares a need of that type from
   # `self`, with the ids it declares. Three sources, unioned, so the answer is right
-  # with or without mkFleet: the fleet (every host's evaluated needs), this host's own
-  # needs, and the inventory (shared, so it names consumers on every host).
+  # with or without mkFleet: the fleet index (every host's evaluated needs, grouped by
+  # provider once for the fleet), this host's own needs, and the inventory (shared, so
+  # it names consumers on every host).
   callersOf =
     {
       self,
@@ -388,7 +427,8 @@ rec {
     let
       idsFrom = ns: map (n: n.id) (filter (n: n.type == capability && n.from == self) ns);
       entry = host: ids: optionals (ids != [ ]) [ { ${host} = ids; } ];
-      fromFleet = concatMap (e: entry e.host (idsFrom (attrValues e.needs))) (attrValues (fleetByHost fleet));
+      fromFleet =
+        if fleet == null then [ ] else concatLists (mapAttrsToList entry (fleet.callers.${self}.${capability} or { }));
       fromSelf = entry self (idsFrom (needList needs));
       fromInventory = concatLists (
         mapAttrsToList (name: inst: map (h: { ${h} = [ name ]; }) (instanceConsumers hosts inst)) (

@@ -87,41 +87,16 @@ let
     };
   };
 
-  # fort.cluster.fleet.<name>: one host's `fort.host.exported`, as lib.mkFleet passes it
-  # in. Internal: set by mkFleet (or a NixOS test's `nodes`), never by hand.
-  fleetOption =
-    type: description:
-    mkOption {
-      inherit type description;
-      internal = true;
-    };
-  fleetEntry = types.submodule {
-    options = {
-      enable = fleetOption types.bool "Whether the host runs an agent (if not, it exports nothing).";
-      host = fleetOption types.str "The host's fort name (services.fort-agent.hostName).";
-      needs = fleetOption (types.attrsOf (
-        types.submodule {
-          options = {
-            type = fleetOption types.str "The need's type (the capability serving it).";
-            id = fleetOption types.str "The need's id.";
-            from = fleetOption types.str "The providing host.";
-          };
-        }
-      )) "The host's needs by key `<type>/<id>`: the source of `callers`." // { default = { }; };
-      capabilities = fleetOption (types.attrsOf (
-        types.submodule {
-          options.mode = fleetOption types.str "`async` or `rpc`.";
-          options.interface = fleetOption (types.nullOr types.raw) "The request interface module, or null." // {
-            default = null;
-          };
-        }
-      )) "The host's capabilities: consumers check that their needs are served, and their requests against the interface." // {
-        default = { };
-      };
-      manifestSha256 = fleetOption (types.nullOr types.str) "The host's fort.host.manifestSha256 (for lib.fleetManifest)." // {
-        default = null;
-      };
-    };
+  # fort.cluster.fleet: lib.nix's fleetIndex over every host's `fort.host.exported`, as
+  # lib.mkFleet passes it in. Built once for the fleet and read as it is: its entries
+  # are fort's own exports of typed options, so checking their types again on every
+  # host (the fleet's every entry, once per host) would only cost the square of the
+  # fleet. Internal: set by mkFleet (or a NixOS test through lib's projection).
+  fleetIndex = lib.mkOptionType {
+    name = "fortFleetIndex";
+    description = "fort fleet index (lib.mkFleet's projection of every host)";
+    check = v: builtins.isAttrs v && v ? exports && v ? entry && v ? callers;
+    merge = lib.mergeOneOption;
   };
 in
 {
@@ -329,13 +304,14 @@ in
       '';
     };
     fleet = mkOption {
-      type = types.attrsOf fleetEntry;
-      default = { };
+      type = types.nullOr fleetIndex;
+      default = null;
       internal = true;
       description = ''
-        What every host in the fleet exports (`fort.host.exported`): its needs and
-        capabilities. Set by `lib.mkFleet`; the source of `callers`, of the check that
-        each need is served, and of the interfaces requests are checked against.
+        What every host in the fleet exports (`fort.host.exported`: its needs and
+        capabilities), indexed once for the fleet. Set by `lib.mkFleet`; the source of
+        `callers`, of the check that each need is served, and of the interfaces requests
+        are checked against. `null`: this host is evaluated alone.
       '';
     };
   };
