@@ -33,14 +33,16 @@
       lib = {
         # nixosConfigurations = fort.lib.mkFleet {
         #   nixpkgs = nixpkgs;                       # optional: your nixpkgs input
-        #   shared = [ ./fleet.nix ];                # fort.cluster.*, in every host
+        #   cluster = [ ./fleet.nix ];               # fort.cluster.*, evaluated once
+        #   shared = [ ./common.nix ];               # NixOS modules for every host
         #   interfaces.oidc = ./interfaces/oidc.nix; # request interfaces, fleet-wide
         #   hosts.forge.modules = [ ./forge.nix ];   # system: set nixpkgs.hostPlatform
         #   hosts.app = { modules = [ ./app.nix ]; specialArgs = { }; };
         # };
-        # Every host gets fort's module, `shared`, its own modules, the interfaces, and
-        # the needs and capabilities of every other host (nixos-module/fleet.nix says
-        # how and why).
+        # Every host gets fort's module, the cluster modules, `shared`, its own modules,
+        # the interfaces, and the index of every host's needs and capabilities, built
+        # once for the fleet with what the cluster modules declare (nixos-module/fleet.nix
+        # says how and why).
         mkFleet =
           {
             nixpkgs ? inputs.nixpkgs,
@@ -48,6 +50,7 @@
             shared ? [ ],
             specialArgs ? { },
             interfaces ? { },
+            cluster ? [ ],
           }:
           fleetLib.mkFleetWith
             {
@@ -72,6 +75,7 @@
                 shared
                 specialArgs
                 interfaces
+                cluster
                 ;
             };
 

@@ -26,8 +26,8 @@ let
     ;
 
   self = cfg.hostName;
-  hostNames = attrNames cluster.hosts;
-  isHost = n: cluster.hosts ? ${n};
+  hostNames = attrNames cluster.facts.hosts;
+  isHost = n: cluster.facts.hosts ? ${n};
   quote = s: ''"${s}"'';
   inherit (cluster) fleet;
   definedServices = fortLib.servicesDefinedElsewhere options;

@@ -18,29 +18,70 @@
 # with its square). A consumer reads the entries of the providers it names; a provider
 # reads the callers index, which reads every host's needs once for the whole fleet.
 #
+# The fleet's own declarations (fort.cluster's hosts, principals and instances) can
+# live in mkFleet's `cluster` modules, as Clan's inventory lives beside the machines:
+# mkFleet evaluates them once, without any host (options-cluster.nix alone), derives
+# hosts.json, their checks and the inventory's needs and callers once (cluster.nix), and
+# hands that to every host in the index. Every host also imports the same modules, so
+# `config.fort.cluster.*` reads as before; a host that adds definitions of its own to
+# hosts, principals or instances derives the facts from its own values instead. The
+# same declarations in `shared` work too, but then every host type-checks and derives
+# the whole fleet's declarations itself.
+#
 # Why an option and not specialArgs (`nodes`): the module stays usable on its own (the
-# option defaults to {} and the module then computes callers from this host and the
-# inventory, with a warning), the fleet has a declared, checked type, the data crossing
-# hosts is the projection rather than whole configurations, and the NixOS VM test and the
-# evaluation test fill it the same way mkFleet does (`projection` below).
+# option defaults to null and the module then computes callers from this host and the
+# inventory, with a warning), the data crossing hosts is the projection rather than
+# whole configurations, and the NixOS VM test and the evaluation test fill it the same
+# way mkFleet does (`projection` below).
 { lib }:
 let
   fortLib = import ./lib.nix { inherit lib; };
+  inherit (import ./cluster.nix { inherit lib; }) clusterFacts;
 in
 rec {
   # The fleet index every host reads as fort.cluster.fleet (lib.nix fleetIndex), from
   # evaluated configs (`nodes` in a NixOS test, or the `.config` of each mkFleet result).
   # Build it once and give every host the same value: built per host, its grouping
   # would be done once per host.
-  projection = configs: fortLib.fleetIndex (lib.mapAttrs (_: config: config.fort.host.exported) configs);
+  projection = configs: fortLib.fleetIndex { exports = lib.mapAttrs (_: config: config.fort.host.exported) configs; };
 
-  # mkFleetWith { module, evalHost } { hosts, shared ? [ ], specialArgs ? { } }
+  # The fort.cluster options that clusterFacts derives from.
+  clusterParts = [
+    "hosts"
+    "principals"
+    "instances"
+  ];
+
+  # The facts of `cluster` modules (a list of modules defining fort.cluster.*),
+  # evaluated once without any host, with the files that define each part (a host whose
+  # definitions come from exactly these files has the same values); null for none.
+  fleetClusterFacts =
+    clusterModule:
+    let
+      evaluated = lib.evalModules {
+        modules = [
+          ./options-cluster.nix
+          clusterModule
+        ];
+      };
+      declared = evaluated.config.fort.cluster;
+    in
+    clusterFacts { inherit (declared) hosts principals instances; }
+    // {
+      files = lib.genAttrs clusterParts (part: evaluated.options.fort.cluster.${part}.files);
+    };
+
+  # mkFleetWith { module, evalHost } { hosts, shared ? [ ], specialArgs ? { },
+  #   interfaces ? { }, cluster ? [ ] }
   #   module:   the fort NixOS module, added to every host;
   #   evalHost: { name, host, modules, specialArgs } -> an evaluated system with `.config`
   #             (nixpkgs.lib.nixosSystem in the flake; lib.evalModules in the tests);
   #   hosts.<name> = { modules = [ ... ]; system ? ...; specialArgs ? { }; }
   #   interfaces.<capability> = <module>: fort.cluster.interfaces in every host (the
   #             same set lib.renderInterfaces renders without any host);
+  #   cluster:  modules that declare the fleet (fort.cluster.hosts, principals,
+  #             instances) and nothing else, evaluated once for the fleet and imported
+  #             by every host; they see only fort.cluster's options, never a host's;
   # Returns the evaluated hosts by name: `nixosConfigurations`.
   mkFleetWith =
     { module, evalHost }:
@@ -49,17 +90,30 @@ rec {
       shared ? [ ],
       specialArgs ? { },
       interfaces ? { },
+      cluster ? [ ],
     }:
     let
+      # One file name for the anonymous ones among them, the same in the fleet's
+      # evaluation and in every host's, so the two can be compared.
+      clusterModule = {
+        _file = "fort lib.mkFleet cluster";
+        imports = cluster;
+      };
       # One index for the whole fleet, shared by every host.
-      fleet = projection (lib.mapAttrs (_: node: node.config) nodes);
+      fleet = fortLib.fleetIndex {
+        exports = lib.mapAttrs (_: node: node.config.fort.host.exported) nodes;
+        cluster = if cluster == [ ] then null else fleetClusterFacts clusterModule;
+      };
       nodes = lib.mapAttrs (
         name: host:
         evalHost {
           inherit name host;
           specialArgs = specialArgs // (host.specialArgs or { });
           modules =
-            [ module ]
+            [
+              module
+              clusterModule
+            ]
             ++ shared
             ++ (host.modules or [ ])
             ++ [

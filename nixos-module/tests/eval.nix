@@ -7,6 +7,8 @@
 # mode = "fleet" (default): { hosts.<host> = the generated files and units, read back
 #   from the stubs; manifest = lib.fleetManifest }; fails if any assertion fails or a
 #   warning is emitted.
+# mode = "shared": the same fleet with its declarations in `shared` instead of mkFleet's
+#   `cluster`, so every host derives the fleet's facts itself.
 # mode = "flake": the same, but through flake.nix's lib.mkFleet, with a nixpkgs whose
 #   nixosSystem is the stubbed evaluation (so the flake's wiring is tested too).
 # mode = "example": the demo fleet shipped as NixOS configuration
@@ -120,9 +122,13 @@ let
   broken =
     let
       c = import case;
+      # cluster = [ modules ]: added to mkFleet's `cluster`, the fleet's declarations.
       # withoutExternalPath = true: a nixpkgs lib older than types.externalPath, as the
       # modules see it, for the hostKeyFile type's fallback.
-      fleet = import ./fleet.nix { extra = c.extra or { }; } // lib.optionalAttrs (c.withoutExternalPath or false) {
+      declared = import ./fleet.nix { extra = c.extra or { }; };
+      fleet = declared // {
+        cluster = declared.cluster ++ c.cluster or [ ];
+      } // lib.optionalAttrs (c.withoutExternalPath or false) {
         specialArgs.lib = lib // {
           types = removeAttrs lib.types [ "externalPath" ];
         };
@@ -136,6 +142,7 @@ let
               specialArgs = { };
               modules =
                 [ ../default.nix ]
+                ++ fleet.cluster
                 ++ fleet.shared
                 ++ host.modules
                 ++ [
@@ -169,6 +176,8 @@ let
 in
 if mode == "fleet" then
   renderFleet (mkFleet good)
+else if mode == "shared" then
+  renderFleet (mkFleet (import ./fleet.nix { clusterIn = "shared"; }))
 else if mode == "flake" then
   renderFleet (flake.lib.mkFleet good)
 else if mode == "example" then

@@ -124,6 +124,19 @@ else
   fi
 fi
 
+# The fleet's declarations in `shared`, where every host derives the fleet's facts
+# itself, must build the same fleet as in mkFleet's `cluster`, where they are derived
+# once for the fleet.
+if ! evaluate --argstr mode shared >"$work/shared.json" 2>"$work/shared.err"; then
+  cat "$work/shared.err"
+  fail "the fleet with its declarations in shared does not evaluate"
+elif ! diff -q <(jq -S . "$work/fleet.json") <(jq -S . "$work/shared.json") >/dev/null; then
+  diff -u <(jq -S . "$work/fleet.json") <(jq -S . "$work/shared.json") | head -40
+  fail "the fleet's declarations in shared build a different fleet than in cluster"
+else
+  echo "ok   the fleet's declarations in cluster (derived once) or in shared (per host) build the same fleet"
+fi
+
 # flake.nix's lib.mkFleet must build the same fleet as the mkFleetWith above.
 if ! evaluate --argstr mode flake >"$work/flake.json" 2>"$work/flake.err"; then
   cat "$work/flake.err"
