@@ -38,11 +38,14 @@
         #   interfaces.oidc = ./interfaces/oidc.nix; # request interfaces, fleet-wide
         #   hosts.forge.modules = [ ./forge.nix ];   # system: set nixpkgs.hostPlatform
         #   hosts.app = { modules = [ ./app.nix ]; specialArgs = { }; };
+        #   callersFromInventory = true;             # optional: see below
         # };
         # Every host gets fort's module, the cluster modules, `shared`, its own modules,
         # the interfaces, and the index of every host's needs and capabilities, built
         # once for the fleet with what the cluster modules declare (nixos-module/fleet.nix
-        # says how and why).
+        # says how and why). With callersFromInventory, needs on other hosts are
+        # instances of fort.cluster.instances only, and no host's evaluation reads the
+        # other hosts' needs: a provider's callers come from the inventory.
         mkFleet =
           {
             nixpkgs ? inputs.nixpkgs,
@@ -51,6 +54,7 @@
             specialArgs ? { },
             interfaces ? { },
             cluster ? [ ],
+            callersFromInventory ? false,
           }:
           fleetLib.mkFleetWith
             {
@@ -76,6 +80,7 @@
                 specialArgs
                 interfaces
                 cluster
+                callersFromInventory
                 ;
             };
 

@@ -76,6 +76,11 @@ let
       (check (n.renewBefore == null || fortLib.durationSeconds n.renewBefore > 0)
         "${where}.renewBefore must be longer than 0s (or null)."
       )
+      # Under callersFromInventory no provider reads this host's needs: one that is not
+      # the inventory's would never be among its provider's callers.
+      (check (fleet == null || !fleet.callersFromInventory || n.from == self || n.fromInstance != null)
+        "${where}: lib.mkFleet's callersFromInventory is set, so providers learn their callers from fort.cluster.instances alone and ${quote n.from} would never hear of this need. Declare it as an instance (fort.cluster.instances.${n.id}: capability ${quote n.type}, roles.provider.machines.${n.from}, roles.consumer.machines.${self}) in mkFleet's cluster, or leave callersFromInventory unset."
+      )
       (check (n.fromInstance == null || length n.fromDefinedIn <= 1)
         "${where}: duplicate need key ${n.type}/${n.id}: fort.cluster.instances.${toString n.fromInstance} declares it, and `from` is also set in ${concatStringsSep ", " (lib.remove inventoryFile n.fromDefinedIn)}. Rename the instance or the need; to add a handler to the instance's need, set only handler/check/nag here."
       )

@@ -72,7 +72,7 @@ rec {
     };
 
   # mkFleetWith { module, evalHost } { hosts, shared ? [ ], specialArgs ? { },
-  #   interfaces ? { }, cluster ? [ ] }
+  #   interfaces ? { }, cluster ? [ ], callersFromInventory ? false }
   #   module:   the fort NixOS module, added to every host;
   #   evalHost: { name, host, modules, specialArgs } -> an evaluated system with `.config`
   #             (nixpkgs.lib.nixosSystem in the flake; lib.evalModules in the tests);
@@ -82,6 +82,10 @@ rec {
   #   cluster:  modules that declare the fleet (fort.cluster.hosts, principals,
   #             instances) and nothing else, evaluated once for the fleet and imported
   #             by every host; they see only fort.cluster's options, never a host's;
+  #   callersFromInventory: every need on another host is an instance in the
+  #             inventory, so providers take their callers from it and no host's
+  #             evaluation reads the others' needs (a consumer declaring one in its own
+  #             modules fails its evaluation, saying so);
   # Returns the evaluated hosts by name: `nixosConfigurations`.
   mkFleetWith =
     { module, evalHost }:
@@ -91,6 +95,7 @@ rec {
       specialArgs ? { },
       interfaces ? { },
       cluster ? [ ],
+      callersFromInventory ? false,
     }:
     let
       # One file name for the anonymous ones among them, the same in the fleet's
@@ -103,6 +108,7 @@ rec {
       fleet = fortLib.fleetIndex {
         exports = lib.mapAttrs (_: node: node.config.fort.host.exported) nodes;
         cluster = if cluster == [ ] then null else fleetClusterFacts clusterModule;
+        inherit callersFromInventory;
       };
       nodes = lib.mapAttrs (
         name: host:

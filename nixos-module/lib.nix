@@ -320,14 +320,18 @@ rec {
   # host as it is, so that what is the same for all hosts is computed once, not once
   # per host that reads it. Plain data: its parts are fort's own exportedOf, and
   # `cluster`, the facts of mkFleet's `cluster` modules (cluster.nix clusterFacts, with
-  # the files that define them), or null.
+  # the files that define them), or null. callersFromInventory: every need on another
+  # host is an instance of the inventory, so a provider's callers come from the
+  # inventory and no provider reads the other hosts (a need declared otherwise fails
+  # the consumer's evaluation).
   fleetIndex =
     {
       exports,
       cluster ? null,
+      callersFromInventory ? false,
     }:
     rec {
-      inherit exports cluster;
+      inherit exports cluster callersFromInventory;
       # Every entry by fort host name; reads every host's name.
       byHost = fleetByHost exports;
       # One host's entry by fort host name, or null. mkFleet names each host after its
@@ -385,8 +389,9 @@ rec {
   # { <host> = [ <need id> ... ]; }: every host that declares a need of that type from
   # `self`, with the ids it declares. Three sources, unioned, so the answer is right
   # with or without mkFleet: the fleet index (every host's evaluated needs, grouped by
-  # provider once for the fleet), this host's own needs, and the inventory's callers
-  # (cluster.nix; the inventory is shared, so it names consumers on every host).
+  # provider once for the fleet; not read under callersFromInventory), this host's own
+  # needs, and the inventory's callers (cluster.nix; the inventory is shared, so it
+  # names consumers on every host).
   callersOf =
     {
       self,
@@ -399,7 +404,10 @@ rec {
       idsFrom = ns: map (n: n.id) (filter (n: n.type == capability && n.from == self) ns);
       entry = host: ids: optionals (ids != [ ]) [ { ${host} = ids; } ];
       fromFleet =
-        if fleet == null then [ ] else concatLists (mapAttrsToList entry (fleet.callers.${self}.${capability} or { }));
+        if fleet == null || fleet.callersFromInventory then
+          [ ]
+        else
+          concatLists (mapAttrsToList entry (fleet.callers.${self}.${capability} or { }));
       fromSelf = entry self (idsFrom (needList needs));
       fromInventory = inventory.callers.${self}.${capability} or [ ];
     in

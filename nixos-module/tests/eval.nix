@@ -122,12 +122,15 @@ let
   broken =
     let
       c = import case;
-      # cluster = [ modules ]: added to mkFleet's `cluster`, the fleet's declarations.
+      # cluster = [ modules ]: added to mkFleet's `cluster`, the fleet's declarations;
+      # callersFromInventory: passed to mkFleet.
       # withoutExternalPath = true: a nixpkgs lib older than types.externalPath, as the
       # modules see it, for the hostKeyFile type's fallback.
       declared = import ./fleet.nix { extra = c.extra or { }; };
       fleet = declared // {
         cluster = declared.cluster ++ c.cluster or [ ];
+      } // lib.optionalAttrs (c ? callersFromInventory) {
+        inherit (c) callersFromInventory;
       } // lib.optionalAttrs (c.withoutExternalPath or false) {
         specialArgs.lib = lib // {
           types = removeAttrs lib.types [ "externalPath" ];
