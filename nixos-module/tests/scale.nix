@@ -11,13 +11,27 @@
 #                    build-time check's config, the agent unit, assertions and warnings;
 #        "consumer": c1 alone, as "system" forces it (a deploy of one consumer);
 #        "provider": forge alone, likewise.
+# declare = "cluster":   fort.cluster in mkFleet's `cluster` (evaluated once for the
+#                        fleet), the needs in each consumer's own modules;
+#           "shared":    fort.cluster in `shared` instead, so every host evaluates the
+#                        fleet's declarations itself (as before mkFleet had `cluster`);
+#           "inventory": fort.cluster in `cluster`, the needs as two fleet-level
+#                        instances (fort.cluster.instances) rather than in host modules,
+#                        and mkFleet's callersFromInventory, so that no host's
+#                        evaluation reads the other hosts' needs.
 # The result is a small summary (hosts forced, bytes of JSON), so that printing it costs
 # nothing; an evaluation that fails an assertion or warns throws instead.
 {
   lib ? import <nixpkgs-lib/lib>,
   consumers ? 40,
   what ? "fleet",
+  declare ? "cluster",
 }:
+assert lib.elem declare [
+  "cluster"
+  "shared"
+  "inventory"
+];
 let
   stubs = import ./stubs.nix { inherit lib; };
   fleetLib = import ../fleet.nix { inherit lib; };
@@ -47,6 +61,13 @@ let
         tags = lib.optional (name != "forge") "consumer";
       });
       principals.ops.publicKeys = [ (publicKey "ops") ];
+    }
+    // lib.optionalAttrs (declare == "inventory") {
+      instances = lib.genAttrs [ "a" "b" ] (_: {
+        capability = "tok";
+        roles.provider.machines.forge = { };
+        roles.consumer.tags.consumer = { };
+      });
     };
   };
 
@@ -66,12 +87,15 @@ let
   };
 
   nodes = mkFleet {
-    shared = [
-      { services.fort-agent.enable = true; }
-      cluster
-    ];
+    shared = [ { services.fort-agent.enable = true; } ] ++ lib.optional (declare == "shared") cluster;
+    cluster = lib.optional (declare != "shared") cluster;
+    callersFromInventory = declare == "inventory";
     hosts = lib.genAttrs names (name: {
-      modules = if name == "forge" then [ provider ] else [ directNeeds ];
+      modules =
+        if name == "forge" then
+          [ provider ]
+        else
+          lib.optional (declare != "inventory") directNeeds;
     });
   };
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark of fort's share of NixOS evaluation as the fleet grows (tests/scale.nix: one
 # provider, N consumers with two needs each, the real nixpkgs lib, stubbed NixOS). For
-# each N it prints wall time, peak memory (max RSS) and thunks of:
+# each N it prints wall time, CPU time (Nix's own count, steadier than wall time on a
+# busy machine), peak memory (max RSS) and thunks of:
 #   fleet     every host's needs.json and the provider's capabilities.json;
 #   system    every host as its system build forces fort (all of /etc/fort, the agent
 #             unit, assertions, warnings): what `nix flake check` or the fleet check pays;
@@ -13,6 +14,11 @@
 #
 #   NIXPKGS_LIB=/path/to/nixpkgs bash nixos-module/tests/scale.sh [N ...]
 #
+# DECLARE: where the fleet is declared, one table each (tests/scale.nix `declare`):
+#   "cluster" (mkFleet's cluster, needs in host modules), "inventory" (the needs as
+#   instances, callersFromInventory) and "shared" (fort.cluster in every host's modules,
+#   which grows with the square of the fleet: give it small N). Default:
+#   "cluster inventory".
 # CASES="fleet system consumer provider" picks columns.
 # Exit status: 0 measured, 1 an evaluation failed, 77 skipped (no nixpkgs lib,
 # nix-instantiate or jq).
@@ -26,23 +32,24 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(40 160 320 640)
 read -r -a cases <<<"${CASES:-fleet system consumer provider}"
+read -r -a declares <<<"${DECLARE:-cluster inventory}"
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# measure N CASE: prints "seconds megabytes thunks".
+# measure N CASE DECLARE: prints "seconds cpu-seconds megabytes thunks".
 measure() {
   local stats=$work/stats.json
   if ! NIX_SHOW_STATS=1 NIX_SHOW_STATS_PATH=$stats /usr/bin/time -f '%e %M' -o "$work/time" \
     nix-instantiate --eval --strict "$here/scale.nix" \
     --arg lib "import $(jq -n --arg p "$libdir" '$p')" \
-    --arg consumers "$1" --argstr what "$2" >"$work/out" 2>"$work/err"; then
-    echo "FAIL: $2 at N=$1 does not evaluate:" >&2
+    --arg consumers "$1" --argstr what "$2" --argstr declare "$3" >"$work/out" 2>"$work/err"; then
+    echo "FAIL: $2 at N=$1 ($3) does not evaluate:" >&2
     tail -20 "$work/err" >&2
     exit 1
   fi
   read -r seconds kilobytes <"$work/time"
-  printf '%s %d %s\n' "$seconds" $((kilobytes / 1024)) "$(jq .nrThunks "$stats")"
+  printf '%s %.2f %d %s\n' "$seconds" "$(jq .cpuTime "$stats")" $((kilobytes / 1024)) "$(jq .nrThunks "$stats")"
 }
 
 # per_doubling N_A A N_B B: growth per doubling from A at N_A to B at N_B, "-" without A.
@@ -53,35 +60,39 @@ per_doubling() {
   fi
 }
 
-echo "fort evaluation scale (nixpkgs lib: $libdir)"
-header="| hosts |"
-rule="|---|"
-for c in "${cases[@]}"; do
-  header+=" $c s | $c MB | $c thunks |"
-  rule+="---|---|---|"
-  case $c in fleet | system)
-    header+=" $c time/doubling | $c thunks/doubling |"
-    rule+="---|---|"
-    ;;
-  esac
-done
-echo "$header"
-echo "$rule"
-declare -A last_seconds last_thunks
-last_n=
-for n in "${sizes[@]}"; do
-  row="| $((n + 1)) |"
+for where in "${declares[@]}"; do
+  echo
+  echo "fort evaluation scale, fleet declared as \"$where\" (nixpkgs lib: $libdir)"
+  header="| hosts |"
+  rule="|---|"
   for c in "${cases[@]}"; do
-    read -r seconds megabytes thunks < <(measure "$n" "$c")
-    row+=" $seconds | $megabytes | $thunks |"
+    header+=" $c s | $c cpu s | $c MB | $c thunks |"
+    rule+="---|---|---|---|"
     case $c in fleet | system)
-      row+=" $(per_doubling "$last_n" "${last_seconds[$c]:-}" "$n" "$seconds")"
-      row+=" | $(per_doubling "$last_n" "${last_thunks[$c]:-}" "$n" "$thunks") |"
-      last_seconds[$c]=$seconds
-      last_thunks[$c]=$thunks
+      header+=" $c cpu/doubling | $c thunks/doubling |"
+      rule+="---|---|"
       ;;
     esac
   done
-  echo "$row"
-  last_n=$n
+  echo "$header"
+  echo "$rule"
+  declare -A last_cpu=() last_thunks=()
+  last_n=
+  for n in "${sizes[@]}"; do
+    row="| $((n + 1)) |"
+    for c in "${cases[@]}"; do
+      measured=$(measure "$n" "$c" "$where") || exit 1
+      read -r seconds cpu megabytes thunks <<<"$measured"
+      row+=" $seconds | $cpu | $megabytes | $thunks |"
+      case $c in fleet | system)
+        row+=" $(per_doubling "$last_n" "${last_cpu[$c]:-}" "$n" "$cpu")"
+        row+=" | $(per_doubling "$last_n" "${last_thunks[$c]:-}" "$n" "$thunks") |"
+        last_cpu[$c]=$cpu
+        last_thunks[$c]=$thunks
+        ;;
+      esac
+    done
+    echo "$row"
+    last_n=$n
+  done
 done
