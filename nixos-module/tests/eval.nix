@@ -13,6 +13,9 @@
 #   nixosSystem is the stubbed evaluation (so the flake's wiring is tested too).
 # mode = "example": the demo fleet shipped as NixOS configuration
 #   (examples/demo-fleet/fleet.nix) through flake.nix's lib.mkFleet, as "fleet" renders.
+# mode = "vm": the NixOS VM test's nodes (tests/vm.nix), wired as the test framework
+#   wires them (`nodes` as a module argument, fort.cluster.fleet from lib's projection),
+#   as "fleet" renders.
 # mode = "lib": the flake's lib without any host: the example interfaces rendered as
 #   Markdown and as JSON Schema, a schema covering every mapped option type, and refs.
 # mode = "broken", case = ./broken/<name>.nix: { expect; messages.<host> = [ failed
@@ -107,6 +110,28 @@ let
     };
   };
 
+  # The VM test's nodes as the NixOS test framework evaluates them: `defaults` and the
+  # node's module, the node's name as its host name, and every node's config as `nodes`.
+  vmNodes =
+    let
+      test = import ./vm.nix {
+        fortModule = ../default.nix;
+        inherit lib;
+      };
+      nodes = lib.mapAttrs (
+        name: node:
+        evalHost {
+          specialArgs.nodes = lib.mapAttrs (_: n: n.config) nodes;
+          modules = [
+            test.defaults
+            node
+            { networking.hostName = name; }
+          ];
+        }
+      ) test.nodes;
+    in
+    nodes;
+
   # No host is evaluated here: interfaces are rendered from their modules alone.
   libOutputs = {
       markdown = flake.lib.renderInterfaces flake.lib.interfaces;
@@ -185,6 +210,8 @@ else if mode == "flake" then
   renderFleet (flake.lib.mkFleet good)
 else if mode == "example" then
   renderFleet (flake.lib.mkFleet example)
+else if mode == "vm" then
+  renderFleet vmNodes
 else if mode == "lib" then
   libOutputs
 else if mode == "broken" then
