@@ -52,13 +52,18 @@ rec {
     "instances"
   ];
 
-  # The facts of `cluster` modules (a list of modules defining fort.cluster.*),
-  # evaluated once without any host, with the files that define each part (a host whose
-  # definitions come from exactly these files has the same values); null for none.
+  # The facts of `cluster` modules (a module importing those that define
+  # fort.cluster.*), evaluated once without any host and with the fleet's specialArgs,
+  # with the files that define each part (a host whose definitions come from exactly
+  # these files has the same values).
   fleetClusterFacts =
-    clusterModule:
+    {
+      clusterModule,
+      specialArgs ? { },
+    }:
     let
       evaluated = lib.evalModules {
+        inherit specialArgs;
         modules = [
           ./options-cluster.nix
           clusterModule
@@ -80,8 +85,9 @@ rec {
   #   interfaces.<capability> = <module>: fort.cluster.interfaces in every host (the
   #             same set lib.renderInterfaces renders without any host);
   #   cluster:  modules that declare the fleet (fort.cluster.hosts, principals,
-  #             instances) and nothing else, evaluated once for the fleet and imported
-  #             by every host; they see only fort.cluster's options, never a host's;
+  #             instances) and nothing else, evaluated once for the fleet (with
+  #             `specialArgs`, not a host's own) and imported by every host; they see
+  #             only fort.cluster's options, never a host's;
   #   callersFromInventory: every need on another host is an instance in the
   #             inventory, so providers take their callers from it and no host's
   #             evaluation reads the others' needs (a consumer declaring one in its own
@@ -107,7 +113,7 @@ rec {
       # One index for the whole fleet, shared by every host.
       fleet = fortLib.fleetIndex {
         exports = lib.mapAttrs (_: node: node.config.fort.host.exported) nodes;
-        cluster = if cluster == [ ] then null else fleetClusterFacts clusterModule;
+        cluster = if cluster == [ ] then null else fleetClusterFacts { inherit clusterModule specialArgs; };
         inherit callersFromInventory;
       };
       nodes = lib.mapAttrs (
