@@ -10,7 +10,10 @@
 #   provider  the provider alone, likewise;
 # and, for the whole-fleet columns, the growth per doubling of N from the previous row
 # ((b/a)^(1/log2(N_b/N_a)): 2.0 is linear, 4.0 quadratic). A number, not a test:
-# compare the ratios of one run.
+# compare the ratios of one run. Thunks count the evaluation's work exactly; CPU time
+# also counts Nix's garbage collector, which starts once the heap passes its initial
+# size (GC_INITIAL_HEAP_SIZE, 384 MiB unless set in the environment) and so adds time
+# at the N where that happens.
 #
 #   NIXPKGS_LIB=/path/to/nixpkgs bash nixos-module/tests/scale.sh [N ...]
 #
