@@ -9,10 +9,8 @@
   ...
 }:
 let
-  inherit (lib) mkOption mkEnableOption types literalExpression;
+  inherit (lib) mkOption mkEnableOption types;
   settingsFormat = pkgs.formats.toml { };
-
-  jsonObject = types.attrsOf types.anything;
 
   # services.fort-agent.settings.access.<built-in>: principals allowed it.
   accessList =
@@ -32,6 +30,7 @@ let
   fleetIndex = lib.mkOptionType {
     name = "fortFleetIndex";
     description = "fort fleet index (lib.mkFleet's projection of every host)";
+    # Its own keys, without forcing a host: a stray value fails here, not deep in a host.
     check = v: builtins.isAttrs v && v ? exports && v ? entry && v ? callers;
     merge = lib.mergeOneOption;
   };
