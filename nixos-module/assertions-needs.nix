@@ -128,6 +128,31 @@ let
       map (p: check false (message p)) (interface.checkRequest (interface.optionsOf iface) n.request)
   ) allNeeds;
 
+  # The request and the files' pointers against the provider's policy (its allow lists,
+  # what its response holds), when the provider's handler is fort's: a name the
+  # provider would refuse fails here, naming the need, the value and what is allowed.
+  policyOf = fortLib.providerPolicy {
+    inherit self capabilities;
+    inherit (cluster) fleet;
+  };
+  policyAssertions = concatMap (
+    n:
+    let
+      policy = policyOf n;
+    in
+    if policy == null || !(isHost n.from) then
+      [ ]
+    else
+      map (p: check false "host ${self}: ${optionOf n.key}.${p.path}: ${p.message}.") (
+        fortLib.policyProblems {
+          inherit policy;
+          origin = self;
+          need = n;
+          provider = n.from;
+        }
+      )
+  ) allNeeds;
+
   # docs/protocol.md §11.5: references and `after` name needs of this host, and never
   # come back around to the need itself.
   referenceAssertions = concatMap (
@@ -268,6 +293,6 @@ in
 {
   config = lib.mkIf cfg.enable {
     assertions =
-      basicAssertions ++ interfaceAssertions ++ referenceAssertions ++ keyAssertions ++ [ cycleAssertion ] ++ fileAssertions;
+      basicAssertions ++ interfaceAssertions ++ policyAssertions ++ referenceAssertions ++ keyAssertions ++ [ cycleAssertion ] ++ fileAssertions;
   };
 }

@@ -11,8 +11,12 @@ let
     attrValues
     concatLists
     concatMap
+    concatStringsSep
+    elem
     elemAt
     filter
+    hasPrefix
+    hasSuffix
     foldl'
     head
     length
@@ -24,6 +28,11 @@ let
     optionalAttrs
     optionals
     recursiveUpdate
+    replaceStrings
+    splitString
+    stringLength
+    substring
+    toLower
     unique
     zipAttrsWith
     ;
@@ -282,6 +291,124 @@ rec {
     in
     if rest == [ ] then null else walk [ ] (head rest);
 
+  # ------------------------------------------------------------------ policy
+  # A need's request and files held against its provider's policy (a capability of
+  # fort-handler: `policy` as its module sets it), as the handler would hold them at run
+  # time (handlers/src/common/allow.rs): a pattern is an exact name or `*.SUFFIX` (every
+  # name below SUFFIX, not SUFFIX), `{origin}` stands for the caller, and a caller gets
+  # its own patterns and those of `"*"`. Only literal values are held: a value built from
+  # another need's response is known when the request is sent. Returns
+  # [ { path; message; } ], `path` under the need's option.
+  policyProblems =
+    {
+      policy,
+      origin,
+      need,
+      provider,
+    }:
+    let
+      patternsOf = allow: map (p: toLower (replaceStrings [ "{origin}" ] [ origin ] p)) (
+        (allow.${origin} or [ ]) ++ (allow."*" or [ ])
+      );
+      permits =
+        patterns: value:
+        let
+          v = toLower value;
+        in
+        any (
+          p:
+          if hasPrefix "*." p then
+            hasSuffix (substring 1 (stringLength p) p) v && stringLength v > stringLength p - 1
+          else
+            p == v
+        ) patterns;
+      literal = v: builtins.isString v;
+      strings = v: if builtins.isList v then filter literal v else if literal v then [ v ] else [ ];
+      request = need.request;
+      capability = "capability ${need.type} of ${provider}";
+      outside =
+        field: allow: values:
+        let
+          patterns = patternsOf allow;
+        in
+        map (v: {
+          path = "request.${field}";
+          message = "${v} is not one ${capability} allows ${origin} (${
+            if patterns == [ ] then "it allows ${origin} nothing" else "allowed: ${concatStringsSep ", " patterns}"
+          })";
+        }) (filter (v: !(permits patterns v)) values);
+      # acme: the names of the CSR, from the key the request names when it is one.
+      csrNames =
+        let
+          ref = request.csr or null;
+          key = if builtins.isAttrs ref then ref."$fort_key" or null else null;
+        in
+        if request ? names && builtins.isList request.names then
+          strings request.names
+        else if key != null && need.keys ? ${key} then
+          need.keys.${key}.names or [ ]
+        else
+          [ ];
+      byKind = {
+        proxy = outside "server_names" policy.allow (strings (request.server_names or [ ]));
+        dns-record = outside "name" policy.allow (strings (request.name or [ ]));
+        acme =
+          outside "csr" policy.allow csrNames
+          ++ optionals (!policy.dns01) (
+            map (n: {
+              path = "request.csr";
+              message = "${n} is a wildcard name, and ${capability} has no DNS-01";
+            }) (filter (n: hasPrefix "*." n) csrNames)
+          );
+        postgres = outside "name" policy.allow (strings (request.name or [ ]));
+        oidc =
+          outside "client_name" policy.allow (strings (request.client_name or [ ]))
+          ++ (
+            let
+              uris = patternsOf policy.allowRedirectUris;
+              ok = u: any (p: u == p || (hasSuffix "/" p && hasPrefix p u)) uris;
+            in
+            map (u: {
+              path = "request.redirect_uris";
+              message = "${u} is not a redirect URI ${capability} allows ${origin} (allowed: ${
+                if uris == [ ] then "none" else concatStringsSep ", " uris
+              })";
+            }) (filter (u: !(ok u)) (strings (request.redirect_uris or [ ])))
+          )
+          ++ (
+            let
+              grants = (policy.allowGrantTypes.${origin} or [ ]) ++ (policy.allowGrantTypes."*" or [ ]);
+            in
+            map (g: {
+              path = "request.grant_types";
+              message = "${g} is not a grant type ${capability} allows ${origin} (allowed: ${
+                if grants == [ ] then "none" else concatStringsSep ", " grants
+              })";
+            }) (filter (g: !(elem g grants)) (strings (request.grant_types or [ ])))
+          );
+        ssh-ca =
+          let
+            kind = request.kind or "host";
+          in
+          outside "principals" (
+            if kind == "user" then policy.userPrincipals else policy.hostPrincipals
+          ) (strings (request.principals or [ ]));
+      };
+      # A file's pointer names a member of the response: the first step must be one.
+      pointers = concatMap (
+        name:
+        let
+          pointer = need.files.${name}.pointer or "";
+          first = head (splitString "/" (substring 1 (stringLength pointer) pointer));
+        in
+        optional (pointer != "" && policy ? response && !(elem first policy.response)) {
+          path = "files.${name}.pointer";
+          message = "${pointer} names no member of what ${capability} answers (${concatStringsSep ", " policy.response})";
+        }
+      ) (attrNames (need.files or { }));
+    in
+    (byKind.${policy.handler} or [ ]) ++ pointers;
+
   # --------------------------------------------------------------------- fleet
   # What one host tells the others (fort.host.exported). Kept small so each host's
   # evaluation reads only the parts of the others it needs. Everything but
@@ -306,7 +433,7 @@ rec {
         else
           { };
       capabilities =
-        if enable then mapAttrs (_: c: { inherit (c) mode interface; }) capabilities else { };
+        if enable then mapAttrs (_: c: { inherit (c) mode interface policy; }) capabilities else { };
       manifestSha256 = if enable then manifestSha256 else null;
     };
 
@@ -384,6 +511,26 @@ rec {
       provider.capabilities.${n.type}.interface or null
     else
       interfaces.${n.type} or null;
+
+  # The policy of the capability `n` asks for at its provider (options-host.nix
+  # `policy`), from this host's own capabilities or the provider's export; null when the
+  # provider is not in the fleet or its handler is not fort's.
+  providerPolicy =
+    {
+      self,
+      fleet,
+      capabilities,
+    }:
+    n:
+    let
+      provider = if fleet == null then null else fleet.entry n.from;
+    in
+    if n.from == self then
+      capabilities.${n.type}.policy or null
+    else if provider != null then
+      provider.capabilities.${n.type}.policy or null
+    else
+      null;
 
   # docs/protocol.md §5 and §11.2: who may ask `self` for `capability`, as
   # { <host> = [ <need id> ... ]; }: every host that declares a need of that type from

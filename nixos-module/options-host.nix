@@ -335,6 +335,17 @@ let
             most 4096 bytes.
           '';
         };
+        policy = mkOption {
+          type = types.nullOr (types.attrsOf types.unspecified);
+          internal = true;
+          default = null;
+          description = ''
+            What a capability module of fort-handler tells consumers of its policy (its
+            handler's name, allow lists, the members its response has), so each consumer's
+            evaluation holds its requests and file pointers against it (lib.nix
+            policyProblems); `null` for handlers fort does not ship.
+          '';
+        };
         configFiles = mkOption {
           type = types.listOf types.unspecified;
           internal = true;

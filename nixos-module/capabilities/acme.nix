@@ -262,6 +262,12 @@ in
               "${configFile name config.acme}"
             ];
             configFiles = [ (configFile name config.acme) ];
+            policy = {
+              handler = "acme";
+              inherit (config.acme) allow;
+              dns01 = config.acme.dns01 != null;
+              response = [ "certificate" "chain" "fullchain" "not_after" "expires_at" ];
+            };
             interface = mkDefault ../interfaces/acme.nix;
             description = mkDefault "certificates from ${config.acme.directory}";
           };

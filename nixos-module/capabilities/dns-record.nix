@@ -152,6 +152,11 @@ in
               "${configFile name config.dnsRecord}"
             ];
             configFiles = [ (configFile name config.dnsRecord) ];
+            policy = {
+              handler = "dns-record";
+              inherit (config.dnsRecord) allow;
+              response = [ "name" "type" "values" "ttl" ];
+            };
             interface = mkDefault ../interfaces/dns-record.nix;
             cacheResponse = mkDefault true;
             triggers.initialize = mkDefault true;

@@ -158,6 +158,11 @@ in
               "${configFile name config.oidc}"
             ];
             configFiles = [ (configFile name config.oidc) ];
+            policy = {
+              handler = "oidc";
+              inherit (config.oidc) allow allowRedirectUris allowGrantTypes;
+              response = [ "client_id" "client_secret" "issuer" ];
+            };
             interface = mkDefault ../interfaces/oidc.nix;
             cacheResponse = mkDefault true;
             description = mkDefault "OpenID Connect clients at ${config.oidc.issuer}";

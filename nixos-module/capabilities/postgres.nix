@@ -162,6 +162,11 @@ in
               "${configFile name config.postgres}"
             ];
             configFiles = [ (configFile name config.postgres) ];
+            policy = {
+              handler = "postgres";
+              inherit (config.postgres) allow;
+              response = [ "host" "port" "dbname" "user" "password" "uri" ];
+            };
             interface = mkDefault ../interfaces/postgres.nix;
             cacheResponse = mkDefault true;
             description = mkDefault "PostgreSQL databases and roles on ${config.postgres.host}";

@@ -271,6 +271,11 @@ in
               "${configFile name config.proxy}"
             ];
             configFiles = [ (configFile name config.proxy) ];
+            policy = {
+              handler = "proxy";
+              inherit (config.proxy) allow;
+              response = [ "server_names" "upstream" "tls" ];
+            };
             # The fleet's interface of this name when it declares one (it may extend the
             # shipped one, as the example handler's users do), else the shipped one.
             interface = mkDefault (clusterInterfaces.${name} or ../interfaces/proxy.nix);

@@ -163,6 +163,14 @@ let
           "${configFile}"
         ];
         configFiles = [ configFile ];
+        policy = {
+          handler = "ssh-ca";
+          inherit (ca) hostPrincipals userPrincipals;
+          response = [
+            "kind" "certificate" "serial" "key_id" "principals" "valid_after" "valid_before"
+            "expires_at" "krl" "ca_public_key" "known_hosts_line"
+          ];
+        };
         interface = mkDefault ../interfaces/ssh-ca.nix;
         cacheResponse = mkDefault true;
         description = mkDefault "SSH host and user certificates";
