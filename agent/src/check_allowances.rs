@@ -54,6 +54,7 @@ fn uses_refs(v: &Value) -> bool {
 pub fn hold(hosts: &[HostFiles<'_>], skip_handlers: bool) -> Held {
     let mut held = Held::default();
     let mut asked: BTreeMap<Served, serde_json::Map<String, Value>> = BTreeMap::new();
+    let mut answers: BTreeMap<(PathBuf, String), Result<Vec<String>, String>> = BTreeMap::new();
     let mut later = 0usize;
     for consumer in hosts {
         let Ok(registry) = Registry::load(consumer.hosts) else {
@@ -86,6 +87,29 @@ pub fn hold(hosts: &[HostFiles<'_>], skip_handlers: bool) -> Held {
                 }
                 _ => continue,
             };
+            // Each file's pointer must start at a member the capability's answers have.
+            if !skip_handlers {
+                let members = answers
+                    .entry((served.handler.clone(), served.name.clone()))
+                    .or_insert_with(|| members_of(&served));
+                for f in &spec.files {
+                    let first = f.pointer.split('/').nth(1).unwrap_or("");
+                    if let (false, Ok(known)) = (f.pointer.is_empty(), &*members) {
+                        if !known.iter().any(|m| m == first) {
+                            held.problems.push(format!(
+                                "{} → {}: {key}: file {} points at {}, which no answer of {}'s {} has ({})",
+                                consumer.name,
+                                provider.name,
+                                f.path.display(),
+                                f.pointer,
+                                provider.name,
+                                key.kind(),
+                                known.join(", ")
+                            ));
+                        }
+                    }
+                }
+            }
             if uses_refs(&spec.request) {
                 later += 1;
                 continue;
@@ -147,6 +171,19 @@ pub fn hold(hosts: &[HostFiles<'_>], skip_handlers: bool) -> Held {
         ));
     }
     held
+}
+
+/// `fort-handler <name> --config FILE --answers`: the members every response has.
+fn members_of(served: &Served) -> Result<Vec<String>, String> {
+    let out = Command::new(&served.handler)
+        .arg(&served.name)
+        .arg("--config")
+        .arg(&served.config)
+        .arg("--answers")
+        .env_clear()
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", served.handler.display()))?;
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("{} --answers: {e}", served.name))
 }
 
 /// `fort-handler <name> --config FILE --vet --hosts HOSTS` with `entries` on stdin: entry

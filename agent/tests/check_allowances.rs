@@ -153,11 +153,21 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
     for (need, spec, _) in &wrong {
         f.need("app", need, "edge", spec.clone());
     }
+    // And a file pointing at a member postgres never answers.
+    f.host("app").needs.get_mut("postgres/db").unwrap()["files"] =
+        json!([{"path": keys.path().join("host"), "pointer": "/hostname"}]);
     let (passed, report) = check(&f);
     assert!(!passed, "{report}");
     for (need, _, says) in &wrong {
         let line = format!("app → edge: {need}: edge refuses it: {says}");
         assert!(report.contains(&line), "missing {line:?} in:\n{report}");
     }
-    assert!(report.contains("6 problem(s)"), "{report}");
+    assert!(
+        report.contains("app → edge: postgres/db: file ")
+            && report.contains(
+                "points at /hostname, which no answer of edge's postgres has (host, port, dbname, user, password, uri)"
+            ),
+        "{report}"
+    );
+    assert!(report.contains("7 problem(s)"), "{report}");
 }

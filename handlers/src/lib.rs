@@ -37,6 +37,9 @@ pub struct Capability {
     /// the fleet's hosts alone (no server, no secret, no state): what `fort-agent check
     /// --fleet` holds every consumer's requests against before a deploy.
     pub vet: fn(&Path, &common::hosts::Fleet, &[Entry]) -> anyhow::Result<Refusals>,
+    /// The members every response of it has: a consumer's file pointer must start with
+    /// one of them (the fleet check holds it).
+    pub answers: &'static [&'static str],
 }
 
 /// Entry key → why it is refused.

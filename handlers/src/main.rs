@@ -33,6 +33,10 @@ struct Cli {
     /// The fleet's hosts.json, for `--vet`.
     #[arg(long)]
     hosts: Option<PathBuf>,
+    /// Print the members every response of this capability has (a JSON list), then
+    /// exit; the config is not read.
+    #[arg(long)]
+    answers: bool,
 }
 
 fn after_help() -> String {
@@ -75,6 +79,10 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     };
+    if cli.answers {
+        println!("{}", serde_json::json!(cap.answers));
+        return ExitCode::SUCCESS;
+    }
     if cli.check {
         return match (cap.check)(&cli.config) {
             Ok(()) => {

@@ -36,6 +36,13 @@ pub const CAPABILITY: Capability = Capability {
     check,
     run,
     vet,
+    answers: &[
+        "certificate",
+        "chain",
+        "fullchain",
+        "not_after",
+        "expires_at",
+    ],
 };
 
 /// Orders moved on at once: each step is a few requests to the CA.

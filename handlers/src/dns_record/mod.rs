@@ -31,6 +31,7 @@ pub const CAPABILITY: Capability = Capability {
     check,
     run,
     vet,
+    answers: &["name", "type", "values", "ttl"],
 };
 
 /// Updates in flight at once on the one connection: enough to hide the round trip, few

@@ -24,6 +24,7 @@ pub const CAPABILITY: Capability = Capability {
     check,
     run,
     vet,
+    answers: &["client_id", "client_secret", "issuer"],
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {

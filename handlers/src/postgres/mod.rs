@@ -25,6 +25,7 @@ pub const CAPABILITY: Capability = Capability {
     check,
     run,
     vet,
+    answers: &["host", "port", "dbname", "user", "password", "uri"],
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {

@@ -35,6 +35,7 @@ pub const CAPABILITY: Capability = Capability {
     check,
     run,
     vet,
+    answers: &["server_names", "upstream", "tls"],
 };
 
 /// Past this, no further test is started: the agent kills a run at 60 s.

@@ -26,6 +26,19 @@ pub const CAPABILITY: Capability = Capability {
     check,
     run,
     vet,
+    answers: &[
+        "kind",
+        "certificate",
+        "serial",
+        "key_id",
+        "principals",
+        "valid_after",
+        "valid_before",
+        "expires_at",
+        "krl",
+        "ca_public_key",
+        "known_hosts_line",
+    ],
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {
