@@ -22,6 +22,7 @@ let
     hasSuffix
     length
     mapAttrsToList
+    optionalString
     removeSuffix
     ;
 
@@ -65,7 +66,7 @@ let
         "${where}: need type and id must match ^${grammar.capability}$ (docs/protocol.md §1)."
       )
       (check (isHost n.from)
-        "${where}.from = ${quote n.from}, which is not a host in fort.cluster.hosts (hosts: ${concatStringsSep ", " hostNames})."
+        "${where}.from = ${quote n.from}, which is not a host in fort.cluster.hosts (hosts: ${concatStringsSep ", " hostNames}).${fortLib.didYouMean n.from hostNames}"
       )
       (check (!(isHost n.from) || served == null || served ? ${n.type})
         "${where}: nobody serves this need: host ${quote n.from} declares no capability ${quote n.type} (fort.host.capabilities.${n.type} on ${n.from}, with services.fort-agent.enable)."
@@ -119,7 +120,10 @@ let
             "${about} expects ${p.expected}, got ${p.got}"
         )
         + origin
-        + ".";
+        + "."
+        + optionalString (p.kind == "unknown") (
+          fortLib.didYouMean (lib.last (lib.splitString "." p.path)) p.known
+        );
     in
     # A `from` that is no host has its own assertion; its interface would be a guess.
     if iface == null || !(isHost n.from) then
@@ -199,7 +203,7 @@ let
       then
         check false ''${where}.${r.path}: a key reference is exactly { "$fort_key" = "<name>"; as = "csr"; } (config.fort.lib.key builds one).''
       else if !(n.keys ? ${v}) then
-        check false "${where}.${r.path}: $fort_key ${quote v} names no key of this need; declare it in ${where}.keys.${v}."
+        check false "${where}.${r.path}: $fort_key ${quote v} names no key of this need; declare it in ${where}.keys.${v}.${fortLib.didYouMean v (attrNames n.keys)}"
       else if !(builtins.elem form [ "csr" "public" "openssh" ]) then
         check false "${where}.${r.path}: $fort_key ${quote v}: as must be \"csr\", \"public\" or \"openssh\", not ${quote (toString form)}."
       else

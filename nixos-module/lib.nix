@@ -291,6 +291,17 @@ rec {
     in
     if rest == [ ] then null else walk [ ] (head rest);
 
+  # " Did you mean X?" when `name` is a close spelling (at most two edits) of one of
+  # `candidates`, else "": a mistyped key names the one it resembles. Silent with a
+  # nixpkgs lib too old to measure edits.
+  didYouMean =
+    name: candidates:
+    let
+      close = lib.strings.levenshteinAtMost or null;
+      near = if close == null then [ ] else filter (c: c != name && close 2 c name) candidates;
+    in
+    if near == [ ] then "" else " Did you mean ${head (sortStrings near)}?";
+
   # ------------------------------------------------------------------ policy
   # A need's request and files held against its provider's policy (a capability of
   # fort-handler: `policy` as its module sets it), as the handler would hold them at run

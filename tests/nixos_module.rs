@@ -19,8 +19,8 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
-/// Runs one of `nixos-module/tests/*.sh` under bash: `None` when it skipped (exit 77,
-/// recorded as a skip of `test`), else whether it passed and what it printed.
+/// Runs one of `nixos-module/tests/*.sh` (or `../*.sh`) under bash: `None` when it skipped
+/// (exit 77, recorded as a skip of `test`), else whether it passed and what it printed.
 fn run_script(
     test: &str,
     script: &str,
@@ -28,6 +28,8 @@ fn run_script(
 ) -> Option<(bool, String)> {
     let mut cmd = Command::new("bash");
     cmd.arg(repo().join("nixos-module/tests").join(script));
+    cmd.env("FORT_AGENT", fort_tests::bin("fort-agent"))
+        .env("FORT_HANDLER", fort_tests::bin("fort-handler"));
     command(&mut cmd);
     let out = cmd.output().unwrap();
     let text = format!(
@@ -44,6 +46,50 @@ fn run_script(
         return None;
     }
     Some((out.status.success(), text))
+}
+
+/// nixos-module/check-fleet.sh, as the README gives it: a fleet checked with only the
+/// nixpkgs lib, every assertion fort makes at evaluation and `fort-agent check --fleet`
+/// with the requests held against the providers' allow lists; a fleet asking outside
+/// them fails, naming the need, the value and what is allowed.
+#[test]
+fn a_fleet_is_checked_with_only_the_nixpkgs_lib() {
+    const TEST: &str = "a_fleet_is_checked_with_only_the_nixpkgs_lib";
+    let fleet = repo().join("nixos-module/tests/check-fleet/fleet.nix");
+    let Some((passed, text)) = run_script(TEST, "../check-fleet.sh", |cmd| {
+        cmd.arg(&fleet);
+    }) else {
+        return;
+    };
+    assert!(passed, "{text}");
+    for line in [
+        "app → edge: ok: 3 requests fit edge's request schemas",
+        "edge's proxy (1 request): ok: every request within its allowances",
+        "edge's dns-record (1 request): ok: every request within its allowances",
+    ] {
+        assert!(text.contains(line), "{line:?} in:\n{text}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let wrong = dir.path().join("fleet.nix");
+    std::fs::write(
+        &wrong,
+        format!(
+            "{{ fort }}: import {} {{ inherit fort; wrong = true; }}\n",
+            fleet.display()
+        ),
+    )
+    .unwrap();
+    let (passed, text) = run_script(TEST, "../check-fleet.sh", |cmd| {
+        cmd.arg(&wrong);
+    })
+    .expect("ran above");
+    assert!(!passed, "{text}");
+    assert!(
+        text.contains(
+            "host app: fort.host.needs.proxy.wiki.request.server_names: wiki.edge.example.org is not one capability proxy of edge allows app (allowed: *.app.example.org)."
+        ),
+        "{text}"
+    );
 }
 
 #[test]

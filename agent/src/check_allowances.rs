@@ -49,9 +49,9 @@ fn uses_refs(v: &Value) -> bool {
 }
 
 /// Every consumer's requests held against the allowances of the capabilities that serve
-/// them. With `skip_handlers` (files rendered on a machine without the store paths they
-/// name) nothing is run, and the report says so.
-pub fn hold(hosts: &[HostFiles<'_>], skip_handlers: bool) -> Held {
+/// them. A handler that is not on this machine (files rendered without the store paths
+/// they name) is not run, and the report says so.
+pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
     let mut held = Held::default();
     let mut asked: BTreeMap<Served, serde_json::Map<String, Value>> = BTreeMap::new();
     let mut answers: BTreeMap<(PathBuf, String), Result<Vec<String>, String>> = BTreeMap::new();
@@ -88,7 +88,7 @@ pub fn hold(hosts: &[HostFiles<'_>], skip_handlers: bool) -> Held {
                 _ => continue,
             };
             // Each file's pointer must start at a member the capability's answers have.
-            if !skip_handlers {
+            if served.handler.is_file() {
                 let members = answers
                     .entry((served.handler.clone(), served.name.clone()))
                     .or_insert_with(|| members_of(&served));
@@ -139,9 +139,10 @@ pub fn hold(hosts: &[HostFiles<'_>], skip_handlers: bool) -> Held {
             entries.len(),
             if entries.len() == 1 { "" } else { "s" }
         );
-        if skip_handlers {
+        if !served.handler.is_file() {
             held.lines.push(format!(
-                "{what}: allowances not held here (--skip-handlers: fort-handler is not on this machine)"
+                "{what}: allowances not held here ({} is not on this machine)",
+                served.handler.display()
             ));
             continue;
         }

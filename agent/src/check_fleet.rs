@@ -157,7 +157,7 @@ pub fn check_fleet(dir: &Path, skip_handlers: bool) -> anyhow::Result<String> {
             capabilities: &h.capabilities,
         })
         .collect();
-    let held = crate::check_allowances::hold(&files, skip_handlers);
+    let held = crate::check_allowances::hold(&files);
     lines.extend(held.lines);
     problems.extend(held.problems);
 

@@ -25,6 +25,9 @@
   lib ? import <nixpkgs-lib/lib>,
   mode ? "fleet",
   case ? null,
+  # mode = "check": a file `{ fort }: <lib.mkFleet's arguments>` (examples/demo-fleet/
+  # fleet.nix is one), checked by nixos-module/check-fleet.sh.
+  fleetFile ? null,
 }:
 let
   stubs = import ./stubs.nix { inherit lib; };
@@ -212,6 +215,29 @@ else if mode == "example" then
   renderFleet (flake.lib.mkFleet example)
 else if mode == "vm" then
   renderFleet vmNodes
+else if mode == "check" then
+  let
+    nodes = flake.lib.mkFleet (import fleetFile {
+      fort = flake // {
+        outPath = ../..;
+      };
+    });
+  in
+  renderFleet nodes
+  // {
+    # The handlers' config files each capability names, as their text: a check
+    # without a store writes them where the capabilities can be pointed at them.
+    configs = lib.mapAttrs (
+      _: node:
+      lib.concatMap (
+        c:
+        map (f: {
+          path = toString f;
+          inherit (f) text;
+        }) c.configFiles
+      ) (lib.attrValues node.config.fort.host.capabilities)
+    ) nodes;
+  }
 else if mode == "lib" then
   libOutputs
 else if mode == "broken" then

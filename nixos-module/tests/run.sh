@@ -166,29 +166,8 @@ fi
 # Files for `fort-agent check` and for agents under test: the generated JSON as the
 # exact bytes installed (so an agent loading them reports the built manifest hash), an
 # agent.toml naming them, and manifest.json (lib.fleetManifest).
-# TOML from the agent settings' JSON: scalars first, then one [table] per object.
-toml='
-  def key: if test("^[A-Za-z0-9_-]+$") then . else tojson end;
-  def scalars: to_entries[] | select(.value != null and (.value | type) != "object")
-    | "\(.key | key) = \(.value | tojson)";
-  def tables($prefix): to_entries[] | select((.value | type) == "object")
-    | ($prefix + (.key | key)) as $p | "", "[\($p)]", (.value | scalars), (.value | tables($p + "."));
-  scalars, tables("")'
-# write_hosts FLEET_JSON DIR: DIR/<host>/ for every host of an evaluated fleet.
-write_hosts() {
-  local host dir f
-  for host in $(jq -r '.hosts | keys[]' "$1"); do
-    dir=$(mkdir -p "$2/$host" && cd "$2/$host" && pwd)
-    for f in hosts needs capabilities; do
-      jq -j --arg h "$host" --arg f "$f" '.hosts[$h].texts[$f]' "$1" >"$dir/$f.json"
-    done
-    jq -r --arg h "$host" --arg d "$dir" '.hosts[$h].agent
-      | .hosts = "\($d)/hosts.json" | .needs = "\($d)/needs.json"
-      | .capabilities = "\($d)/capabilities.json" | .host_key = "\($d)/host_key"
-      | .state_dir = "\($d)/state" | .admin_socket = "\($d)/agent.sock"
-      | '"$toml" "$1" >"$dir/agent.toml"
-  done
-}
+# shellcheck source=write-hosts.sh
+. "$here/write-hosts.sh"
 if [ -n "${OUT_DIR:-}" ]; then
   write_hosts "$work/fleet.json" "$OUT_DIR"
   jq -S .manifest "$work/fleet.json" >"$OUT_DIR/manifest.json"

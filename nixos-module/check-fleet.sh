@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Checks a fleet before it is deployed with only the nixpkgs lib: no nixpkgs checkout,
+# no Nix build, as fort's own tests check theirs. FLEET is a file
+# `{ fort }: <lib.mkFleet's arguments>` (examples/demo-fleet/fleet.nix is one; a flake
+# passes the same set to fort.lib.mkFleet). Each host is evaluated with fort's module and
+# stand-ins for the NixOS options it touches (tests/stubs.nix): every assertion fort
+# makes at evaluation runs, and then `fort-agent check --fleet` over the files each host
+# would install, with the capabilities of fort-handler pointed at their configs and the
+# fort-handler found here, so each consumer's requests are also held against its
+# providers' allow lists.
+#
+#   NIXPKGS_LIB=/path/to/nixpkgs.lib bash nixos-module/check-fleet.sh path/to/fleet.nix
+#
+# NIXPKGS_LIB: a nixpkgs or nixpkgs.lib checkout (`git clone --depth 1
+# https://github.com/nix-community/nixpkgs.lib`). fort-agent and fort-handler: on PATH,
+# or FORT_AGENT / FORT_HANDLER. What it cannot see: options of NixOS modules other than
+# fort's that the fleet's host modules read (those need the real NixOS, `nix flake
+# check`).
+#
+# Exit status: 0 the fleet passes, 1 it does not (the reasons are printed), 77 skipped
+# (no nixpkgs lib, nix-instantiate or jq).
+set -euo pipefail
+
+[ $# = 1 ] || { echo "usage: $0 FLEET.nix" >&2; exit 2; }
+fleet=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=tests/nixpkgs-lib.sh
+. "$here/tests/nixpkgs-lib.sh"
+# shellcheck source=tests/write-hosts.sh
+. "$here/tests/write-hosts.sh"
+agent=${FORT_AGENT:-$(command -v fort-agent || true)}
+handler=${FORT_HANDLER:-$(command -v fort-handler || true)}
+[ -n "$agent" ] || { echo "fort-agent not found: put it on PATH or set FORT_AGENT" >&2; exit 1; }
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+if ! nix-instantiate --eval --strict --json "$here/tests/eval.nix" \
+  --arg lib "import $(jq -n --arg p "$libdir" '$p')" --argstr mode check \
+  --arg fleetFile "$fleet" >"$work/fleet.json" 2>"$work/eval.err"; then
+  echo "the fleet does not evaluate, or an assertion fails:"
+  sed -n 's/^error: *//p; s/^ *host /host /p' "$work/eval.err" | grep -v '^ *…' | sed 's/^/  /'
+  exit 1
+fi
+write_hosts "$work/fleet.json" "$work/fleet"
+
+# The handlers' configs, written where the capabilities are pointed at them.
+mkdir -p "$work/configs"
+jq -c '.configs[][]' "$work/fleet.json" | while IFS= read -r c; do
+  path=$(jq -r .path <<<"$c")
+  jq -j .text <<<"$c" >"$work/configs/$(basename "$path")"
+done
+if [ -n "$handler" ]; then
+  for caps in "$work"/fleet/*/capabilities.json; do
+    jq --arg h "$handler" --arg d "$work/configs" '
+      map_values(
+        if (.args // [] | length) >= 3 and (.handler | endswith("/fort-handler")) and .args[1] == "--config"
+        then .handler = $h | .args[2] = ($d + "/" + (.args[2] | split("/") | last)) else . end)' \
+      "$caps" >"$caps.new"
+    mv "$caps.new" "$caps"
+  done
+else
+  echo "fort-handler not found (PATH or FORT_HANDLER): requests are not held against allow lists"
+fi
+# The hosts' own handlers and checks are store paths this machine does not have.
+"$agent" check --skip-handlers --fleet "$work/fleet"
