@@ -130,13 +130,46 @@ async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
         Err(_) => return Ok(()),
     }
     let reply = match serde_json::from_str::<AdminRequest>(&line) {
-        Ok(req) => execute(&app, req).await,
+        Ok(req) => {
+            let audited = audited_call(&req);
+            let reply = execute(&app, req).await;
+            if let Some(call) = audited {
+                let ok = reply["ok"].as_bool().unwrap_or(false);
+                app.audit.record(
+                    fort_core::audit::Event::new("operator")
+                        .caller("local")
+                        .status(if ok { 200 } else { 400 })
+                        .detail(json!({"call": call, "params": params_of(&line)})),
+                );
+            }
+            reply
+        }
         Err(e) => json!({"ok": false, "error": format!("bad admin request: {e}")}),
     };
     let mut out = serde_json::to_vec(&reply).expect("reply serialises");
     out.push(b'\n');
     let _ = tokio::time::timeout(app.config.header_read_timeout, write.write_all(&out)).await;
     Ok(())
+}
+
+/// Calls on the admin socket that change something: the audit trail keeps them, with the
+/// caller `local` (the socket is the agent's user's alone; `status` there is how the
+/// host's own monitoring looks, and is not kept).
+fn audited_call(req: &AdminRequest) -> Option<&'static str> {
+    Some(match req {
+        AdminRequest::Trigger { .. } => "trigger",
+        AdminRequest::Resend { .. } => "resend",
+        AdminRequest::Gc { dry_run: false } => "gc",
+        _ => return None,
+    })
+}
+
+/// The request line's parameters, bounded, for the trail.
+fn params_of(line: &str) -> Value {
+    serde_json::from_str::<Value>(line)
+        .ok()
+        .filter(|_| line.len() <= 1024)
+        .unwrap_or_else(|| json!(format!("{} bytes", line.len())))
 }
 
 async fn execute(app: &Arc<App>, req: AdminRequest) -> Value {

@@ -57,6 +57,8 @@ pub struct App {
     pub last_gc: Mutex<Option<SweepReport>>,
     /// Requests served since start (for housekeeping: was there a burst to clean up?).
     pub served: std::sync::atomic::AtomicU64,
+    /// The signed audit trail (docs/protocol.md §12).
+    pub audit: fort_core::audit::Audit,
 }
 
 /// Schema checks at once: as many as cores (at most 8), for what is CPU work only; a
@@ -132,6 +134,33 @@ where
         }
     }
     Ok(store)
+}
+
+/// The audit trail as `[audit]` says, or none.
+fn open_audit(config: &Config, signer: &Signer) -> fort_core::audit::Audit {
+    if !config.audit.enable {
+        return fort_core::audit::Audit::disabled();
+    }
+    let a = &config.audit;
+    fort_core::audit::Audit::open(
+        fort_core::audit::Options {
+            dir: config.audit_dir(),
+            host: config.host.clone(),
+            max_file_bytes: a.max_file_bytes.max(4096),
+            max_files: a.max_files.max(2),
+            checkpoint_interval: a.checkpoint_interval.max(std::time::Duration::from_secs(1)),
+            queue: a.queue,
+            journal: a.journal,
+        },
+        signer.clone(),
+    )
+}
+
+/// SHA-256 of agent.toml as read at start (a changed configuration shows in the trail).
+fn config_sha256(path: &std::path::Path) -> Option<String> {
+    std::fs::read(path)
+        .ok()
+        .map(|b| fort_core::canonical::sha256_hex(&b))
 }
 
 /// Checks that `signer`'s public key is one of this host's keys in hosts.json.
@@ -244,6 +273,7 @@ impl App {
                 .map_err(|e| StartError::Io(format!("cannot create {}", dir.display()), e))?;
         }
         let tasks = TaskTracker::new();
+        let audit = open_audit(&config, &signer);
 
         // A state file that cannot be read stops the start: an empty provider would
         // forget every consumer's entries, and its next write would destroy the evidence.
@@ -292,6 +322,7 @@ impl App {
                 systemctl: config.systemctl.clone(),
                 batches: config.batches,
                 key_dir: config.state_dir.join("keys"),
+                audit: audit.clone(),
             },
             fulfill_store,
             client.clone(),
@@ -323,8 +354,17 @@ impl App {
             tasks: tasks.clone(),
             last_gc: Mutex::new(None),
             served: Default::default(),
+            audit,
             config,
         });
+        app.audit.record(
+            fort_core::audit::Event::new("start").detail(serde_json::json!({
+                "release": fort_core::VERSION,
+                "protocol": fort_core::compat::PROTOCOL,
+                "config_sha256": config_sha256(&app.config.config_file),
+                "manifest_sha256": loaded.manifest_sha256,
+            })),
+        );
         fulfiller
             .reload(loaded.needs.clone(), Arc::new(loaded.registry.clone()))
             .await
@@ -365,8 +405,20 @@ impl App {
 
     /// Re-reads the JSON files (SIGHUP, admin `reload`). A broken file keeps the old view.
     pub async fn reload(self: &Arc<App>) -> Result<(), String> {
-        let loaded = Loaded::load(&self.config).map_err(|e| e.to_string())?;
+        let loaded = Loaded::load(&self.config).map_err(|e| {
+            self.audit
+                .record(fort_core::audit::Event::new("reload_refused").reason(e.to_string()));
+            e.to_string()
+        })?;
         check_own_key(&self.config, &loaded, &self.signer).map_err(|e| e.to_string())?;
+        let before = self.loaded.load().manifest_sha256.clone();
+        self.audit.record(
+            fort_core::audit::Event::new("reload").detail(serde_json::json!({
+                "manifest_sha256": loaded.manifest_sha256,
+                "previous_manifest_sha256": before,
+                "changed": before != loaded.manifest_sha256,
+            })),
+        );
         self.loaded.store(Arc::new(loaded.clone()));
         self.fulfiller
             .reload(loaded.needs, Arc::new(loaded.registry))

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use fort_core::canonical::{request_bytes, response_bytes};
 use fort_core::names::{is_capability_name, NeedKey};
 use fort_core::schema::PeerKind;
-use fort_core::sign::{verify, MAX_SIGNATURE_LEN};
+use fort_core::sign::{verify_with_key, MAX_SIGNATURE_LEN};
 use fort_core::wire::{unix_now, H_NONCE, H_ORIGIN, H_SERVER_TIME, H_SIGNATURE, H_TIMESTAMP};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
@@ -33,6 +33,15 @@ use crate::server::PeerAddr;
 pub struct Caller {
     pub origin: String,
     pub kind: PeerKind,
+    /// The key its signature verified with (`None`: the local admin socket).
+    pub key: Option<ssh_key::PublicKey>,
+}
+
+impl Caller {
+    /// The caller's key as `ssh-keygen -l` prints it, for the audit trail.
+    pub fn fingerprint(&self) -> Option<String> {
+        self.key.as_ref().map(fort_core::audit::fingerprint)
+    }
 }
 
 /// Where a request is going (§2).
@@ -370,14 +379,17 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         &nonce,
         &body,
     );
-    if let Err(e) = verify(&signature, &keys, &canonical) {
-        return refuse(
-            &app,
-            peer,
-            ApiError::Unauthorized(format!("{origin}: {e}")),
-            "signature",
-        );
-    }
+    let key = match verify_with_key(&signature, &keys, &canonical) {
+        Ok(key) => key.clone(),
+        Err(e) => {
+            return refuse(
+                &app,
+                peer,
+                ApiError::Unauthorized(format!("{origin}: {e}")),
+                "signature",
+            );
+        }
+    };
     drop(reservation);
     if let Some(trust) = &trust {
         trust.verified();
@@ -385,6 +397,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     let caller = Caller {
         origin: origin.clone(),
         kind,
+        key: Some(key),
     };
     app.served
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

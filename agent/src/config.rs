@@ -130,6 +130,63 @@ pub struct Config {
     /// The consumer's fulfiller.
     #[serde(default)]
     pub fulfill: FulfillConfig,
+    /// The signed audit trail (docs/protocol.md §12).
+    #[serde(default)]
+    pub audit: AuditConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditConfig {
+    /// Record what this host issues, receives and is asked to do. Unset: true.
+    #[serde(default = "defaults::yes")]
+    pub enable: bool,
+    /// Where the trail's files go (made 0700). Unset: `<state_dir>/audit`.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// A file this large is closed with a checkpoint and the next one begun. Unset: 16 MiB.
+    #[serde(default = "defaults::audit_max_file_bytes")]
+    pub max_file_bytes: u64,
+    /// Files kept; when one more is begun the oldest is removed (the chain goes on
+    /// across files). Unset: 8.
+    #[serde(default = "defaults::audit_max_files")]
+    pub max_files: usize,
+    /// How often the head of the trail is signed with the host key, when records were
+    /// added; also at shutdown and when a file is full. Unset: 5 min.
+    #[serde(
+        default = "defaults::audit_checkpoint_interval",
+        with = "humantime_serde"
+    )]
+    pub checkpoint_interval: Duration,
+    /// Records waiting to be written; past it records are counted as lost, and the
+    /// count recorded, rather than making the agent wait. Unset: 65,536.
+    #[serde(default = "defaults::audit_queue")]
+    pub queue: usize,
+    /// Each record also goes to the agent's log (the journal under systemd), as one
+    /// line of JSON with the target `fort_audit`. Unset: false.
+    #[serde(default)]
+    pub journal: bool,
+    /// While the trail cannot be written, this host issues nothing: async requests get
+    /// 503 with Retry-After and handler runs wait. Unset: false (it issues, and logs
+    /// that the trail is not written).
+    #[serde(default)]
+    pub required: bool,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults parse")
+    }
+}
+
+impl Config {
+    /// The directory of the audit trail.
+    pub fn audit_dir(&self) -> PathBuf {
+        self.audit
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("audit"))
+    }
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -355,6 +412,18 @@ pub(crate) mod defaults {
     pub fn fulfill_timeout() -> Duration {
         Duration::from_secs(30)
     }
+    pub fn audit_max_file_bytes() -> u64 {
+        16 * 1024 * 1024
+    }
+    pub fn audit_max_files() -> usize {
+        8
+    }
+    pub fn audit_checkpoint_interval() -> Duration {
+        Duration::from_secs(300)
+    }
+    pub fn audit_queue() -> usize {
+        65_536
+    }
 }
 
 /// A config file that cannot be used.
@@ -449,6 +518,7 @@ impl Config {
             ("callbacks.timeout", self.callbacks.timeout),
             ("fulfill.backoff", self.fulfill.backoff),
             ("fulfill.timeout", self.fulfill.timeout),
+            ("audit.checkpoint_interval", self.audit.checkpoint_interval),
         ]
     }
 }

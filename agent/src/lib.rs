@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod audit_cli;
 pub mod auth;
 pub mod builtins;
 pub mod check;
@@ -102,6 +103,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         tracing::warn!("background tasks still running after 10 s; exiting anyway");
     }
     let _ = std::fs::remove_file(&app.config.admin_socket);
+    app.audit.record(fort_core::audit::Event::new("stop"));
+    let audit = app.audit.clone();
+    let _ = tokio::task::spawn_blocking(move || audit.close()).await;
     Ok(())
 }
 

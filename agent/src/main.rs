@@ -18,11 +18,34 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent resend oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent serve --recover --config /etc/fort/agent.toml\n  fort-agent set-aside fulfillment-state.json\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent resend oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent audit show --need oidc/wiki --since 2h\n  fort-agent audit verify\n  fort-agent plan --needs ./new-needs.json\n  fort-agent serve --recover --config /etc/fort/agent.toml\n  fort-agent set-aside fulfillment-state.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Print the records, oldest first, filtered by need, host, event or time.
+    Show {
+        #[command(flatten)]
+        source: fort_agent::audit_cli::Source,
+        #[command(flatten)]
+        filter: fort_agent::audit_cli::Filter,
+        /// Print the records as they are in the files (JSON lines).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check the chain of records and every checkpoint's signature with the host's keys
+    /// in hosts.json; exit 1 naming the first bad record.
+    Verify {
+        #[command(flatten)]
+        source: fort_agent::audit_cli::Source,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -168,6 +191,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The audit trail: what this host issued, received and was asked to do.
+    #[command(subcommand)]
+    Audit(AuditCommand),
     /// Re-read hosts.json, needs.json and capabilities.json (same as SIGHUP).
     Reload {
         /// Print the agent's reply as JSON.
@@ -449,6 +475,27 @@ async fn agent_main() -> ExitCode {
             |v| fort_agent::cli::gc_text(&v["report"]),
         ),
         Command::SetAside { config, files } => set_aside(&config, &files).await,
+        Command::Audit(AuditCommand::Show {
+            source,
+            filter,
+            json,
+        }) => match fort_agent::audit_cli::show(&source, &filter, json) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("fort-agent audit: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Audit(AuditCommand::Verify { source, json }) => {
+            match fort_agent::audit_cli::verify(&source, json) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(e) => {
+                    eprintln!("fort-agent audit: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::Reload { json, config } => print_admin(
             admin_call(&config, AdminRequest::Reload).await,
             json,

@@ -84,6 +84,7 @@ async fn build(
             systemctl: "systemctl".into(),
             batches,
             key_dir: dir.join("keys"),
+            audit: fort_core::audit::Audit::disabled(),
         },
         store,
         client,

@@ -26,7 +26,7 @@ pub enum VerifyError {
     TrailingBytes,
     #[error("SSHSIG version {0} is not 1")]
     Version(u32),
-    #[error("namespace {0:?} is not fort-agent")]
+    #[error("namespace {0:?} is not the expected one")]
     Namespace(String),
     #[error("hash {0} is not sha512")]
     Hash(String),
@@ -173,6 +173,25 @@ impl Signer {
             .to_string()
     }
 
+    /// Signs, under `namespace`, a message of which only its SHA-512 is at hand (a
+    /// message too long to keep, hashed as it was written); the same SSHSIG blob
+    /// `ssh-keygen -Y sign -n NAMESPACE` makes of the whole message. One-line base64.
+    pub fn sign_sha512_digest(&self, namespace: &str, digest: &[u8; 64]) -> String {
+        use ed25519_dalek::ed25519::signature::Signer as _;
+        let signed = signed_data(namespace, digest);
+        let signature = self.expanded.sign(&signed);
+        let sig = SshSig::new(
+            self.expanded.public.clone(),
+            namespace,
+            HashAlg::Sha512,
+            signature,
+        )
+        .expect("a non-empty namespace");
+        let mut blob = Vec::with_capacity(sig.encoded_len().unwrap_or(128));
+        sig.encode(&mut blob).expect("SSHSIG encodes");
+        STANDARD.encode(blob)
+    }
+
     /// Signs `msg` and returns the one-line base64 of the binary SSHSIG blob.
     pub fn sign(&self, msg: &[u8]) -> String {
         let sig = SshSig::sign(&*self.expanded, NAMESPACE, HashAlg::Sha512, msg)
@@ -199,6 +218,15 @@ pub fn parse_public_key(line: &str) -> Result<PublicKey, String> {
 /// Verifies a base64 SSHSIG over `msg` made by one of `keys`, checking every field
 /// §3 step 6 names before the (comparatively costly) signature check.
 pub fn verify(signature_b64: &str, keys: &[PublicKey], msg: &[u8]) -> Result<(), VerifyError> {
+    verify_with_key(signature_b64, keys, msg).map(drop)
+}
+
+/// As [`verify`], and says which of `keys` made the signature.
+pub fn verify_with_key<'k>(
+    signature_b64: &str,
+    keys: &'k [PublicKey],
+    msg: &[u8],
+) -> Result<&'k PublicKey, VerifyError> {
     if signature_b64.len() > MAX_SIGNATURE_LEN {
         return Err(VerifyError::Base64);
     }
@@ -237,7 +265,63 @@ pub fn verify(signature_b64: &str, keys: &[PublicKey], msg: &[u8]) -> Result<(),
     use ed25519_dalek::Verifier as _;
     verifying
         .verify(&signed, &signature)
-        .map_err(|_| VerifyError::Invalid)
+        .map_err(|_| VerifyError::Invalid)?;
+    Ok(key)
+}
+
+/// What the ed25519 signature of an SSHSIG covers (PROTOCOL.sshsig): the magic, the
+/// namespace, no reserved bytes, the hash's name and the message's SHA-512.
+fn signed_data(namespace: &str, digest: &[u8; 64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(6 + 4 + namespace.len() + 4 + 4 + 6 + 4 + 64);
+    out.extend_from_slice(b"SSHSIG");
+    for field in [namespace.as_bytes(), b"", b"sha512", digest] {
+        out.extend_from_slice(&(field.len() as u32).to_be_bytes());
+        out.extend_from_slice(field);
+    }
+    out
+}
+
+/// Verifies a base64 SSHSIG under `namespace` (hash `sha512`, an ed25519 key among
+/// `keys`) over a message of which `digest` is the SHA-512; returns the key that made it.
+pub fn verify_sha512_digest<'k>(
+    namespace: &str,
+    signature_b64: &str,
+    keys: &'k [PublicKey],
+    digest: &[u8; 64],
+) -> Result<&'k PublicKey, VerifyError> {
+    let blob = STANDARD
+        .decode(signature_b64.trim())
+        .map_err(|_| VerifyError::Base64)?;
+    let mut reader: &[u8] = &blob;
+    let sig = SshSig::decode(&mut reader).map_err(|_| VerifyError::Decode)?;
+    if !reader.is_finished() {
+        return Err(VerifyError::TrailingBytes);
+    }
+    if sig.version() != 1 {
+        return Err(VerifyError::Version(sig.version()));
+    }
+    if sig.namespace() != namespace {
+        return Err(VerifyError::Namespace(sig.namespace().to_owned()));
+    }
+    if sig.hash_alg() != HashAlg::Sha512 {
+        return Err(VerifyError::Hash(sig.hash_alg().to_string()));
+    }
+    if sig.algorithm() != Algorithm::Ed25519 || sig.public_key().algorithm() != Algorithm::Ed25519 {
+        return Err(VerifyError::KeyType(sig.algorithm().to_string()));
+    }
+    let key = keys
+        .iter()
+        .find(|k| k.key_data() == sig.public_key())
+        .ok_or(VerifyError::UnknownKey)?;
+    let raw = key.key_data().ed25519().ok_or(VerifyError::Invalid)?.0;
+    let verifying = verifying_key(raw).ok_or(VerifyError::Invalid)?;
+    let signature = ed25519_dalek::Signature::try_from(sig.signature().as_bytes())
+        .map_err(|_| VerifyError::Invalid)?;
+    use ed25519_dalek::Verifier as _;
+    verifying
+        .verify(&signed_data(namespace, digest), &signature)
+        .map_err(|_| VerifyError::Invalid)?;
+    Ok(key)
 }
 
 /// Decompressed keys of the known peers (the registry bounds them; the cache is dropped
@@ -285,6 +369,31 @@ mod tests {
         assert_eq!(
             verify(&STANDARD.encode(&blob), &keys, b"hello"),
             Err(VerifyError::TrailingBytes)
+        );
+    }
+
+    #[test]
+    fn a_signature_over_a_digest_is_the_one_over_the_message() {
+        use sha2::{Digest, Sha512};
+        let a = Signer::generate();
+        let keys = vec![a.public_key().clone()];
+        let msg = b"many records\n";
+        let digest: [u8; 64] = Sha512::digest(msg).into();
+        let sig = a.sign_sha512_digest("fort-audit", &digest);
+        // ed25519 is deterministic: ssh-key's own SSHSIG over the whole message is the same.
+        let whole = a.key.sign("fort-audit", HashAlg::Sha512, msg).unwrap();
+        let mut blob = Vec::new();
+        whole.encode(&mut blob).unwrap();
+        assert_eq!(sig, STANDARD.encode(blob));
+        assert!(verify_sha512_digest("fort-audit", &sig, &keys, &digest).is_ok());
+        assert_eq!(
+            verify_sha512_digest("fort-agent", &sig, &keys, &digest).err(),
+            Some(VerifyError::Namespace("fort-audit".into()))
+        );
+        let other: [u8; 64] = Sha512::digest(b"other").into();
+        assert_eq!(
+            verify_sha512_digest("fort-audit", &sig, &keys, &other).err(),
+            Some(VerifyError::Invalid)
         );
     }
 

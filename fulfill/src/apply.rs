@@ -184,6 +184,13 @@ impl Fulfiller {
         match self.apply(key, spec, origin, payload).await {
             Err(reason) => {
                 tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
+                self.inner.opts.audit.record(
+                    fort_core::audit::Event::new("apply_failed")
+                        .need(key.to_string())
+                        .provider(origin)
+                        .response(Some(digest.clone()))
+                        .reason(&reason),
+                );
                 let current = self.record_failure(key, inbox.seq, reason).await;
                 if current {
                     let failures = {
@@ -323,6 +330,15 @@ impl Fulfiller {
             }
         };
         self.inner.view.lock().clear_failures(key);
+        self.inner.opts.audit.record(
+            fort_core::audit::Event::new("applied")
+                .need(key.to_string())
+                .provider(inbox.from.as_str())
+                .response(Some(digest.to_owned()))
+                .previous(before.payload_sha256.clone().filter(|p| p != digest))
+                .expires_at(expires_at)
+                .detail(serde_json::json!({"files_changed": written.changed})),
+        );
         tracing::info!(need = %key, from = %inbox.from, bytes = payload.len(), payload_sha256 = %digest, files_changed = written.changed, state = state.phase.as_str(), "payload applied");
         if before.payload_sha256.as_deref() != Some(digest) || !before.satisfied {
             self.wake_dependents(key);

@@ -61,6 +61,11 @@ impl Fulfiller {
         self.supersede(key, Phase::Pending, "revoked by the provider".into())
             .await?;
         tracing::info!(need = %key, from = origin, "payload revoked");
+        self.inner.opts.audit.record(
+            fort_core::audit::Event::new("revoked")
+                .need(key.to_string())
+                .provider(origin),
+        );
         self.after(key, Some(jittered(nag(spec))));
         Ok(false)
     }
@@ -79,6 +84,12 @@ impl Fulfiller {
             printable(reason, PROVIDER_REASON_CHARS)
         );
         tracing::warn!(need = %key, from = origin, reason = %reason, "request refused by the provider's handler");
+        self.inner.opts.audit.record(
+            fort_core::audit::Event::new("refused")
+                .need(key.to_string())
+                .provider(origin)
+                .reason(&reason),
+        );
         self.supersede(key, Phase::Failed, reason).await?;
         self.after(key, Some(jittered(nag(spec))));
         Ok(false)
@@ -206,12 +217,25 @@ impl Fulfiller {
         if ok {
             self.inner.view.lock().clear_failures(key);
             tracing::info!(need = %key, from = origin, "payload applied");
+            self.inner.opts.audit.record(
+                fort_core::audit::Event::new("applied")
+                    .need(key.to_string())
+                    .provider(origin)
+                    .response(Some(digest.clone())),
+            );
             if before.payload_sha256.as_deref() != Some(digest.as_str()) || !before.satisfied {
                 self.wake_dependents(key);
             }
             self.after(key, next_attendance(spec, &state, now));
         } else {
             tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, "payload not applied: not OK");
+            self.inner.opts.audit.record(
+                fort_core::audit::Event::new("apply_failed")
+                    .need(key.to_string())
+                    .provider(origin)
+                    .response(Some(digest.clone()))
+                    .reason("the payload is not OK"),
+            );
             let failures = {
                 let mut view = self.inner.view.lock();
                 let f = view.failures_mut(key);

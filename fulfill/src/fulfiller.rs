@@ -44,6 +44,8 @@ pub struct FulfillOptions {
     pub batches: bool,
     /// Where keys made for needs wait for their certificate (§11.10): the agent's own.
     pub key_dir: std::path::PathBuf,
+    /// Where deliveries applied, failed, revoked and refused, and releases, are recorded.
+    pub audit: fort_core::audit::Audit,
 }
 
 /// Payloads with files or a handler applied at once, across all needs: as many as two
@@ -448,6 +450,11 @@ impl Fulfiller {
             match self.inner.client.post(&target, &path, body.clone()).await {
                 Ok(r) if r.is_success() => {
                     tracing::info!(need = %key, from, "need removed; released at its provider");
+                    self.inner.opts.audit.record(
+                        fort_core::audit::Event::new("released")
+                            .need(key)
+                            .provider(from),
+                    );
                     return;
                 }
                 Ok(r) => {

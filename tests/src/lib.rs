@@ -324,6 +324,13 @@ impl Fleet {
         }
     }
 
+    /// Stops one agent as systemd would (SIGTERM), waiting for it to finish.
+    pub fn stop(&mut self, name: &str) {
+        if let Some(mut a) = self.agents.remove(name) {
+            a.stop();
+        }
+    }
+
     pub fn config_path(&self, name: &str) -> PathBuf {
         self.host_dir(name).join("agent.toml")
     }
@@ -661,6 +668,24 @@ impl Agent {
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then waits (up to 20 s) for the agent to finish its shutdown; SIGKILL
+    /// after that.
+    #[allow(unsafe_code)]
+    pub fn stop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill9();
     }
 
     /// SIGHUP: reload the JSON files.

@@ -50,12 +50,67 @@ impl Builtin {
     }
 }
 
+/// Serves a built-in; every operator call (`journal`, `systemd`, `trigger`, `resend`,
+/// `status` with entries), answered or refused, is in the audit trail with the caller's
+/// key.
 pub async fn handle(
     app: &Arc<App>,
     caller: &Caller,
     which: Builtin,
     body: Bytes,
 ) -> Result<Reply, ApiError> {
+    let call = match which {
+        Builtin::Journal => "journal",
+        Builtin::Systemd => "systemd",
+        Builtin::Trigger => "trigger",
+        Builtin::Resend => "resend",
+        Builtin::Status => "status",
+        Builtin::Manifest | Builtin::Needs => return serve(app, caller, which, &body).await,
+    };
+    let result = serve(app, caller, which, &body).await;
+    let status = match &result {
+        Ok(reply) => reply.status,
+        Err(e) => e.status(),
+    };
+    // `status` is an operator call only when it showed (or withheld) the entries.
+    let shown = which != Builtin::Status
+        || (body.windows(7).any(|w| w == b"entries")
+            && serde_json::from_slice::<Value>(&body)
+                .is_ok_and(|v| v.get("entries") == Some(&Value::Bool(true))));
+    if shown {
+        app.audit
+            .record(operator_event(caller, call, &body, status.as_u16()));
+    }
+    result
+}
+
+/// An operator call as the audit trail keeps it: who (and with which key), what, its
+/// parameters (bounded; they name units, entries and times, never secrets) and the
+/// status it was answered with.
+pub fn operator_event(
+    caller: &Caller,
+    call: &str,
+    body: &[u8],
+    status: u16,
+) -> fort_core::audit::Event {
+    let params = serde_json::from_slice::<Value>(body)
+        .ok()
+        .filter(|_| body.len() <= 1024)
+        .unwrap_or_else(|| json!(format!("{} bytes", body.len())));
+    fort_core::audit::Event::new("operator")
+        .caller(caller.origin.as_str())
+        .key(caller.fingerprint())
+        .status(status)
+        .detail(json!({"call": call, "params": params}))
+}
+
+async fn serve(
+    app: &Arc<App>,
+    caller: &Caller,
+    which: Builtin,
+    body: &Bytes,
+) -> Result<Reply, ApiError> {
+    let body = body.clone();
     let access = &app.config.access;
     let operator_list = match which {
         Builtin::Journal => Some((&access.journal, "journal")),

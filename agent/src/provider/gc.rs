@@ -261,6 +261,11 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
             .gc
             .inc(&[("decision", "removed"), ("reason", "")]);
         tracing::info!(entry = %d.entry, reason = %d.reason, "gc removed entry");
+        app.audit.record(
+            fort_core::audit::Event::new("collected")
+                .entry(&d.entry)
+                .reason(&d.reason),
+        );
     }
     // Let handlers clean up outside resources for what is gone.
     for cap in touched {

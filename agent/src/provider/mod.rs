@@ -151,6 +151,7 @@ impl Provider {
         let prefix = format!("{origin}:{}/", need.kind());
         let now = unix_now();
         let mut verdict = None;
+        let mut stored = false;
         let (admitted, ticket) = self.store.change(|c| {
             let existing = c.get(&key).cloned();
             if existing.is_none() && quota.is_some_and(|q| c.count_prefix(&prefix) >= q) {
@@ -183,18 +184,29 @@ impl Provider {
                 renew: false,
                 notice: None,
             });
-            entry.request = request;
+            entry.request = request.clone();
             entry.requested_at = now;
             entry.absent_since = None;
             entry.awaiting_response = true;
             entry.renew |= renew;
             c.put(key.clone(), entry);
+            stored = true;
             true
         })?;
         if !admitted {
             return Err(UpsertError::Quota(quota.unwrap_or(0)));
         }
         self.store.wait(ticket).await?;
+        if stored {
+            let mut event = fort_core::audit::Event::new("accepted")
+                .caller(origin)
+                .entry(&key)
+                .request(request);
+            if renew {
+                event = event.detail(serde_json::json!({"renew": true}));
+            }
+            app.audit.record(event);
+        }
         drop(self.enqueue(app, need.kind(), Trigger::Request, false, false));
         Ok(verdict)
     }
@@ -207,9 +219,21 @@ impl Provider {
         need: &NeedKey,
     ) -> Result<bool, PersistError> {
         let key = entry_key(origin, need);
-        let removed = self.store.change_durable(|c| c.remove(&key)).await?;
+        let (removed, held) = self
+            .store
+            .change_durable(|c| {
+                let held = c.get(&key).and_then(Entry::current_hash);
+                (c.remove(&key), held)
+            })
+            .await?;
         if removed {
             tracing::info!(entry = %key, "entry released");
+            app.audit.record(
+                fort_core::audit::Event::new("released")
+                    .caller(origin)
+                    .entry(&key)
+                    .previous(held),
+            );
             drop(self.enqueue(app, need.kind(), Trigger::Gc, false, false));
         }
         Ok(removed)

@@ -421,6 +421,12 @@ fn acknowledged(app: &App, owed: &Owed) {
     }
     app.provider.deliveries.queue.lock().attempts.remove(key);
     app.metrics.callbacks.inc(&[("outcome", "sent")]);
+    let event = match &owed.notice {
+        Some(notice) => fort_core::audit::Event::new("verdict_delivered").reason(notice.reason()),
+        None if owed.revocation => fort_core::audit::Event::new("revocation_delivered"),
+        None => fort_core::audit::Event::new("delivered").response(owed.hash.clone()),
+    };
+    app.audit.record(event.entry(key));
     match &owed.notice {
         Some(notice) => tracing::info!(entry = %key, verdict = ?notice, "verdict delivered"),
         None => tracing::info!(

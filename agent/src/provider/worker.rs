@@ -15,6 +15,7 @@ use serde_json::value::RawValue;
 use super::state::{capability_of, Notice, NOTICE_CHARS};
 use super::{Pending, RunRecord, Trigger, WorkerSlot};
 use crate::app::App;
+use fort_core::audit::Event;
 use fort_core::schema::Mode;
 
 pub(super) struct Worker {
@@ -169,6 +170,14 @@ impl Worker {
             record.error = Some("not an async capability".into());
             return record;
         };
+        // Nothing is issued that the trail cannot record ([audit] required).
+        if app.config.audit.required && !app.audit.writable() {
+            tracing::warn!(capability = %self.capability, "the audit trail cannot be written and [audit] required is set: the handler does not run; trying again in 5 s");
+            record.error = Some("audit_unwritable".into());
+            self.rerun_after(5);
+            app.provider.record_run(&self.capability, record.clone());
+            return record;
+        }
         let pass_cached = spec.cache_response && !pending.force;
 
         // The input: every active entry of this capability (§9), sharing the entries'
@@ -386,7 +395,9 @@ impl Worker {
         candidates: &[(&String, &InputItem, Verdict)],
         pending: &Pending,
     ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
-        self.app.provider.store.change(|c| {
+        let trigger = pending.trigger.unwrap_or(Trigger::Manual).as_str();
+        let mut events: Vec<(Event, Option<Arc<RawValue>>)> = Vec::new();
+        let staged = self.app.provider.store.change(|c| {
             let mut planned = Vec::new();
             for (key, seen, verdict) in candidates {
                 let (key, seen) = (*key, *seen);
@@ -411,6 +422,11 @@ impl Worker {
                     && (Arc::ptr_eq(&seen.request, &entry.request)
                         || seen.request.get() == entry.request.get());
                 let mut changed_any = false;
+                let audited = self
+                    .app
+                    .audit
+                    .enabled()
+                    .then(|| (entry.current_hash(), entry.renew));
                 if changed {
                     entry.set_response(new.clone());
                     // A new response is what a renewal asked for.
@@ -440,6 +456,24 @@ impl Worker {
                     && notice.is_none()
                     && entry.delivery.delivered_hash.is_none()
                     && !changed;
+                if let Some((previous, renew)) = audited {
+                    let answer = Answer {
+                        previous,
+                        renewed: renew,
+                        changed,
+                        notice_changed,
+                        requester,
+                    };
+                    if let Some(event) = answer.event(verdict, entry.current_hash()) {
+                        let issued = matches!(event.event, "issued" | "renewed");
+                        let force = pending.force || pending.force_entries.contains(key);
+                        let detail = serde_json::json!({"trigger": trigger, "force": force});
+                        events.push((
+                            event.entry(key).detail(detail),
+                            new.clone().filter(|_| issued),
+                        ));
+                    }
+                }
                 if changed_any {
                     c.put(key.clone(), entry);
                 }
@@ -448,6 +482,48 @@ impl Worker {
                 }
             }
             planned
+        });
+        for (event, issued) in events {
+            // The expiry a consumer will read from the payload (§11.4), read off the
+            // store's lock.
+            let expires = issued.and_then(|r| {
+                fort_fulfill::expiry::expiry(&fort_core::wire::payload_bytes_raw(&r))
+            });
+            self.app.audit.record(event.expires_at(expires));
+        }
+        staged
+    }
+}
+
+/// What a run decided for one entry, as far as the audit trail cares.
+struct Answer {
+    /// The response hash it held before.
+    previous: Option<String>,
+    /// Its consumer had asked to renew.
+    renewed: bool,
+    changed: bool,
+    notice_changed: bool,
+    requester: bool,
+}
+
+impl Answer {
+    /// The entry's record (docs/protocol.md §12): a response issued (renewed, when the
+    /// consumer asked to renew), revoked, kept for a consumer who asked again, or a
+    /// refusal or work under way; `None` when nothing about the entry happened.
+    fn event(self, verdict: &Verdict, now: Option<String>) -> Option<Event> {
+        Some(match verdict {
+            Verdict::Refuse(reason) if self.notice_changed || self.changed => {
+                Event::new("refused").reason(reason).previous(self.previous)
+            }
+            Verdict::Wait(reason) if self.notice_changed => Event::new("pending").reason(reason),
+            _ if self.changed => match now {
+                Some(hash) => Event::new(if self.renewed { "renewed" } else { "issued" })
+                    .response(Some(hash))
+                    .previous(self.previous),
+                None => Event::new("revoked").previous(self.previous),
+            },
+            _ if self.requester && now.is_some() => Event::new("kept").response(now),
+            _ => return None,
         })
     }
 }

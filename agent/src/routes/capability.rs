@@ -110,8 +110,33 @@ async fn async_request(
     async_item(app, caller, name, spec, serde_json::from_slice(&body)).await
 }
 
-/// One async request or release, whether it came alone or in a batch (§11.8).
+/// One async request or release, whether it came alone or in a batch (§11.8). A caller
+/// refused what it may not have (`403`, `429`) is in the audit trail.
 pub(super) async fn async_item(
+    app: &Arc<App>,
+    caller: &Caller,
+    name: &str,
+    spec: &CapabilitySpec,
+    parsed: Result<AsyncBody, serde_json::Error>,
+) -> Result<Reply, ApiError> {
+    let need = parsed.as_ref().ok().map(|b| b.need.clone());
+    let result = async_item_checked(app, caller, name, spec, parsed).await;
+    if let Err(e @ (ApiError::Forbidden(_) | ApiError::TooMany(..))) = &result {
+        let mut event = fort_core::audit::Event::new("denied")
+            .caller(caller.origin.as_str())
+            .key(caller.fingerprint())
+            .capability(name)
+            .status(e.status().as_u16())
+            .reason(e.to_string());
+        if let Some(need) = need {
+            event = event.need(fort_core::text::printable(&need, 200));
+        }
+        app.audit.record(event);
+    }
+    result
+}
+
+async fn async_item_checked(
     app: &Arc<App>,
     caller: &Caller,
     name: &str,
@@ -170,6 +195,13 @@ pub(super) async fn async_item(
         return Err(ApiError::TooLarge(app.config.max_request_bytes));
     }
     check_request(app, spec, request.clone(), "request").await?;
+    if app.config.audit.required && !app.audit.writable() {
+        return Err(ApiError::Overloaded(
+            "the audit trail of this provider cannot be written; it issues nothing until it can"
+                .into(),
+            5,
+        ));
+    }
     let verdict = app
         .provider
         .upsert(app, &caller.origin, &need, request, parsed.renew, quota)

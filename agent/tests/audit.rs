@@ -1,0 +1,412 @@
+//! The audit trail against real agents: a renewal, a refusal, a release and an operator's
+//! forced rotation each leave their records on the provider and on the consumer, linked
+//! by the response hash; the provider's checkpoints verify with `ssh-keygen -Y verify`
+//! and stop verifying when a record is changed, removed or moved, and
+//! `fort-agent audit verify` names that record; a provider told the trail is required
+//! issues nothing while it cannot be written.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use fort_tests::{bin, eventually, Fleet};
+use serde_json::{json, Value};
+
+/// Provider `p` serves `cred` (cacheResponse). Its handler refuses `*/bad`, issues `*/r`
+/// a response that expires in 5 s (renewed with one that lasts an hour), keeps what an
+/// entry holds unless asked to renew, and otherwise issues a new random secret.
+fn fleet() -> Fleet {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    let handler = f.script(
+        "issue",
+        r#"in=$(cat)
+now=$(date +%s)
+r=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+printf '%s' "$in" | jq -c --arg r "$r" --argjson now "$now" 'with_entries(
+  if (.key | endswith("/bad")) then .value = {"$fort_refused": "bad is not a credential this consumer may have"}
+  elif .value.response != null and (.value.renew | not) then .value = .value.response
+  elif (.key | endswith("/r")) and (.value.renew | not) then .value = {"secret": ("s-" + $r + "-" + .key), "expires_at": ($now + 5)}
+  else .value = {"secret": ("s-" + $r + "-" + .key), "expires_at": ($now + 3600)} end)'"#,
+    );
+    f.capability(
+        "p",
+        "cred",
+        json!({"handler": handler, "mode": "async", "cacheResponse": true}),
+    );
+    let sink = f.script("sink", "cat >/dev/null");
+    for id in ["a", "bad", "gone"] {
+        f.need(
+            "c",
+            &format!("cred/{id}"),
+            "p",
+            json!({"nag_seconds": 600, "handler": sink}),
+        );
+    }
+    f.need(
+        "c",
+        "cred/r",
+        "p",
+        json!({"nag_seconds": 600, "renew_before_seconds": 3, "handler": sink}),
+    );
+    for host in ["p", "c"] {
+        f.host(host).extra_toml =
+            "[access]\ntrigger = [\"ops\"]\n[audit]\ncheckpoint_interval = \"1s\"\n".into();
+    }
+    f
+}
+
+fn audit_dir(f: &Fleet, host: &str) -> PathBuf {
+    f.host_dir(host).join("state").join("audit")
+}
+
+/// Every record of `host`'s trail, oldest first.
+fn records(f: &Fleet, host: &str) -> Vec<Value> {
+    fort_core::audit::read_lines(&audit_dir(f, host))
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|l| l.record)
+        .collect()
+}
+
+fn find<'a>(records: &'a [Value], event: &str, need: &str) -> Vec<&'a Value> {
+    records
+        .iter()
+        .filter(|r| r["event"] == event && r["need"] == need)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn renewal_refusal_release_and_rotation_leave_linked_records_on_both_sides() {
+    let mut f = fleet();
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            ["cred/a", "cred/gone"]
+                .iter()
+                .all(|n| f.need_status("c", n)["state"] == "satisfied")
+                && f.need_status("c", "cred/bad")["state"] == "failed"
+        })
+        .await,
+        "{:#}",
+        f.status("c")
+    );
+
+    // A renewal: cred/r's payload expires in 5 s and is renewed 3 s before.
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            !find(&records(&f, "p"), "renewed", "cred/r").is_empty()
+                && find(&records(&f, "c"), "applied", "cred/r").len() >= 2
+        })
+        .await,
+        "no renewal recorded:\n{:#?}",
+        records(&f, "p")
+    );
+    // An operator rotates cred/a.
+    let (code, out, err) = f.fort(
+        "ops",
+        "p",
+        &["trigger", "p", "cred", "--entry", "c:cred/a", "--force"],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    // A release: c no longer declares cred/gone.
+    let needs_path = f.host_dir("c").join("needs.json");
+    let mut needs: Value = serde_json::from_slice(&std::fs::read(&needs_path).unwrap()).unwrap();
+    needs.as_object_mut().unwrap().remove("cred/gone");
+    std::fs::write(&needs_path, serde_json::to_vec(&needs).unwrap()).unwrap();
+    f.agents["c"].hup();
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            !find(&records(&f, "p"), "released", "cred/gone").is_empty()
+                && !find(&records(&f, "c"), "released", "cred/gone").is_empty()
+                && find(&records(&f, "c"), "applied", "cred/a").len() >= 2
+        })
+        .await,
+        "p:\n{:#?}\nc:\n{:#?}",
+        records(&f, "p"),
+        records(&f, "c")
+    );
+    f.stop("c");
+    f.stop("p");
+    let (p, c) = (records(&f, "p"), records(&f, "c"));
+
+    // Renewal: the provider's renewed response is the one the consumer applied, and the
+    // consumer asked to renew.
+    let renewed = find(&p, "renewed", "cred/r")[0];
+    assert_eq!(renewed["consumer"], "c");
+    assert!(renewed["previous"].is_string() && renewed["previous"] != renewed["response"]);
+    assert!(renewed["expires_at"].as_u64().unwrap() > renewed["at"].as_u64().unwrap() + 3000);
+    let applied: Vec<_> = find(&c, "applied", "cred/r")
+        .into_iter()
+        .filter(|r| r["response"] == renewed["response"])
+        .collect();
+    assert_eq!(applied.len(), 1, "{c:#?}");
+    assert_eq!(applied[0]["provider"], "p");
+    assert_eq!(applied[0]["previous"], renewed["previous"]);
+    assert!(find(&p, "accepted", "cred/r")
+        .iter()
+        .any(|r| r["detail"]["renew"] == true && r["caller"] == "c" && r["request"].is_string()));
+    assert!(find(&p, "delivered", "cred/r")
+        .iter()
+        .any(|r| r["response"] == renewed["response"]));
+
+    // Refusal: with its reason on both sides.
+    let refused = find(&p, "refused", "cred/bad");
+    assert!(refused[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("bad is not a credential"));
+    let told = find(&c, "refused", "cred/bad");
+    assert_eq!(told[0]["provider"], "p");
+    assert!(told[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("refused by p: bad is not"));
+
+    // The operator's rotation: who asked, with which key, and the response it issued is
+    // the one the consumer applied.
+    let call = p
+        .iter()
+        .find(|r| r["event"] == "operator" && r["detail"]["call"] == "trigger")
+        .expect("the trigger is recorded");
+    assert_eq!(call["caller"], "ops");
+    assert_eq!(call["status"], 200);
+    assert_eq!(call["detail"]["params"]["entry"], "c:cred/a");
+    let ops_key = fort_core::audit::fingerprint(f.principals["ops"].public_key());
+    assert_eq!(call["key"], json!(ops_key));
+    let rotated = find(&p, "issued", "cred/a")
+        .into_iter()
+        .find(|r| r["detail"]["trigger"] == "manual")
+        .expect("the forced run issued cred/a");
+    assert_eq!(rotated["detail"]["force"], true);
+    assert!(rotated["seq"].as_u64() > call["seq"].as_u64().map(|s| s.saturating_sub(50)));
+    let first = find(&p, "issued", "cred/a")[0];
+    assert_eq!(rotated["previous"], first["response"]);
+    assert!(find(&c, "applied", "cred/a")
+        .iter()
+        .any(|r| r["response"] == rotated["response"] && r["previous"] == first["response"]));
+
+    // Release: both sides, and the provider names the response the entry held.
+    let released = find(&p, "released", "cred/gone")[0];
+    assert_eq!(released["caller"], "c");
+    let held = find(&p, "issued", "cred/gone")[0]["response"].clone();
+    assert_eq!(released["previous"], held);
+    assert!(find(&c, "applied", "cred/gone")
+        .iter()
+        .any(|r| r["response"] == held));
+    assert_eq!(find(&c, "released", "cred/gone")[0]["provider"], "p");
+
+    // Start, stop and a final checkpoint on each; nothing of a payload in either trail.
+    for (host, recs) in [("p", &p), ("c", &c)] {
+        assert_eq!(recs[0]["event"], "start", "{host}");
+        assert_eq!(recs[0]["prev"], fort_core::audit::GENESIS);
+        let n = recs.len();
+        assert_eq!(recs[n - 2]["event"], "stop", "{host}");
+        assert_eq!(recs[n - 1]["event"], "checkpoint", "{host}");
+        let text = std::fs::read_to_string(
+            fort_core::audit::files(&audit_dir(&f, host)).unwrap()[0].clone(),
+        )
+        .unwrap();
+        assert!(!text.contains("\"s-"), "a secret in {host}'s trail");
+    }
+
+    // The whole trail verifies, and so does every checkpoint with ssh-keygen alone.
+    let (ok, out) = f.admin("p", &["audit", "verify"]);
+    assert!(ok, "{out}");
+    assert!(out.starts_with("ok: "), "{out}");
+    let file = fort_core::audit::files(&audit_dir(&f, "p")).unwrap()[0].clone();
+    let key = f.hosts["p"].signer.public_openssh();
+    let checkpoints = checkpoint_lines(&file);
+    assert!(checkpoints.len() >= 2, "{checkpoints:?}");
+    for line in &checkpoints {
+        assert!(
+            ssh_keygen_accepts(&file, *line, &key),
+            "checkpoint at line {line}"
+        );
+    }
+    tampering_is_caught(&f, &file, &key);
+}
+
+fn checkpoint_lines(file: &Path) -> Vec<usize> {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("\"event\":\"checkpoint\""))
+        .map(|(i, _)| i + 1)
+        .collect()
+}
+
+/// scripts/audit-checkpoint.sh, which the protocol document shows: ssh-keygen only.
+fn ssh_keygen_accepts(file: &Path, line: usize, key: &str) -> bool {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/audit-checkpoint.sh");
+    let out = Command::new("sh")
+        .arg(script)
+        .arg(file)
+        .arg(line.to_string())
+        .arg("p")
+        .arg(key)
+        .output()
+        .unwrap();
+    out.status.success()
+}
+
+/// A copy of the trail with its lines changed by `edit`, verified by ssh-keygen (the
+/// last checkpoint) and by `fort-agent audit verify`: (ssh-keygen accepted, verify's
+/// JSON).
+fn tampered(
+    f: &Fleet,
+    file: &Path,
+    key: &str,
+    name: &str,
+    edit: impl FnOnce(&mut Vec<String>),
+) -> (bool, Value) {
+    let dir = f.dir.path().join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut lines: Vec<String> = std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    edit(&mut lines);
+    let copy = dir.join(file.file_name().unwrap());
+    std::fs::write(&copy, lines.join("\n") + "\n").unwrap();
+    let last = *checkpoint_lines(&copy).last().unwrap();
+    let accepted = ssh_keygen_accepts(&copy, last, key);
+    let out = Command::new(bin("fort-agent"))
+        .args(["audit", "verify", "--json", "--signer", "p", "--dir"])
+        .arg(&dir)
+        .arg("--hosts")
+        .arg(f.host_dir("p").join("hosts.json"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (accepted, serde_json::from_slice(&out.stdout).unwrap())
+}
+
+fn tampering_is_caught(f: &Fleet, file: &Path, key: &str) {
+    let lines: Vec<String> = std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    // A record well before the last checkpoint, and not one itself.
+    let k = (3..lines.len())
+        .find(|i| lines[*i].contains("\"event\":\"issued\""))
+        .expect("an issued record");
+    let seq = k as u64 + 1;
+
+    // Changed: the response it names.
+    let (accepted, v) = tampered(f, file, key, "edited", |l| {
+        l[k] = l[k].replacen("\"response\":\"", "\"response\":\"0", 1);
+    });
+    assert!(!accepted, "ssh-keygen accepted an edited record");
+    assert_eq!(v["first_bad"]["seq"], seq, "{v:#}");
+    assert_eq!(v["first_bad"]["line"], k + 1, "{v:#}");
+    assert!(
+        v["first_bad"]["problem"]
+            .as_str()
+            .unwrap()
+            .contains("changed"),
+        "{v:#}"
+    );
+
+    // Removed.
+    let (accepted, v) = tampered(f, file, key, "removed", |l| {
+        l.remove(k);
+    });
+    assert!(
+        !accepted,
+        "ssh-keygen accepted a trail with a record removed"
+    );
+    let problem = v["first_bad"]["problem"].as_str().unwrap();
+    assert!(
+        problem.contains(&format!("record {seq} is missing")),
+        "{v:#}"
+    );
+
+    // Moved: two records swapped.
+    let (accepted, v) = tampered(f, file, key, "reordered", |l| l.swap(k, k + 1));
+    assert!(
+        !accepted,
+        "ssh-keygen accepted a trail with records out of order"
+    );
+    let problem = v["first_bad"]["problem"].as_str().unwrap();
+    assert!(problem.contains("out of order"), "{v:#}");
+    assert_eq!(v["first_bad"]["line"], k + 1, "{v:#}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_provider_that_requires_its_trail_issues_nothing_while_it_cannot_be_written() {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    let handler = f.script("issue", r#"jq -c 'with_entries(.value = {"n": .key})'"#);
+    f.capability(
+        "p",
+        "cred",
+        json!({"handler": handler, "mode": "async", "allowed": ["ops"]}),
+    );
+    f.host("p").extra_toml = "[audit]\nrequired = true\n".into();
+    f.start();
+    let ask = |id: &str| json!({"need": format!("cred/{id}"), "request": {}});
+    let r = f
+        .post("ops", "p", "/agent/capabilities/cred", &ask("one"))
+        .await;
+    assert_eq!(r.status, 202);
+
+    let dir = audit_dir(&f, "p");
+    let away = f.dir.path().join("audit-away");
+    std::fs::rename(&dir, &away).unwrap();
+    let mut status = 0;
+    for _ in 0..50 {
+        status = f
+            .post("ops", "p", "/agent/capabilities/cred", &ask("two"))
+            .await
+            .status;
+        if status == 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, 503, "requests are still accepted");
+    let r = f
+        .post("ops", "p", "/agent/capabilities/cred", &ask("two"))
+        .await;
+    assert!(
+        String::from_utf8_lossy(&r.body).contains("audit trail"),
+        "{:?}",
+        r.body
+    );
+
+    std::fs::rename(&away, &dir).unwrap();
+    let mut status = 0;
+    for _ in 0..50 {
+        status = f
+            .post("ops", "p", "/agent/capabilities/cred", &ask("two"))
+            .await
+            .status;
+        if status == 202 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, 202, "the provider does not issue again");
+    assert!(
+        eventually(Duration::from_secs(10), || f
+            .entries("p")
+            .contains(&"ops:cred/two".to_owned()))
+        .await
+    );
+    f.stop("p");
+    let recs = records(&f, "p");
+    assert!(recs
+        .iter()
+        .any(|r| r["event"] == "accepted" && r["need"] == "cred/two"));
+    let (ok, out) = f.admin("p", &["audit", "verify"]);
+    assert!(ok, "{out}");
+}

@@ -1,0 +1,324 @@
+//! The audit trail (docs/protocol.md §12): what happened on this host, as JSON lines each
+//! carrying the hash of the one before, with checkpoints signed by the host key (SSHSIG,
+//! namespace `fort-audit`) that `ssh-keygen -Y verify` checks. Records are handed to one
+//! writer thread through a bounded queue, so no request waits on the disk.
+
+mod read;
+mod writer;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::sign::Signer;
+
+pub use read::{files, read_lines, verify, AuditLine, Problem, Verified};
+
+/// The SSHSIG namespace of checkpoints: a checkpoint can never pass for a request.
+pub const NAMESPACE: &str = "fort-audit";
+
+/// The `prev` of the first record of a chain.
+pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// The line a checkpoint signs after the records it covers (§12).
+pub fn checkpoint_trailer(host: &str, count: u64, head: &str, at: u64) -> String {
+    format!("fort-audit-checkpoint {host} {count} {head} {at}\n")
+}
+
+/// One thing that happened, as its record names it. Never a secret: payloads and
+/// requests appear as hashes only (a request as a keyed hash, see [`Event::request`]).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Event {
+    pub event: &'static str,
+    /// Who asked: the verified origin of a request, an operator, `local` (admin socket).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// The caller's key, as `ssh-keygen -l` prints it (`SHA256:…`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// Provider side: the host (or principal) an entry belongs to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consumer: Option<String>,
+    /// Consumer side: the host a need is from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub need: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capability: Option<String>,
+    /// HMAC-SHA-256 of the request's compact JSON, keyed from the host key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request: Option<String>,
+    /// SHA-256 of the payload bytes (§7): the same on provider and consumer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response: Option<String>,
+    /// The response held before (a rotation or renewal replaces it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previous: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<u64>,
+    /// One printable line: why (a refusal, a failure).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The HTTP status an operator call or a refused request was answered with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// What else the event names (an operator call's parameters, a release's version).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<Value>,
+    /// A checkpoint's count, head and signature.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+    /// The request, hashed by the writer (off the request's path) into `request`.
+    #[serde(skip)]
+    pub request_text: Option<Arc<RawValue>>,
+}
+
+impl Event {
+    pub fn new(event: &'static str) -> Event {
+        Event {
+            event,
+            ..Event::default()
+        }
+    }
+    pub fn caller(mut self, v: impl Into<String>) -> Event {
+        self.caller = Some(v.into());
+        self
+    }
+    pub fn key(mut self, v: Option<String>) -> Event {
+        self.key = v;
+        self
+    }
+    pub fn consumer(mut self, v: impl Into<String>) -> Event {
+        self.consumer = Some(v.into());
+        self
+    }
+    pub fn provider(mut self, v: impl Into<String>) -> Event {
+        self.provider = Some(v.into());
+        self
+    }
+    pub fn need(mut self, v: impl Into<String>) -> Event {
+        self.need = Some(v.into());
+        self
+    }
+    pub fn capability(mut self, v: impl Into<String>) -> Event {
+        self.capability = Some(v.into());
+        self
+    }
+    /// The request, kept as a keyed hash.
+    pub fn request(mut self, v: Arc<RawValue>) -> Event {
+        self.request_text = Some(v);
+        self
+    }
+    pub fn response(mut self, v: Option<String>) -> Event {
+        self.response = v;
+        self
+    }
+    pub fn previous(mut self, v: Option<String>) -> Event {
+        self.previous = v;
+        self
+    }
+    pub fn expires_at(mut self, v: Option<u64>) -> Event {
+        self.expires_at = v;
+        self
+    }
+    pub fn reason(mut self, v: impl AsRef<str>) -> Event {
+        self.reason = Some(crate::text::printable(v.as_ref(), 300));
+        self
+    }
+    pub fn status(mut self, v: u16) -> Event {
+        self.status = Some(v);
+        self
+    }
+    pub fn detail(mut self, v: Value) -> Event {
+        self.detail = Some(v);
+        self
+    }
+    /// `<consumer>:<type>/<id>` split into its consumer and need.
+    pub fn entry(self, key: &str) -> Event {
+        match key.split_once(':') {
+            Some((origin, need)) => self.consumer(origin).need(need),
+            None => self.need(key),
+        }
+    }
+}
+
+/// How the trail is kept (`[audit]` in agent.toml).
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub dir: PathBuf,
+    pub host: String,
+    /// Largest file before the next is begun.
+    pub max_file_bytes: u64,
+    /// Files kept; the oldest goes when one more is begun.
+    pub max_files: usize,
+    pub checkpoint_interval: Duration,
+    /// Records waiting for the writer; past it they are counted as lost (and the count
+    /// recorded) instead of holding up the agent.
+    pub queue: usize,
+    /// Each record also goes to the agent's log (the journal, under systemd).
+    pub journal: bool,
+}
+
+/// Counts for the status document and metrics.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Stats {
+    pub records: u64,
+    pub lost: u64,
+    pub checkpoints: u64,
+    pub writable: bool,
+}
+
+#[derive(Default)]
+struct Queue {
+    events: Vec<(u64, Event)>,
+    lost: u64,
+    stopping: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    capacity: usize,
+    writable: AtomicBool,
+    records: AtomicU64,
+    lost: AtomicU64,
+    checkpoints: AtomicU64,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// The handle every part of the agent records through; cheap to clone. A disabled one
+/// records nothing.
+#[derive(Clone, Default)]
+pub struct Audit {
+    shared: Option<Arc<Shared>>,
+}
+
+impl std::fmt::Debug for Audit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Audit")
+            .field("enabled", &self.enabled())
+            .finish()
+    }
+}
+
+/// A queue this long wakes the writer at once instead of at its next tick.
+const WAKE_AT: usize = 1024;
+
+impl Audit {
+    /// No trail: every call is a no-op.
+    pub fn disabled() -> Audit {
+        Audit { shared: None }
+    }
+
+    /// Opens the trail in `options.dir` (made 0700 if missing), continues its chain and
+    /// starts the writer thread. A directory that cannot be made or read is not fatal:
+    /// the trail reports itself unwritable and keeps trying.
+    pub fn open(options: Options, signer: Signer) -> Audit {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            capacity: options.queue.max(16),
+            writable: AtomicBool::new(false),
+            records: AtomicU64::new(0),
+            lost: AtomicU64::new(0),
+            checkpoints: AtomicU64::new(0),
+            thread: Mutex::new(None),
+        });
+        let writer = writer::Writer::open(options, signer, shared.clone());
+        let handle = std::thread::Builder::new()
+            .name("fort-audit".into())
+            .spawn(move || writer.run())
+            .expect("a thread for the audit writer");
+        *shared.thread.lock() = Some(handle);
+        Audit {
+            shared: Some(shared),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// Hands `event` to the writer, stamped now. Never waits for the disk; a full queue
+    /// counts it as lost.
+    pub fn record(&self, event: Event) {
+        let Some(s) = &self.shared else { return };
+        let at = crate::wire::unix_now();
+        let mut q = s.queue.lock();
+        if q.stopping {
+            return;
+        }
+        if q.events.len() >= s.capacity {
+            q.lost += 1;
+            s.lost.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        q.events.push((at, event));
+        if q.events.len() == WAKE_AT {
+            s.wake.notify_one();
+        }
+    }
+
+    /// Whether the last write (or probe) of the trail succeeded. A disabled trail is
+    /// never unwritable.
+    pub fn writable(&self) -> bool {
+        self.shared
+            .as_ref()
+            .is_none_or(|s| s.writable.load(Ordering::Relaxed))
+    }
+
+    pub fn stats(&self) -> Option<Stats> {
+        self.shared.as_ref().map(|s| Stats {
+            records: s.records.load(Ordering::Relaxed),
+            lost: s.lost.load(Ordering::Relaxed),
+            checkpoints: s.checkpoints.load(Ordering::Relaxed),
+            writable: s.writable.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Writes what is queued, a last checkpoint, syncs and stops the writer. Blocks.
+    pub fn close(&self) {
+        let Some(s) = &self.shared else { return };
+        s.queue.lock().stopping = true;
+        s.wake.notify_one();
+        let handle = s.thread.lock().take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The key of the keyed hashes in records: derived from the host key, so it needs no
+/// file of its own and only who holds the host key can test a guess.
+pub fn hash_key(signer: &Signer) -> [u8; 32] {
+    let seed = signer.ed25519_seed().unwrap_or_default();
+    let mut h = Sha256::new();
+    h.update(b"fort-audit keyed hash\n");
+    h.update(seed);
+    h.finalize().into()
+}
+
+/// HMAC-SHA-256 of `bytes` under `key`, lower-case hex.
+pub fn keyed_hash(key: &[u8; 32], bytes: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
+    mac.update(bytes);
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// `SHA256:<base64>` of an OpenSSH public key, as `ssh-keygen -l` prints it.
+pub fn fingerprint(key: &ssh_key::PublicKey) -> String {
+    key.fingerprint(ssh_key::HashAlg::Sha256).to_string()
+}

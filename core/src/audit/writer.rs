@@ -1,0 +1,372 @@
+//! The one writer of the trail: chains records, appends them to the current file,
+//! signs checkpoints and begins a new file when the current one is full.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sha2::{Digest, Sha512};
+
+use super::{checkpoint_trailer, Event, Options, Shared, GENESIS, NAMESPACE};
+use crate::canonical::sha256_hex;
+use crate::sign::Signer;
+
+/// How often queued records are written when fewer than a wake-up's worth arrive.
+const TICK: Duration = Duration::from_millis(100);
+
+/// How often an unwritable trail is tried again while nothing is queued.
+const PROBE: Duration = Duration::from_secs(1);
+
+#[derive(Serialize)]
+struct Record<'a> {
+    seq: u64,
+    at: u64,
+    prev: &'a str,
+    #[serde(flatten)]
+    event: &'a Event,
+}
+
+/// The file records are appended to.
+struct Current {
+    path: PathBuf,
+    /// Bytes written and confirmed: what the file must hold before the next write.
+    len: u64,
+    /// SHA-512 of those bytes, for the next checkpoint's signature.
+    hasher: Sha512,
+}
+
+pub(super) struct Writer {
+    options: Options,
+    signer: Signer,
+    shared: Arc<Shared>,
+    key: [u8; 32],
+    seq: u64,
+    head: String,
+    current: Option<Current>,
+    /// Chained records not yet written, and the seq of the first of them.
+    unsaved: Vec<u8>,
+    unsaved_first: u64,
+    since_checkpoint: u64,
+    last_checkpoint: Instant,
+    last_probe: Instant,
+    /// Said once per outage, not once per attempt.
+    complained: bool,
+}
+
+/// A file's name: the seq of its first record, so names sort in the chain's order.
+pub(super) fn file_name(first_seq: u64) -> String {
+    format!("{first_seq:016}.jsonl")
+}
+
+impl Writer {
+    pub(super) fn open(options: Options, signer: Signer, shared: Arc<Shared>) -> Writer {
+        let key = super::hash_key(&signer);
+        let mut w = Writer {
+            options,
+            signer,
+            shared,
+            key,
+            seq: 0,
+            head: GENESIS.to_owned(),
+            current: None,
+            unsaved: Vec::new(),
+            unsaved_first: 1,
+            since_checkpoint: 0,
+            last_checkpoint: Instant::now(),
+            last_probe: Instant::now(),
+            complained: false,
+        };
+        match w.resume() {
+            Ok(torn) => {
+                w.shared.writable.store(true, Ordering::Relaxed);
+                if torn > 0 {
+                    let event =
+                        Event::new("torn_tail").detail(serde_json::json!({ "bytes": torn }));
+                    w.chain(crate::wire::unix_now(), event);
+                }
+            }
+            Err(e) => w.complain(&format!("cannot open the audit trail: {e}")),
+        }
+        w
+    }
+
+    /// Continues the chain of the newest file: its last complete record gives the seq
+    /// and the head. A record cut short by a crash is cut off (it was never complete,
+    /// so nothing signed covers it) and the number of bytes is recorded.
+    fn resume(&mut self) -> std::io::Result<u64> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.options.dir)?;
+        let files = super::files(&self.options.dir)?;
+        for path in files.iter().rev() {
+            let mut bytes = std::fs::read(path)?;
+            let complete = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+            let torn = (bytes.len() - complete) as u64;
+            if torn > 0 {
+                let f = std::fs::OpenOptions::new().write(true).open(path)?;
+                f.set_len(complete as u64)?;
+                f.sync_data()?;
+                bytes.truncate(complete);
+            }
+            let Some(last) = bytes[..complete.saturating_sub(1)]
+                .rsplit(|b| *b == b'\n')
+                .next()
+                .filter(|l| !l.is_empty())
+            else {
+                continue;
+            };
+            self.head = sha256_hex(&[last, b"\n"].concat());
+            self.seq = serde_json::from_slice::<serde_json::Value>(last)
+                .ok()
+                .and_then(|v| v["seq"].as_u64())
+                .unwrap_or(0);
+            if path == files.last().expect("non-empty")
+                && (bytes.len() as u64) < self.options.max_file_bytes
+            {
+                let mut hasher = Sha512::new();
+                hasher.update(&bytes);
+                self.current = Some(Current {
+                    path: path.clone(),
+                    len: bytes.len() as u64,
+                    hasher,
+                });
+            }
+            self.unsaved_first = self.seq + 1;
+            return Ok(torn);
+        }
+        Ok(0)
+    }
+
+    pub(super) fn run(mut self) {
+        loop {
+            let (events, lost, stopping) = {
+                let mut q = self.shared.queue.lock();
+                if q.events.is_empty() && !q.stopping {
+                    self.shared.wake.wait_for(&mut q, TICK);
+                }
+                if self.unsaved.is_empty() {
+                    (
+                        std::mem::take(&mut q.events),
+                        std::mem::take(&mut q.lost),
+                        q.stopping,
+                    )
+                } else {
+                    // The last write failed: nothing more is chained until it is written.
+                    (Vec::new(), 0, q.stopping)
+                }
+            };
+            let idle = events.is_empty() && lost == 0;
+            for (at, event) in events {
+                self.append(at, event);
+            }
+            if lost > 0 {
+                let event = Event::new("lost").detail(serde_json::json!({ "records": lost }));
+                self.append(crate::wire::unix_now(), event);
+            }
+            self.flush();
+            if idle && self.unsaved.is_empty() && self.last_probe.elapsed() >= PROBE {
+                self.probe();
+            }
+            if self.last_checkpoint.elapsed() >= self.options.checkpoint_interval {
+                self.checkpoint();
+            }
+            if stopping {
+                let rest = std::mem::take(&mut self.shared.queue.lock().events);
+                for (at, event) in rest {
+                    self.append(at, event);
+                }
+                self.flush();
+                self.checkpoint();
+                return;
+            }
+        }
+    }
+
+    /// Chains one record, beginning a new file first when the current one is full.
+    fn append(&mut self, at: u64, event: Event) {
+        let full = self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.len + self.unsaved.len() as u64 >= self.options.max_file_bytes);
+        if full {
+            self.rotate(at);
+        }
+        self.chain(at, event);
+    }
+
+    fn chain(&mut self, at: u64, mut event: Event) {
+        if let Some(text) = event.request_text.take() {
+            event.request = Some(super::keyed_hash(&self.key, text.get().as_bytes()));
+        }
+        if self.unsaved.is_empty() {
+            self.unsaved_first = self.seq + 1;
+        }
+        self.seq += 1;
+        let record = Record {
+            seq: self.seq,
+            at,
+            prev: &self.head,
+            event: &event,
+        };
+        let start = self.unsaved.len();
+        serde_json::to_writer(&mut self.unsaved, &record).expect("a record serialises");
+        self.unsaved.push(b'\n');
+        let line = &self.unsaved[start..];
+        self.head = sha256_hex(line);
+        self.since_checkpoint += 1;
+        self.shared.records.fetch_add(1, Ordering::Relaxed);
+        if self.options.journal {
+            let text = String::from_utf8_lossy(&line[..line.len() - 1]);
+            tracing::info!(target: "fort_audit", "{text}");
+        }
+    }
+
+    /// Writes the chained records; on failure keeps them for the next try.
+    fn flush(&mut self) -> bool {
+        if self.unsaved.is_empty() {
+            return true;
+        }
+        match self.write_unsaved() {
+            Ok(()) => {
+                self.unsaved.clear();
+                self.recovered();
+                true
+            }
+            Err(e) => {
+                self.complain(&format!("cannot write the audit trail: {e}"));
+                false
+            }
+        }
+    }
+
+    fn write_unsaved(&mut self) -> std::io::Result<()> {
+        let dir = self.options.dir.clone();
+        let created = self.current.is_none();
+        let path = match &self.current {
+            Some(c) => c.path.clone(),
+            None => dir.join(file_name(self.unsaved_first)),
+        };
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .create(created)
+            .open(&path)?;
+        if created {
+            use std::os::unix::fs::PermissionsExt;
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            sync_dir(&dir);
+        }
+        // A file of that name already there (a chain whose seq could not be read back)
+        // is appended to, never cut.
+        let current = match self.current.take() {
+            Some(c) => self.current.insert(c),
+            None => {
+                let existing = std::fs::read(&path)?;
+                let mut hasher = Sha512::new();
+                hasher.update(&existing);
+                self.current.insert(Current {
+                    path,
+                    len: existing.len() as u64,
+                    hasher,
+                })
+            }
+        };
+        // What a failed write left of itself is cut off before the records go again.
+        if f.metadata()?.len() > current.len {
+            f.set_len(current.len)?;
+        }
+        f.write_all(&self.unsaved)?;
+        current.len += self.unsaved.len() as u64;
+        current.hasher.update(&self.unsaved);
+        Ok(())
+    }
+
+    /// Signs the head: this file's bytes so far followed by the checkpoint line (§12).
+    fn checkpoint(&mut self) {
+        self.last_checkpoint = Instant::now();
+        if self.since_checkpoint == 0 || !self.flush() {
+            return;
+        }
+        let Some(current) = &self.current else { return };
+        let at = crate::wire::unix_now();
+        let trailer = checkpoint_trailer(&self.options.host, self.seq, &self.head, at);
+        let mut hasher = current.hasher.clone();
+        hasher.update(trailer.as_bytes());
+        let digest: [u8; 64] = hasher.finalize().into();
+        let mut event = Event::new("checkpoint");
+        event.count = Some(self.seq);
+        event.head = Some(self.head.clone());
+        event.signature = Some(self.signer.sign_sha512_digest(NAMESPACE, &digest));
+        self.chain(at, event);
+        if self.flush() {
+            self.since_checkpoint = 0;
+            self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
+            if let Some(c) = &self.current {
+                if let Err(e) = std::fs::File::open(&c.path).and_then(|f| f.sync_data()) {
+                    self.complain(&format!("cannot sync the audit trail: {e}"));
+                }
+            }
+        }
+    }
+
+    /// Closes the current file with a checkpoint and begins the next; the oldest files
+    /// past `max_files` go.
+    fn rotate(&mut self, _at: u64) {
+        self.checkpoint();
+        if !self.unsaved.is_empty() {
+            return;
+        }
+        self.current = None;
+        let Ok(files) = super::files(&self.options.dir) else {
+            return;
+        };
+        // The new file is one more.
+        let excess = (files.len() + 1).saturating_sub(self.options.max_files.max(2));
+        for old in files.iter().take(excess) {
+            if let Err(e) = std::fs::remove_file(old) {
+                tracing::warn!(file = %old.display(), error = %e, "cannot remove an old audit file");
+            }
+        }
+    }
+
+    /// Whether the trail could be written now, when there is nothing to write.
+    fn probe(&mut self) {
+        self.last_probe = Instant::now();
+        let path = match &self.current {
+            Some(c) => std::fs::OpenOptions::new()
+                .append(true)
+                .open(&c.path)
+                .map(drop),
+            None => std::fs::read_dir(&self.options.dir).map(drop),
+        };
+        match path {
+            Ok(()) => self.recovered(),
+            Err(e) => self.complain(&format!("the audit trail cannot be written: {e}")),
+        }
+    }
+
+    fn complain(&mut self, message: &str) {
+        self.shared.writable.store(false, Ordering::Relaxed);
+        if !self.complained {
+            self.complained = true;
+            tracing::error!(dir = %self.options.dir.display(), "{message}");
+        }
+    }
+
+    fn recovered(&mut self) {
+        self.shared.writable.store(true, Ordering::Relaxed);
+        if std::mem::take(&mut self.complained) {
+            tracing::info!(dir = %self.options.dir.display(), "the audit trail is written again");
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
