@@ -4,8 +4,9 @@
 # Files: options.nix and options-host.nix (declarations), lib.nix and interface.nix (pure
 # generation), assertions.nix and assertions-needs.nix (what a user can get wrong),
 # service.nix (files, agent unit, firewall, users, dry-activate plan), delivery.nix
-# (payload files as other services' credentials), fleet.nix (mkFleet), capabilities/
-# (provider options and consumer conveniences of the capabilities fort-handler serves).
+# (payload files as other services' credentials), alerts.nix (Prometheus alert rules),
+# fleet.nix (mkFleet), capabilities/ (provider options and consumer conveniences of the
+# capabilities fort-handler serves).
 {
   config,
   lib,
@@ -24,6 +25,7 @@ in
     ./assertions-needs.nix
     ./service.nix
     ./delivery.nix
+    ./alerts.nix
     ./capabilities/acme.nix
     ./capabilities/certificates.nix
     ./capabilities/dns-record.nix
