@@ -20,11 +20,15 @@ struct Cli {
     /// The capability this run serves (see the list below).
     capability: String,
     /// The capability's config (JSON; the NixOS module writes it).
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, required_unless_present = "schema")]
+    config: Option<PathBuf>,
     /// Validate the config and the files it names, then exit; nothing is contacted.
     #[arg(long)]
     check: bool,
+    /// Print the JSON Schema of the capability's requests (capabilities.json's
+    /// `request_schema`, as the NixOS module writes it), then exit.
+    #[arg(long, conflicts_with_all = ["config", "check"])]
+    schema: bool,
 }
 
 fn after_help() -> String {
@@ -67,10 +71,26 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     };
+    if cli.schema {
+        return match fort_handlers::schema::request_schema(cap.name) {
+            Some(schema) => {
+                println!("{schema:#}");
+                ExitCode::SUCCESS
+            }
+            None => {
+                eprintln!("fort-handler {}: no request schema is built in", cap.name);
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let Some(config) = cli.config else {
+        eprintln!("fort-handler {}: --config FILE is required", cap.name);
+        return ExitCode::from(2);
+    };
     if cli.check {
-        return match (cap.check)(&cli.config) {
+        return match (cap.check)(&config) {
             Ok(()) => {
-                println!("{}: {} is valid", cap.name, cli.config.display());
+                println!("{}: {} is valid", cap.name, config.display());
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -96,7 +116,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         let entries = common::parse_input(&input)?;
-        (cap.run)(&cli.config, entries, common::Trigger::from_env()).await
+        (cap.run)(&config, entries, common::Trigger::from_env()).await
     });
     match result {
         Ok(output) => {
