@@ -33,14 +33,19 @@
       lib = {
         # nixosConfigurations = fort.lib.mkFleet {
         #   nixpkgs = nixpkgs;                       # optional: your nixpkgs input
-        #   shared = [ ./fleet.nix ];                # fort.cluster.*, in every host
+        #   cluster = [ ./fleet.nix ];               # fort.cluster.*, evaluated once
+        #   shared = [ ./common.nix ];               # NixOS modules for every host
         #   interfaces.oidc = ./interfaces/oidc.nix; # request interfaces, fleet-wide
         #   hosts.forge.modules = [ ./forge.nix ];   # system: set nixpkgs.hostPlatform
         #   hosts.app = { modules = [ ./app.nix ]; specialArgs = { }; };
+        #   callersFromInventory = true;             # optional: see below
         # };
-        # Every host gets fort's module, `shared`, its own modules, the interfaces, and
-        # the needs and capabilities of every other host (nixos-module/fleet.nix says
-        # how and why).
+        # Every host gets fort's module, the cluster modules, `shared`, its own modules,
+        # the interfaces, and the index of every host's needs and capabilities, built
+        # once for the fleet with what the cluster modules declare (nixos-module/fleet.nix
+        # says how and why). With callersFromInventory, needs on other hosts are
+        # instances of fort.cluster.instances only, and no host's evaluation reads the
+        # other hosts' needs: a provider's callers come from the inventory.
         mkFleet =
           {
             nixpkgs ? inputs.nixpkgs,
@@ -48,6 +53,8 @@
             shared ? [ ],
             specialArgs ? { },
             interfaces ? { },
+            cluster ? [ ],
+            callersFromInventory ? false,
           }:
           fleetLib.mkFleetWith
             {
@@ -72,6 +79,8 @@
                 shared
                 specialArgs
                 interfaces
+                cluster
+                callersFromInventory
                 ;
             };
 

@@ -26,10 +26,10 @@ let
     ;
 
   self = cfg.hostName;
-  hostNames = attrNames cluster.hosts;
-  isHost = n: cluster.hosts ? ${n};
+  hostNames = attrNames cluster.facts.hosts;
+  isHost = n: cluster.facts.hosts ? ${n};
   quote = s: ''"${s}"'';
-  fleet = fortLib.fleetByHost cluster.fleet;
+  inherit (cluster) fleet;
   definedServices = fortLib.servicesDefinedElsewhere options;
 
   allNeeds = fortLib.needList needs;
@@ -49,8 +49,8 @@ let
     host:
     if host == self then
       lib.mapAttrs (_: c: { inherit (c) mode; }) capabilities
-    else if fleet ? ${host} then
-      fleet.${host}.capabilities
+    else if fleet != null && fleet.entry host != null then
+      (fleet.entry host).capabilities
     else
       null; # unknown without mkFleet: not checked (a warning says so)
 
@@ -75,6 +75,11 @@ let
       (check (fortLib.durationSeconds n.nag > 0) "${where}.nag must be longer than 0s.")
       (check (n.renewBefore == null || fortLib.durationSeconds n.renewBefore > 0)
         "${where}.renewBefore must be longer than 0s (or null)."
+      )
+      # Under callersFromInventory no provider reads this host's needs: one that is not
+      # the inventory's would never be among its provider's callers.
+      (check (fleet == null || !fleet.callersFromInventory || n.from == self || n.fromInstance != null)
+        "${where}: lib.mkFleet's callersFromInventory is set, so providers learn their callers from fort.cluster.instances alone and ${quote n.from} would never hear of this need. Declare it as an instance (fort.cluster.instances.${n.id}: capability ${quote n.type}, roles.provider.machines.${n.from}, roles.consumer.machines.${self}) in mkFleet's cluster, or leave callersFromInventory unset."
       )
       (check (n.fromInstance == null || length n.fromDefinedIn <= 1)
         "${where}: duplicate need key ${n.type}/${n.id}: fort.cluster.instances.${toString n.fromInstance} declares it, and `from` is also set in ${concatStringsSep ", " (lib.remove inventoryFile n.fromDefinedIn)}. Rename the instance or the need; to add a handler to the instance's need, set only handler/check/nag here."

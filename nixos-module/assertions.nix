@@ -1,8 +1,9 @@
 # Mistakes a user can make in Nix, reported at evaluation time with the option to fix.
 # `fort-agent check` in the build repeats the file-level checks; these come first and
 # name options, not JSON paths, and they see the whole fleet, which the agent cannot.
-# This file: the fleet, the agent service and the capabilities; needs (requests,
-# interfaces, references, delivery) are in assertions-needs.nix.
+# This file: the agent service, the capabilities, and the fleet's mistakes as this host
+# reports them (found once for the fleet in cluster.nix); needs (requests, interfaces,
+# references, delivery) are in assertions-needs.nix.
 {
   config,
   options,
@@ -18,38 +19,27 @@ let
   definedServices = fortLib.servicesDefinedElsewhere options;
   inherit (lib)
     attrNames
-    attrValues
     concatLists
     concatStringsSep
     filter
-    length
     mapAttrsToList
+    optionals
     ;
 
   self = cfg.hostName;
-  hostNames = attrNames cluster.hosts;
-  principalNames = attrNames cluster.principals;
-  isHost = n: cluster.hosts ? ${n};
-  isPrincipal = n: cluster.principals ? ${n};
+  # What is derived from the fleet's declarations alone, once for the fleet under
+  # lib.mkFleet's `cluster` (cluster.nix): its mistakes are found there.
+  inherit (cluster) facts;
+  hostNames = attrNames facts.hosts;
+  isHost = n: facts.hosts ? ${n};
+  isPrincipal = n: facts.principals ? ${n};
   quote = s: ''"${s}"'';
   inherit (fortLib) credentialKeyPath;
-  haveFleet = cluster.fleet != { };
+  haveFleet = cluster.fleet != null;
 
   check = assertion: message: { inherit assertion message; };
   # One assertion per offending item, so every mistake is reported at once.
   each = list: f: map f list;
-
-  # Every (name, key) pair, hosts and principals alike: the origin namespace is shared.
-  keyOwners = concatLists (
-    mapAttrsToList (n: h: map (k: { inherit n k; }) h.publicKeys) cluster.hosts
-    ++ mapAttrsToList (n: p: map (k: { inherit n k; }) p.publicKeys) cluster.principals
-  );
-  # The key material without the comment: the same key with two comments is one key.
-  keyBody = k: concatStringsSep " " (lib.take 2 (lib.splitString " " (lib.strings.trim k)));
-  ownersOf = k: lib.unique (map (o: o.n) (filter (o: keyBody o.k == keyBody k) keyOwners));
-  sharedKeys = lib.unique (
-    map (o: keyBody o.k) (filter (o: length (ownersOf o.k) > 1) keyOwners)
-  );
 
   capabilityAssertions = concatLists (
     mapAttrsToList (
@@ -87,38 +77,13 @@ let
     ) capabilities
   );
 
-  instanceAssertions = concatLists (
-    mapAttrsToList (
-      name: inst:
-      let
-        where = "fort.cluster.instances.${name}";
-        providers = attrNames inst.roles.provider.machines;
-        provider = fortLib.instanceProvider inst;
-      in
-      [
-        (check (matches grammar.capability name)
-          "${where}: the instance name is the need id and must match ^${grammar.capability}$."
-        )
-        (check (matches grammar.capability inst.capability)
-          "${where}.capability = ${quote inst.capability} must match ^${grammar.capability}$."
-        )
-        (check (length providers == 1)
-          "${where}.roles.provider.machines must name exactly one host (it names ${toString (length providers)}: ${concatStringsSep ", " providers})."
-        )
-        (check (provider == null || isHost provider)
-          "${where}.roles.provider.machines.${toString provider}: not a host in fort.cluster.hosts."
-        )
-        (check (provider != self || capabilities ? ${inst.capability})
-          "${where}: this host (${self}) is the provider but declares no fort.host.capabilities.${inst.capability}."
-        )
-      ]
-      ++ each (attrNames inst.roles.consumer.machines) (
-        m:
-        check (isHost m)
-          "${where}.roles.consumer.machines.${m}: not a host in fort.cluster.hosts."
-      )
-    ) cluster.instances
-  );
+  # The instances this host provides must be served here; the rest of each instance is
+  # checked with the fleet's declarations.
+  instanceAssertions = map (
+    inst:
+    check (capabilities ? ${inst.capability})
+      "fort.cluster.instances.${inst.name}: this host (${self}) is the provider but declares no fort.host.capabilities.${inst.capability}."
+  ) (facts.inventory.providedBy.${self} or [ ]);
 
   # The listen addresses in effect: settings.* (which default to the options) win.
   listenOption =
@@ -146,39 +111,12 @@ let
 
   clusterAssertions =
     serviceAssertions
-    ++ each hostNames (
-      h:
-      check (matches grammar.host h) "fort.cluster.hosts.${h}: host names must match ^${grammar.host}$."
-    )
-    ++ each principalNames (
-      p:
-      check (matches grammar.principal p && !isHost p)
-        "fort.cluster.principals.${p}: principal names must match ^${grammar.principal}$ and differ from every host name (duplicate key)."
-    )
-    ++ concatLists (
-      mapAttrsToList (h: host: [
-        (check (matches fortLib.addressPattern host.address)
-          "fort.cluster.hosts.${h}.address = ${quote host.address} must look like https://HOST:PORT."
-        )
-        (check (cfg.plaintext || !fortLib.isPlainAddress host.address)
-          "fort.cluster.hosts.${h}.address = ${quote host.address} is plaintext HTTP, which the agent on ${self} refuses: use https://HOST:PORT (TLS pinned to ${h}'s host key), or, where an overlay network such as WireGuard already encrypts, set services.fort-agent.plaintext = true on every host."
-        )
-        (check (host.publicKeys != [ ]) "fort.cluster.hosts.${h}.publicKeys is empty.")
-      ]) cluster.hosts
-    )
-    ++ each principalNames (
-      p:
-      check (cluster.principals.${p}.publicKeys != [ ]) "fort.cluster.principals.${p}.publicKeys is empty."
-    )
-    ++ each keyOwners (
-      o:
-      check (lib.hasPrefix "ssh-ed25519 " o.k)
-        "fort.cluster: a key of ${quote o.n} is not an OpenSSH ed25519 public key (\"ssh-ed25519 AAAA...\")."
-    )
-    ++ each sharedKeys (
-      k:
-      check false
-        "fort.cluster: duplicate key: one public key (${lib.substring 0 40 k}...) is listed for ${concatStringsSep " and " (ownersOf k)}; every host and principal needs its own."
+    ++ map (check false) facts.problems
+    ++ optionals (!cfg.plaintext) (
+      map (
+        h:
+        check false "fort.cluster.hosts.${h}.address = ${quote facts.hosts.${h}.address} is plaintext HTTP, which the agent on ${self} refuses: use https://HOST:PORT (TLS pinned to ${h}'s host key), or, where an overlay network such as WireGuard already encrypts, set services.fort-agent.plaintext = true on every host."
+      ) facts.plainHosts
     )
     ++ concatLists (
       mapAttrsToList (
@@ -189,22 +127,7 @@ let
             "services.fort-agent.settings.access.${builtin}: ${quote who} is not a principal in fort.cluster.principals."
         )
       ) (cfg.settings.access or { })
-    )
-    ++ each (filter (e: e.enable && !(isHost e.host)) (attrValues cluster.fleet)) (
-      e:
-      check false "lib.mkFleet: host ${quote e.host} runs an agent but is not in fort.cluster.hosts."
     );
-
-  unusedTags = concatLists (
-    mapAttrsToList (
-      name: inst:
-      map (t: "fort.cluster.instances.${name}.roles.consumer.tags.${t}: no host in fort.cluster.hosts carries this tag.") (
-        filter (t: !lib.any (h: builtins.elem t h.tags) (attrValues cluster.hosts)) (
-          attrNames inst.roles.consumer.tags
-        )
-      )
-    ) cluster.instances
-  );
 in
 {
   config = lib.mkIf cfg.enable {
@@ -213,6 +136,6 @@ in
     warnings =
       lib.optional (!haveFleet && (capabilities != { } || lib.any (n: n.from != self) (needList needs)))
         "fort: fort.cluster.fleet is empty, so capabilities.json lists as callers only this host's and fort.cluster.instances' consumers, and needs from other hosts are not checked against what those hosts serve. Build the hosts with fort's lib.mkFleet."
-      ++ unusedTags;
+      ++ facts.warnings;
   };
 }

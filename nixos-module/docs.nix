@@ -44,14 +44,14 @@ lib.strings.trim (
   # fort NixOS module options
 
   The options of fort's NixOS module (`nixosModules.default`), with their types,
-  defaults and examples. Internal options (`fort.cluster.fleet`, `fort.host.exported`)
-  are left out: lib.mkFleet sets them. The formats the module generates are in
-  docs/protocol.md §10 and §11; `nixos-module/README.md` explains how the options fit
-  together.
+  defaults and examples. Internal options (`fort.cluster.fleet`, `fort.cluster.facts`,
+  `fort.host.exported`) are left out: lib.mkFleet and the module set them. The formats
+  the module generates are in docs/protocol.md §10 and §11; `nixos-module/README.md`
+  explains how the options fit together.
 
 ''
 + section "services.fort-agent" "The agent on this host." { services.fort-agent = options.services.fort-agent; }
-+ section "fort.cluster" "The fleet, declared once in a module every host imports." {
++ section "fort.cluster" "The fleet, declared once: in lib.mkFleet's `cluster` modules, evaluated once for the fleet, or in a module every host imports." {
   fort.cluster = options.fort.cluster;
 }
 + section "fort.host" "What this host needs and serves." { fort.host = options.fort.host; }

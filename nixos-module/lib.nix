@@ -13,7 +13,6 @@ let
     concatMap
     elemAt
     filter
-    filterAttrs
     foldl'
     head
     length
@@ -146,16 +145,6 @@ rec {
     hosts: inst: machine:
     sortStrings (filter (t: inst.roles.consumer.tags ? ${t}) (hosts.${machine}.tags or [ ]));
 
-  # Every consumer: named machines plus every host carrying one of the consumer tags.
-  instanceConsumers =
-    hosts: inst:
-    unique (
-      sortStrings (
-        attrNames inst.roles.consumer.machines
-        ++ filter (h: instanceTagsOf hosts inst h != [ ]) (attrNames hosts)
-      )
-    );
-
   # Settings for one consumer: instance, then each of its tags in name order, then the
   # machine entry. recursiveUpdate: nested attribute sets merge, anything else (lists
   # included) is replaced by the later layer.
@@ -167,30 +156,6 @@ rec {
       ++ optional (
         inst.roles.consumer.machines ? ${machine}
       ) inst.roles.consumer.machines.${machine}.settings
-    );
-
-  # The needs the inventory gives `self`: one per instance that lists it as a consumer.
-  # The need id is the instance name, so two instances of one capability never collide.
-  inventoryNeedsFor =
-    {
-      instances,
-      hosts,
-      self,
-    }:
-    concatLists (
-      mapAttrsToList (
-        name: inst:
-        let
-          provider = instanceProvider inst;
-        in
-        optional (provider != null && builtins.elem self (instanceConsumers hosts inst)) {
-          type = inst.capability;
-          id = name;
-          from = provider;
-          request = instanceSettingsFor hosts inst self;
-          instance = name;
-        }
-      ) instances
     );
 
   # Names of systemd.services that a module other than fort's own defines. fort adds
@@ -350,9 +315,58 @@ rec {
   # enabled agent stays in, exporting nothing: it serves nothing and calls nobody.
   fleetByHost = fleet: listToAttrs (map (e: nameValuePair e.host e) (attrValues fleet));
 
+  # The fleet as every host reads it (fort.cluster.fleet), built once for the fleet from
+  # each host's export ({ <flake attribute> = fort.host.exported; }) and handed to every
+  # host as it is, so that what is the same for all hosts is computed once, not once
+  # per host that reads it. Plain data: its parts are fort's own exportedOf, and
+  # `cluster`, the facts of mkFleet's `cluster` modules (cluster.nix clusterFacts, with
+  # the files that define them), or null. callersFromInventory: every need on another
+  # host is an instance of the inventory, so a provider's callers come from the
+  # inventory and no provider reads the other hosts (a need declared otherwise fails
+  # the consumer's evaluation).
+  fleetIndex =
+    {
+      exports,
+      cluster ? null,
+      callersFromInventory ? false,
+    }:
+    rec {
+      inherit exports cluster callersFromInventory;
+      # Every entry by fort host name; reads every host's name.
+      byHost = fleetByHost exports;
+      # One host's entry by fort host name, or null. mkFleet names each host after its
+      # attribute unless told otherwise, so this reads that one host; only a name no
+      # attribute carries (or one whose host took another name) reads every host's.
+      entry =
+        name:
+        let
+          named = exports.${name} or null;
+        in
+        if named != null && named.host == name then named else byHost.${name} or null;
+      # { <provider> = { <capability> = { <consumer> = [ <need id> ... ]; }; }; }: every
+      # need of every host, grouped once, so a provider's callers cost what it serves.
+      callers =
+        let
+          needs = concatMap (
+            e:
+            map (n: {
+              inherit (n) from type id;
+              inherit (e) host;
+            }) (attrValues e.needs)
+          ) (attrValues byHost);
+          ids = ns: map (n: n.id) ns;
+        in
+        mapAttrs (
+          _: fromProvider:
+          mapAttrs (_: ofType: mapAttrs (_: ids) (lib.groupBy (n: n.host) ofType)) (
+            lib.groupBy (n: n.type) fromProvider
+          )
+        ) (lib.groupBy (n: n.from) needs);
+    };
+
   # The interface a need's request is checked against and filled from: the provider's
-  # own (this host, or its fleet export); without the fleet, the one declared
-  # fleet-wide in fort.cluster.interfaces; null when untyped or unknown.
+  # own (this host, or its entry in the fleet index); without the fleet, the one
+  # declared fleet-wide in fort.cluster.interfaces; null when untyped or unknown.
   providerInterface =
     {
       self,
@@ -362,41 +376,40 @@ rec {
     }:
     n:
     let
-      byHost = fleetByHost fleet;
+      provider = if fleet == null then null else fleet.entry n.from;
     in
     if n.from == self then
       capabilities.${n.type}.interface or null
-    else if byHost ? ${n.from} then
-      byHost.${n.from}.capabilities.${n.type}.interface or null
+    else if provider != null then
+      provider.capabilities.${n.type}.interface or null
     else
       interfaces.${n.type} or null;
 
   # docs/protocol.md §5 and §11.2: who may ask `self` for `capability`, as
   # { <host> = [ <need id> ... ]; }: every host that declares a need of that type from
   # `self`, with the ids it declares. Three sources, unioned, so the answer is right
-  # with or without mkFleet: the fleet (every host's evaluated needs), this host's own
-  # needs, and the inventory (shared, so it names consumers on every host).
+  # with or without mkFleet: the fleet index (every host's evaluated needs, grouped by
+  # provider once for the fleet; not read under callersFromInventory), this host's own
+  # needs, and the inventory's callers (cluster.nix; the inventory is shared, so it
+  # names consumers on every host).
   callersOf =
     {
       self,
       fleet,
       needs,
-      instances,
-      hosts,
+      inventory,
     }:
     capability:
     let
       idsFrom = ns: map (n: n.id) (filter (n: n.type == capability && n.from == self) ns);
       entry = host: ids: optionals (ids != [ ]) [ { ${host} = ids; } ];
-      fromFleet = concatMap (e: entry e.host (idsFrom (attrValues e.needs))) (attrValues (fleetByHost fleet));
+      fromFleet =
+        if fleet == null || fleet.callersFromInventory then
+          [ ]
+        else
+          concatLists (mapAttrsToList entry (fleet.callers.${self}.${capability} or { }));
       fromSelf = entry self (idsFrom (needList needs));
-      fromInventory = concatLists (
-        mapAttrsToList (name: inst: map (h: { ${h} = [ name ]; }) (instanceConsumers hosts inst)) (
-          filterAttrs (
-            _: inst: inst.capability == capability && instanceProvider inst == self
-          ) instances
-        )
-      );
+      fromInventory = inventory.callers.${self}.${capability} or [ ];
     in
     zipAttrsWith (_: idLists: unique (sortStrings (concatLists idLists))) (
       fromFleet ++ fromSelf ++ fromInventory

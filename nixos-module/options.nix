@@ -1,5 +1,7 @@
-# Option declarations: the agent service and the fleet (hosts, principals, inventory,
-# interfaces). What this host needs and serves: options-host.nix.
+# Option declarations: the agent service, and what this host receives of the fleet
+# (fort.cluster.fleet, fort.cluster.facts). The fleet's own declarations (hosts,
+# principals, inventory, interfaces): options-cluster.nix. What this host needs and
+# serves: options-host.nix.
 {
   config,
   lib,
@@ -7,42 +9,8 @@
   ...
 }:
 let
-  inherit (lib) mkOption mkEnableOption types literalExpression;
+  inherit (lib) mkOption mkEnableOption types;
   settingsFormat = pkgs.formats.toml { };
-
-  jsonObject = types.attrsOf types.anything;
-
-  clusterHost = types.submodule {
-    options = {
-      address = mkOption {
-        type = types.str;
-        example = "https://10.0.0.5:7770";
-        description = ''
-          Where the other agents reach this host's agent: `https://HOST:PORT` (TLS 1.3,
-          pinned to the host's key in `publicKeys`). `http://HOST:PORT` only when every
-          host sets `services.fort-agent.plaintext`.
-        '';
-      };
-      publicKeys = mkOption {
-        type = types.listOf types.str;
-        example = [ "ssh-ed25519 AAAAC3Nza... root@forge" ];
-        description = "ed25519 public keys (OpenSSH format) the host signs with; more than one during rotation.";
-      };
-      tags = mkOption {
-        type = types.listOf types.str;
-        default = [ ];
-        example = [ "web" ];
-        description = "Tags for `fort.cluster.instances.<name>.roles.consumer.tags` (not shipped to the agent).";
-      };
-    };
-  };
-
-  principal = types.submodule {
-    options.publicKeys = mkOption {
-      type = types.listOf types.str;
-      description = "ed25519 public keys of an operator or CI identity.";
-    };
-  };
 
   # services.fort-agent.settings.access.<built-in>: principals allowed it.
   accessList =
@@ -54,77 +22,22 @@ let
       description = "Principals (names in `fort.cluster.principals`) allowed ${what}. Hosts never are.";
     };
 
-  settingsOf = description: mkOption {
-    type = jsonObject;
-    default = { };
-    inherit description;
-  };
-
-  instance = types.submodule {
-    options = {
-      capability = mkOption {
-        type = types.str;
-        example = "oidc";
-        description = "The capability the provider serves; consumers get a need of this type whose id is the instance name.";
-      };
-      settings = settingsOf "Request settings for every consumer (merged first).";
-      roles.provider.machines = mkOption {
-        type = types.attrsOf (types.submodule { });
-        default = { };
-        example = lib.literalExpression "{ forge = { }; }";
-        description = "Exactly one host that serves the capability (it must declare it in `fort.host.capabilities`).";
-      };
-      roles.consumer.machines = mkOption {
-        type = types.attrsOf (types.submodule { options.settings = settingsOf "Merged last."; });
-        default = { };
-        description = "Consumer hosts by name.";
-      };
-      roles.consumer.tags = mkOption {
-        type = types.attrsOf (types.submodule { options.settings = settingsOf "Merged after the instance settings, tags in name order."; });
-        default = { };
-        description = "Every host in `fort.cluster.hosts` carrying one of these tags is a consumer.";
-      };
-    };
-  };
-
-  # fort.cluster.fleet.<name>: one host's `fort.host.exported`, as lib.mkFleet passes it
-  # in. Internal: set by mkFleet (or a NixOS test's `nodes`), never by hand.
-  fleetOption =
-    type: description:
-    mkOption {
-      inherit type description;
-      internal = true;
-    };
-  fleetEntry = types.submodule {
-    options = {
-      enable = fleetOption types.bool "Whether the host runs an agent (if not, it exports nothing).";
-      host = fleetOption types.str "The host's fort name (services.fort-agent.hostName).";
-      needs = fleetOption (types.attrsOf (
-        types.submodule {
-          options = {
-            type = fleetOption types.str "The need's type (the capability serving it).";
-            id = fleetOption types.str "The need's id.";
-            from = fleetOption types.str "The providing host.";
-          };
-        }
-      )) "The host's needs by key `<type>/<id>`: the source of `callers`." // { default = { }; };
-      capabilities = fleetOption (types.attrsOf (
-        types.submodule {
-          options.mode = fleetOption types.str "`async` or `rpc`.";
-          options.interface = fleetOption (types.nullOr types.raw) "The request interface module, or null." // {
-            default = null;
-          };
-        }
-      )) "The host's capabilities: consumers check that their needs are served, and their requests against the interface." // {
-        default = { };
-      };
-      manifestSha256 = fleetOption (types.nullOr types.str) "The host's fort.host.manifestSha256 (for lib.fleetManifest)." // {
-        default = null;
-      };
-    };
+  # fort.cluster.fleet: lib.nix's fleetIndex over every host's `fort.host.exported`, as
+  # lib.mkFleet passes it in. Built once for the fleet and read as it is: its entries
+  # are fort's own exports of typed options, so checking their types again on every
+  # host (the fleet's every entry, once per host) would only cost the square of the
+  # fleet. Internal: set by mkFleet (or a NixOS test through lib's projection).
+  fleetIndex = lib.mkOptionType {
+    name = "fortFleetIndex";
+    description = "fort fleet index (lib.mkFleet's projection of every host)";
+    # Its own keys, without forcing a host: a stray value fails here, not deep in a host.
+    check = v: builtins.isAttrs v && v ? exports && v ? entry && v ? callers;
+    merge = lib.mergeOneOption;
   };
 in
 {
+  imports = [ ./options-cluster.nix ];
+
   options.services.fort-agent = {
     enable = mkEnableOption "the fort agent, which serves this host's capabilities and fulfils its needs";
 
@@ -302,40 +215,26 @@ in
   };
 
   options.fort.cluster = {
-    hosts = mkOption {
-      type = types.attrsOf clusterHost;
-      default = { };
-      description = "Every agent in the fleet. Declare it once, in a module every host imports.";
-    };
-    principals = mkOption {
-      type = types.attrsOf principal;
-      default = { };
-      description = "Operators and CI identities. Names never equal a host name.";
-    };
-    instances = mkOption {
-      type = types.attrsOf instance;
-      default = { };
-      description = "Service instances: one capability, one provider, consumers by name or tag.";
-    };
-    interfaces = mkOption {
-      type = types.attrsOf types.deferredModule;
-      default = { };
-      example = literalExpression "{ oidc = ./interfaces/oidc.nix; }";
-      description = ''
-        Request interfaces by capability name, declared once for the fleet (lib.mkFleet's
-        `interfaces` sets this on every host). A provider's
-        `fort.host.capabilities.<name>.interface` defaults to the entry here, and
-        `lib.renderInterfaces` renders the same set as Markdown without any host.
-      '';
-    };
     fleet = mkOption {
-      type = types.attrsOf fleetEntry;
-      default = { };
+      type = types.nullOr fleetIndex;
+      default = null;
       internal = true;
       description = ''
-        What every host in the fleet exports (`fort.host.exported`): its needs and
-        capabilities. Set by `lib.mkFleet`; the source of `callers`, of the check that
-        each need is served, and of the interfaces requests are checked against.
+        What every host in the fleet exports (`fort.host.exported`: its needs and
+        capabilities), indexed once for the fleet. Set by `lib.mkFleet`; the source of
+        `callers`, of the check that each need is served, and of the interfaces requests
+        are checked against. `null`: this host is evaluated alone.
+      '';
+    };
+    facts = mkOption {
+      type = types.raw;
+      internal = true;
+      readOnly = true;
+      description = ''
+        What fort derives from fort.cluster's hosts, principals and instances (lib.nix
+        clusterFacts: hosts.json, the problems found in them, the inventory's needs and
+        callers): the fleet's own, computed once by lib.mkFleet from its `cluster`
+        modules, when this host adds nothing to them; else this host's own.
       '';
     };
   };

@@ -21,7 +21,8 @@ let
 
   callers = fortLib.callersOf {
     self = cfg.hostName;
-    inherit (cluster) fleet instances hosts;
+    inherit (cluster) fleet;
+    inherit (cluster.facts) inventory;
     inherit needs;
   };
 
@@ -46,7 +47,8 @@ let
   # over the files it loads (docs/protocol.md §11.7).
   needsJson = fortLib.needsJson { inherit needs requestOf; };
   capabilitiesJson = fortLib.capabilitiesJson { inherit capabilities callers; };
-  hostsText = builtins.toJSON (fortLib.hostsJson { inherit (cluster) hosts principals; });
+  # The same bytes on every host: derived once for the fleet under lib.mkFleet's `cluster`.
+  inherit (cluster.facts) hostsText;
   needsText = builtins.toJSON needsJson;
   unitGrants = fortLib.unitGrants needsJson;
   capabilitiesText = builtins.toJSON capabilitiesJson;

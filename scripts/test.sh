@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test of the workspace (cargo nextest run --workspace --locked, plus any arguments
-# given here), then what did not run and why. A test that cannot reach what it needs (a
+# given here), against the previous release too (scripts/previous-release.sh builds it
+# once), then what did not run and why. A test that cannot reach what it needs (a
 # server, a tool, the nixpkgs lib) passes the rest of itself and writes the part it
 # skipped to target/fort-skipped.txt; without this list such a run looks complete.
 #
@@ -16,6 +17,11 @@ export FORT_SKIPPED=${FORT_SKIPPED:-$PWD/target/fort-skipped.txt}
 skipped=$FORT_SKIPPED
 mkdir -p "$(dirname "$skipped")"
 rm -f "$skipped"
+# The compatibility lane's previous release (tests/compat.rs): built once, then cached;
+# when it cannot be built, the lane's tests say SKIP and why. The tree's binaries first,
+# so that its build finds the dependencies compiled.
+cargo build --locked --workspace --bins -q &&
+  scripts/previous-release.sh >/dev/null
 cargo nextest run --workspace --locked "$@"
 status=$?
 

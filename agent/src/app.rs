@@ -79,7 +79,59 @@ pub enum StartError {
     #[error("TLS: {0}")]
     Tls(#[from] fort_core::tls::TlsError),
     #[error(transparent)]
-    State(fort_core::store::LoadError),
+    State(#[from] StateRefused),
+}
+
+/// A state file this release will not start on, with what the operator can do about it.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}.{advice}")]
+pub struct StateRefused {
+    pub error: fort_core::store::LoadError,
+    advice: String,
+}
+
+impl StateRefused {
+    fn new(error: fort_core::store::LoadError, config: &Config, file: &str) -> StateRefused {
+        let cfg = config.config_file.display();
+        let advice = if error.recoverable() {
+            format!(
+                " To go on: run the release that wrote it again; or start once with `fort-agent serve --recover --config {cfg}`, which moves the file aside (under {dir}/set-aside/) and keeps every record this release can read; or move it aside and start without it: `fort-agent set-aside --config {cfg} {file}`",
+                dir = config.state_dir.display()
+            )
+        } else {
+            String::new()
+        };
+        StateRefused { error, advice }
+    }
+}
+
+/// Opens one state file; with `--recover`, gets past a refusal keeping what it can read,
+/// and says so.
+fn open_state<V>(
+    path: &std::path::Path,
+    field: &'static str,
+    config: &Config,
+) -> Result<Store<V>, StartError>
+where
+    V: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    let file = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
+    let (store, recovery) = Store::open_with(path, field, config.recover)
+        .map_err(|e| StateRefused::new(e, config, file))?;
+    if let Some(r) = recovery {
+        tracing::warn!(
+            file = %path.display(),
+            kept = r.kept,
+            skipped = r.skipped.len(),
+            moved_to = %r.moved_to.display(),
+            refused = %r.refused,
+            "recovered: the state this release refused is moved aside; every record it can read is kept"
+        );
+        for s in &r.skipped {
+            tracing::warn!(file = %path.display(), "not kept (it stays in {}): {s}", r.moved_to.display());
+        }
+    }
+    Ok(store)
 }
 
 /// Checks that `signer`'s public key is one of this host's keys in hosts.json.
@@ -200,9 +252,9 @@ impl App {
             (path.clone(), field)
         };
         let (path, field) = open_store(crate::provider::state::FILE, crate::provider::state::FIELD);
-        let provider_store = Store::open(&path, field).map_err(StartError::State)?;
+        let provider_store = open_state(&path, field, &config)?;
         let (path, field) = open_store(fort_fulfill::state::FILE, fort_fulfill::state::FIELD);
-        let fulfill_store = Store::open(&path, field).map_err(StartError::State)?;
+        let fulfill_store = open_state(&path, field, &config)?;
         let flush_stop = CancellationToken::new();
         tasks.spawn(provider_store.clone().run_flusher(flush_stop.clone()));
         tasks.spawn(fulfill_store.clone().run_flusher(flush_stop.clone()));

@@ -103,6 +103,15 @@ fn is_nonce(s: &str) -> bool {
 fn plain(reply: Reply) -> Response {
     let mut resp = Response::new(Body::from(reply.body));
     *resp.status_mut() = reply.status;
+    // Every reply says what this agent speaks (§11.12), refusals included.
+    resp.headers_mut().insert(
+        fort_core::compat::H_PROTOCOL,
+        HeaderValue::from_static(fort_core::compat::PROTOCOL),
+    );
+    resp.headers_mut().insert(
+        fort_core::compat::H_RELEASE,
+        HeaderValue::from_static(fort_core::compat::RELEASE),
+    );
     if reply.json {
         resp.headers_mut().insert(
             http::header::CONTENT_TYPE,
@@ -214,6 +223,24 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     };
     if req.method() != Method::POST {
         return refuse(&app, peer, ApiError::MethodNotAllowed, "method");
+    }
+
+    // 2′. A peer of a later protocol major signs other bytes: say so instead of a 401.
+    if let Some(major) = single(req.headers(), fort_core::compat::H_PROTOCOL)
+        .and_then(fort_core::compat::parse_protocol)
+        .map(|(major, _)| major)
+        .filter(|m| *m != fort_core::compat::PROTOCOL_MAJOR)
+    {
+        return refuse(
+            &app,
+            peer,
+            ApiError::UnsupportedProtocol(format!(
+                "this agent speaks fort protocol {} (fort {}); the request announced protocol {major}.x",
+                fort_core::compat::PROTOCOL,
+                fort_core::compat::RELEASE
+            )),
+            "protocol",
+        );
     }
 
     // 3. Headers: present, single, well-formed, untrimmed.

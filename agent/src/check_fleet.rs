@@ -147,6 +147,20 @@ pub fn check_fleet(dir: &Path, skip_handlers: bool) -> anyhow::Result<String> {
             }
         }
     }
+    // Every consumer's requests against its providers' allowances.
+    let files: Vec<crate::check_allowances::HostFiles<'_>> = hosts
+        .iter()
+        .map(|(name, h)| crate::check_allowances::HostFiles {
+            name,
+            hosts: &h.hosts,
+            needs: &h.needs,
+            capabilities: &h.capabilities,
+        })
+        .collect();
+    let held = crate::check_allowances::hold(&files, skip_handlers);
+    lines.extend(held.lines);
+    problems.extend(held.problems);
+
     if !problems.is_empty() {
         bail!(
             "{} problem(s) in the fleet in {}:\n{}",

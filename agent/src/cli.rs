@@ -6,6 +6,7 @@ mod graph;
 pub mod human;
 mod ops;
 mod table;
+pub mod versions;
 
 use std::fmt::Write;
 use std::path::PathBuf;

@@ -27,6 +27,13 @@ pub struct Config {
     pub capabilities: Option<PathBuf>,
     /// Holds provider-state.json, fulfillment-state.json and the nonce journal.
     pub state_dir: PathBuf,
+    /// The file this was read from (not a key): messages name it in the commands they give.
+    #[serde(skip)]
+    pub config_file: PathBuf,
+    /// `serve --recover` (not a key): a state file this release refuses is moved aside
+    /// and what it can read of it is kept, instead of not starting.
+    #[serde(skip)]
+    pub recover: bool,
     /// Unix socket (mode 0600) for `fort-agent status|trigger|gc|reload`.
     pub admin_socket: PathBuf,
     /// Accepted |now − timestamp|. Unset: 300 s.
@@ -373,10 +380,11 @@ impl Config {
     /// Parses a config already read (`path` names it in errors).
     pub fn from_text(path: &Path, text: &str) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let mut config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             file: file.clone(),
             message: e.to_string(),
         })?;
+        config.config_file = path.to_path_buf();
         if !fort_core::names::is_host_name(&config.host) {
             return Err(ConfigError::Parse {
                 file,

@@ -36,6 +36,10 @@ pub enum ApiError {
     NotFound(String),
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// 400 with code `unsupported_protocol`: the caller announced a later protocol major
+    /// (docs/protocol.md §11.12).
+    #[error("unsupported protocol: {0}")]
+    UnsupportedProtocol(String),
     #[error("method not allowed")]
     MethodNotAllowed,
     #[error("body over {0} bytes")]
@@ -74,7 +78,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::UnsupportedProtocol(_) => StatusCode::BAD_REQUEST,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -101,6 +105,7 @@ impl ApiError {
             ApiError::Forbidden(m) => ("forbidden", m.clone(), None),
             ApiError::NotFound(m) => ("not_found", m.clone(), None),
             ApiError::BadRequest(m) => ("bad_request", m.clone(), None),
+            ApiError::UnsupportedProtocol(m) => ("unsupported_protocol", m.clone(), None),
             ApiError::MethodNotAllowed => ("method_not_allowed", "only POST".into(), None),
             ApiError::TooLarge(n) => ("too_large", format!("body over {n} bytes"), None),
             ApiError::Timeout(m) => ("timeout", m.clone(), None),

@@ -6,6 +6,7 @@ pub mod app;
 pub mod auth;
 pub mod builtins;
 pub mod check;
+pub mod check_allowances;
 pub mod check_fleet;
 pub mod check_requests;
 pub mod cli;

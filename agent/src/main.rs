@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "/etc/fort/agent.toml";
     about = "The fort agent: signed control plane, capabilities and needs for one NixOS host"
 )]
 #[command(
-    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent resend oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent demo --keep"
+    after_help = "Examples:\n  fort-agent serve --config /etc/fort/agent.toml\n  fort-agent check --config ./agent.toml\n  fort-agent check --needs app/needs.json --capabilities forge/capabilities.json --hosts hosts.json --provider forge --consumer app\n  fort-agent check --fleet ./fleet-files\n  fort-agent status\n  fort-agent trigger ssl-cert --force\n  fort-agent trigger oidc --entry app:oidc/wiki --force\n  fort-agent resend oidc/wiki\n  fort-agent gc --dry-run\n  fort-agent plan --needs ./new-needs.json\n  fort-agent serve --recover --config /etc/fort/agent.toml\n  fort-agent set-aside fulfillment-state.json\n  fort-agent demo --keep"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -32,6 +32,21 @@ enum Command {
         /// The agent's config file (agent.toml).
         #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
         config: PathBuf,
+        /// A state file this release refuses (another release wrote it, or it is damaged)
+        /// is moved aside under <state_dir>/set-aside/ and every record this release can
+        /// read is kept, instead of not starting. The log says what was not kept.
+        #[arg(long)]
+        recover: bool,
+    },
+    /// Move a state file (and its logs) aside, under <state_dir>/set-aside/, so that the
+    /// agent starts without it; nothing is deleted. Refused while the agent runs.
+    SetAside {
+        /// The agent's config file (agent.toml): where its state directory is.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
+        config: PathBuf,
+        /// `provider-state.json` or `fulfillment-state.json`.
+        #[arg(required = true)]
+        files: Vec<String>,
     },
     /// Validate the config and every file it names, then exit: non-zero with the file
     /// and field at fault when the agent would refuse to start or could not run a
@@ -166,6 +181,49 @@ enum Command {
     Demo(fort_agent::demo::DemoArgs),
 }
 
+/// `fort-agent set-aside`: moves state files aside while the agent is stopped.
+async fn set_aside(config: &std::path::Path, files: &[String]) -> ExitCode {
+    let cfg = match Config::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("fort-agent set-aside: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    const STORES: [&str; 2] = [fort_agent::provider::state::FILE, fort_fulfill::state::FILE];
+    if let Some(f) = files.iter().find(|f| !STORES.contains(&f.as_str())) {
+        eprintln!(
+            "fort-agent set-aside: {f:?} is not a state file fort-agent keeps (one of {STORES:?})"
+        );
+        return ExitCode::from(2);
+    }
+    if admin::call(&cfg.admin_socket, &AdminRequest::Counts)
+        .await
+        .is_ok()
+    {
+        eprintln!(
+            "fort-agent set-aside: the agent is running (it answers on {}); stop it first: it would write the files again",
+            cfg.admin_socket.display()
+        );
+        return ExitCode::FAILURE;
+    }
+    for f in files {
+        let name = f.trim_end_matches(".json");
+        match fort_core::store::set_aside(&cfg.state_dir, name) {
+            Ok(Some(dir)) => println!(
+                "{f}: moved to {}; the agent starts without it",
+                dir.display()
+            ),
+            Ok(None) => println!("{f}: not in {}; nothing to move", cfg.state_dir.display()),
+            Err(e) => {
+                eprintln!("fort-agent set-aside: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FORT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -254,10 +312,10 @@ fn tune_allocator() {}
 async fn agent_main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { config } => {
+        Command::Serve { config, recover } => {
             init_tracing();
             let config = match Config::load(&config) {
-                Ok(c) => c,
+                Ok(c) => Config { recover, ..c },
                 Err(e) => {
                     eprintln!("fort-agent: {e}");
                     return ExitCode::from(2);
@@ -390,6 +448,7 @@ async fn agent_main() -> ExitCode {
             json,
             |v| fort_agent::cli::gc_text(&v["report"]),
         ),
+        Command::SetAside { config, files } => set_aside(&config, &files).await,
         Command::Reload { json, config } => print_admin(
             admin_call(&config, AdminRequest::Reload).await,
             json,
@@ -454,16 +513,29 @@ async fn plan(args: &PlanArgs, json: bool) -> ExitCode {
                 .unwrap_or("the agent refused the plan"),
         );
     }
+    // The state formats this binary writes against those of the release running: the
+    // running agent (maybe an older release) does not know what this binary will write.
+    let running_status = admin::call(
+        &running.admin_socket,
+        &AdminRequest::Status { entries: false },
+    )
+    .await
+    .map(|v| v["status"].clone())
+    .unwrap_or_default();
+    let formats = fort_agent::cli::versions::format_changes(&running_status);
     if json {
+        let mut plan = reply["plan"].clone();
+        plan["state_formats"] = formats;
         println!(
             "{}",
-            serde_json::to_string_pretty(&reply["plan"]).unwrap_or_default()
+            serde_json::to_string_pretty(&plan).unwrap_or_default()
         );
         return ExitCode::SUCCESS;
     }
     match serde_json::from_value::<plan::Plan>(reply["plan"].clone()) {
         Ok(p) => {
             print!("{}", plan::render::text(&p));
+            print!("{}", fort_agent::cli::versions::format_text(&formats));
             ExitCode::SUCCESS
         }
         Err(e) => fail(&format!("the agent's plan does not parse: {e}")),

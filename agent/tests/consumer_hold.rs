@@ -124,6 +124,10 @@ async fn a_payload_already_due_for_renewal_is_asked_again_once_per_nag_not_in_a_
         reason.contains("inside the renewal window") || reason.contains("asking again"),
         "the reason says why it waits: {st}"
     );
+    assert!(
+        !reason.contains("every every") && reason.contains("asking again every 30s"),
+        "the reason reads as a sentence: {st}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

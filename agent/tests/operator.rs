@@ -145,7 +145,7 @@ async fn fort_cli_exit_codes_and_the_fleet_table() {
     // Without --json, the same table `fort-agent status` prints.
     let (code, out, _) = fort(&f, "viewer", &["status", "c"]);
     assert_eq!(code, 0);
-    assert!(out.starts_with("host c  version "), "{out}");
+    assert!(out.starts_with("host c  release "), "{out}");
     assert!(
         out.lines()
             .any(|l| l.starts_with("web/site") && l.contains(" p ") && l.contains("satisfied")),

@@ -206,3 +206,123 @@ async fn many_verdicts_for_one_consumer_go_out_together_and_the_provider_rests()
         "the provider spent {spent} ticks in 3 s with nothing to do"
     );
 }
+
+/// A tmpfs mounted over a directory; unmounted on drop.
+struct TinyDisk(std::path::PathBuf);
+
+impl TinyDisk {
+    fn mount(dir: &std::path::Path, size: &str) -> Option<TinyDisk> {
+        std::fs::create_dir_all(dir).ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .ok()?
+            .success();
+        ok.then(|| TinyDisk(dir.to_path_buf()))
+    }
+}
+
+impl Drop for TinyDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Requests of `endpoint` answered with `status`, from an agent's metrics.
+fn served(metrics_addr: std::net::SocketAddr, endpoint: &str, status: &str) -> u64 {
+    let prefix = format!("fort_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} ");
+    fort_tests::metrics(metrics_addr)
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix).and_then(|n| n.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_cannot_take_a_verdict_is_not_called_forever() {
+    const T: &str = "a_consumer_that_cannot_take_a_verdict_is_not_called_forever";
+    let mut f = Fleet::new();
+    // The handler refuses the entry once `<dir>/refuse` exists (until then it has nothing
+    // to say and looks again every second).
+    let d = f.dir.path().display().to_string();
+    let h = f.script(
+        "refuse-later",
+        &format!(
+            r#"if [ -e {d}/refuse ]; then jq -c 'with_entries(.value = {{"$fort_refused": "not today"}})'; else echo '{{"$fort_rerun_after": 1}}'; fi"#
+        ),
+    );
+    f.capability("p", "cert", json!({"handler": h, "mode": "async"}));
+    f.host("p").extra_toml =
+        "[callbacks]\nattempts = 3\nbackoff = \"200ms\"\nredeliver_interval = \"1h\"\n".into();
+    let metrics = fort_tests::free_addr("127.0.0.1");
+    f.host("c").extra_toml = format!("metrics_listen = \"{metrics}\"\n");
+    // A key with many names: its CSR, kept in the need's state, makes every record of
+    // the need larger than what is left of a page once the disk is full.
+    let names: Vec<String> = (0..100)
+        .map(|i| format!("n{i:03}-{}.example.test", "a".repeat(50)))
+        .collect();
+    f.need(
+        "c",
+        "cert/web",
+        "p",
+        json!({"nag_seconds": 3600,
+               "request": {"csr": {"$fort_key": "tls", "as": "csr"}},
+               "keys": {"tls": {"type": "ecdsa-p256", "names": names,
+                                "path": f.dir.path().join("out/key.pem")}}}),
+    );
+    f.write_files();
+    // The consumer's state on a disk that fills up: it answers each verdict `503` with
+    // `retry_after`, as it cannot record it.
+    let Some(_disk) = TinyDisk::mount(&f.host_dir("c").join("state"), "1m") else {
+        return fort_tests::skip(
+            T,
+            "cannot mount a tmpfs here (needs root); a consumer that cannot record is untested",
+        );
+    };
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(10), || f
+            .entries("p")
+            .contains(&"c:cert/web".to_owned()))
+        .await,
+        "{:?}",
+        f.entries("p")
+    );
+    let _ = std::process::Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k", "count=1000"])
+        .arg(format!(
+            "of={}",
+            f.host_dir("c").join("state/filler").display()
+        ))
+        .output();
+    std::fs::write(f.dir.path().join("refuse"), "").unwrap();
+    assert!(
+        eventually(Duration::from_secs(15), || served(
+            metrics,
+            "callbacks",
+            "200"
+        ) >= 1)
+        .await,
+        "the verdict was never sent"
+    );
+    // Answered 503 every 5 s: sent `[callbacks] attempts` times, then left to the
+    // redelivery sweep and the consumer's nag, not sent every 5 s forever.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    let sent = served(metrics, "callbacks", "200");
+    assert!(
+        (2..=3).contains(&sent),
+        "the verdict was sent {sent} times in 25 s"
+    );
+    let delivery =
+        f.read_state("p", "provider-state.json")["entries"]["c:cert/web"]["delivery"].clone();
+    assert_eq!(delivery["attempts"], 3, "{delivery}");
+    assert!(
+        delivery["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("503")),
+        "{delivery}"
+    );
+}

@@ -292,6 +292,8 @@ impl SignedClient {
             .header(H_TIMESTAMP, &timestamp)
             .header(H_NONCE, &nonce)
             .header(H_SIGNATURE, signature)
+            .header(crate::compat::H_PROTOCOL, crate::compat::PROTOCOL)
+            .header(crate::compat::H_RELEASE, crate::compat::RELEASE)
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(body)
             .send()

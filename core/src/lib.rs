@@ -4,6 +4,7 @@
 
 pub mod canonical;
 pub mod client;
+pub mod compat;
 pub mod names;
 pub mod process;
 pub mod schema;

@@ -25,7 +25,9 @@ in
   # to the provider's agent as JSON Schema.
   interfaces = fort.lib.interfaces;
 
-  shared = [
+  # The fleet's declarations, evaluated once for the whole fleet (and imported by every
+  # host): only fort.cluster may be set here.
+  cluster = [
     {
       fort.cluster = {
         # Replace the addresses and keys with your hosts': `ssh-keyscan -t ed25519 HOST`.
@@ -53,6 +55,11 @@ in
           "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBJY+9ftFeczRutdE6rkNXb1zJCQl6lbmZHSi33br/+8 ops"
         ];
       };
+    }
+  ];
+
+  shared = [
+    {
       services.fort-agent = {
         enable = true;
         openFirewall = true;

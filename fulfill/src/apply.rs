@@ -381,8 +381,13 @@ impl Fulfiller {
         spec: &NeedSpec,
         payload: &[u8],
     ) -> Result<Written, String> {
+        let own_dir = {
+            let view = self.inner.view.lock();
+            crate::fulfiller::own_directory(&view.needs, key, spec)
+        };
+        let own_dir = own_dir.as_deref();
         if spec.keys.is_empty() {
-            return crate::files::write_all(&spec.files, payload, Vec::new());
+            return crate::files::write_all(&spec.files, payload, Vec::new(), own_dir);
         }
         let recorded = self.state(key).files;
         let keys = crate::keys::to_install(&self.inner.keys, key, spec, &recorded, payload)?;
@@ -392,7 +397,7 @@ impl Fulfiller {
             .map(|k| k.name.clone())
             .collect();
         let extra = keys.into_iter().map(|k| (k.file, k.content)).collect();
-        let mut written = crate::files::write_all(&spec.files, payload, extra)?;
+        let mut written = crate::files::write_all(&spec.files, payload, extra, own_dir)?;
         // Forgotten as next keys only once the outcome is recorded (record_applied): until
         // then the recorded files still name the previous key, and after a crash the
         // payload, applied again, must find its key as the next one.
@@ -427,12 +432,12 @@ impl Fulfiller {
             // than renew_before, a stale cached response): a failed renewal, asked again
             // at most once per nag interval while it persists.
             (Phase::Expired, Some(at)) => Some(format!(
-                "the payload received expired at {}; asking again every {}",
+                "the payload received expired at {}; asking again {}",
                 crate::status::when(at),
                 crate::status::every(spec.nag_seconds)
             )),
             (Phase::Expiring, Some(at)) => Some(format!(
-                "the payload received expires at {}, inside the renewal window; asking again every {}",
+                "the payload received expires at {}, inside the renewal window; asking again {}",
                 crate::status::when(at),
                 crate::status::every(spec.nag_seconds)
             )),

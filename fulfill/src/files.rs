@@ -8,7 +8,8 @@
 /// For `fort-agent check`: a delivery path a local user could redirect.
 pub use crate::safe_path::unsafe_parent;
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::{CString, OsString};
+use std::ffi::{CString, OsStr, OsString};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -125,16 +126,30 @@ pub fn account_id(name: &str, group: bool) -> Result<u32, String> {
     }
 }
 
+/// One file to write: where, what, and whose.
+pub(crate) struct Planned {
+    pub file: FileSpec,
+    pub data: Vec<u8>,
+    pub uid: u32,
+    pub gid: u32,
+    pub mode: u32,
+}
+
 /// Writes every file of a need from `payload`. Everything that can fail before a byte
 /// is written (a pointer, an owner that does not exist yet) is checked for all files
 /// first, so a payload is applied to all of its files or to none.
 ///
 /// `extra` are files whose content is not in the payload (keys made here, §11.10),
 /// written first, so a service restarted for the payload finds its new key already there.
+///
+/// `own_dir`: the directory that holds every one of these files and nothing of any other
+/// need. There they are replaced together (`swap`): a reader sees all old files or all
+/// new ones.
 pub fn write_all(
     files: &[FileSpec],
     payload: &[u8],
     extra: Vec<(FileSpec, Vec<u8>)>,
+    own_dir: Option<&Path>,
 ) -> Result<Written, String> {
     let mut contents = extra;
     for f in files {
@@ -146,12 +161,29 @@ pub fn write_all(
         let label = f.label();
         let uid = account_id(&f.owner, false).map_err(|e| format!("file {label}: {e}"))?;
         let gid = account_id(&f.group, true).map_err(|e| format!("file {label}: {e}"))?;
-        planned.push((f, data, uid, gid));
+        let mode = f.mode_bits();
+        planned.push(Planned {
+            file: f,
+            data,
+            uid,
+            gid,
+            mode,
+        });
     }
+    let together = own_dir
+        .filter(|dir| {
+            planned.len() > 1 && planned.iter().all(|p| p.file.path.parent() == Some(*dir))
+        })
+        .and_then(|dir| crate::swap::write(dir, &planned));
     let mut out = Written::default();
-    for (f, data, uid, gid) in planned {
-        let outcome = write_one(&f.path, &data, uid, gid, f.mode_bits())
-            .map_err(|e| format!("file {}: cannot write {}: {e}", f.label(), f.path.display()))?;
+    for (i, p) in planned.into_iter().enumerate() {
+        let (f, data) = (p.file, p.data);
+        let outcome = match &together {
+            Some(outcomes) => outcomes[i],
+            None => write_one(&f.path, &data, p.uid, p.gid, p.mode).map_err(|e| {
+                format!("file {}: cannot write {}: {e}", f.label(), f.path.display())
+            })?,
+        };
         out.changed |= outcome != Outcome::Unchanged;
         out.created |= outcome == Outcome::Created;
         let credentials = match outcome {
@@ -168,8 +200,8 @@ pub fn write_all(
     Ok(out)
 }
 
-#[derive(Debug, PartialEq, Eq)]
-enum Outcome {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
     Unchanged,
     Replaced,
     Created,
@@ -210,25 +242,7 @@ fn write_one(path: &Path, data: &[u8], uid: u32, gid: u32, mode: u32) -> std::io
     ));
     let tmp = OsString::from_vec(tmp.into_vec());
     let result = (|| {
-        let file = rfs::openat(
-            &dir,
-            tmp.as_os_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )?;
-        let mut written = 0;
-        while written < data.len() {
-            written += rustix::io::write(&file, &data[written..])?;
-        }
-        // Owner and mode before the file has its name: no reader ever sees it otherwise.
-        rfs::fchown(
-            &file,
-            Some(rfs::Uid::from_raw(uid)),
-            Some(rfs::Gid::from_raw(gid)),
-        )?;
-        rfs::fchmod(&file, Mode::from_raw_mode(mode))?;
-        rfs::fsync(&file)?;
-        drop(file);
+        write_new(&dir, &tmp, data, uid, gid, mode)?;
         rfs::renameat(&dir, tmp.as_os_str(), &dir, name)?;
         rfs::fsync(&dir)?;
         Ok::<(), rustix::io::Errno>(())
@@ -238,6 +252,36 @@ fn write_one(path: &Path, data: &[u8], uid: u32, gid: u32, mode: u32) -> std::io
         return Err(e.into());
     }
     Ok(outcome)
+}
+
+/// Makes `name` in `dir` (exclusively, never through a link) holding `data`, with its
+/// owner and mode set and its content on disk before anyone can see it by another name.
+pub(crate) fn write_new(
+    dir: impl AsFd,
+    name: &OsStr,
+    data: &[u8],
+    uid: u32,
+    gid: u32,
+    mode: u32,
+) -> rustix::io::Result<()> {
+    let file = rfs::openat(
+        dir,
+        name,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    let mut written = 0;
+    while written < data.len() {
+        written += rustix::io::write(&file, &data[written..])?;
+    }
+    // Owner and mode before the file has its name: no reader ever sees it otherwise.
+    rfs::fchown(
+        &file,
+        Some(rfs::Uid::from_raw(uid)),
+        Some(rfs::Gid::from_raw(gid)),
+    )?;
+    rfs::fchmod(&file, Mode::from_raw_mode(mode))?;
+    rfs::fsync(&file)
 }
 
 /// The first file that no longer holds what was written (a reboot empties `/run`; a local
@@ -300,7 +344,7 @@ mod tests {
 
     /// The payload's files alone, as most tests write them.
     fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> {
-        super::write_all(files, payload, Vec::new())
+        super::write_all(files, payload, Vec::new(), None)
     }
     use std::os::unix::fs::MetadataExt;
 

@@ -4,6 +4,7 @@
 //! (asking lives in `request.rs` and `batch.rs`, the payload side in `deliver.rs`).
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -156,6 +157,30 @@ pub(crate) fn declares_path(spec: &NeedSpec, path: &str) -> bool {
         || spec.keys.values().any(|k| k.path.to_string_lossy() == path)
 }
 
+/// The directory that holds every file and key of `key`'s need, when they are more than
+/// one and no other need has a file or key in it or below it: there the need's files
+/// are replaced together (§11.3).
+pub(crate) fn own_directory(needs: &Needs, key: &NeedKey, spec: &NeedSpec) -> Option<PathBuf> {
+    let paths = need_paths(spec);
+    let dir = paths.first()?.parent()?;
+    if paths.len() < 2 || dir.parent().is_none() || paths.iter().any(|p| p.parent() != Some(dir)) {
+        return None;
+    }
+    let shared = needs
+        .iter()
+        .filter(|(other, _)| *other != key)
+        .any(|(_, spec)| need_paths(spec).iter().any(|p| p.starts_with(dir)));
+    (!shared).then(|| dir.to_path_buf())
+}
+
+fn need_paths(spec: &NeedSpec) -> Vec<&Path> {
+    spec.files
+        .iter()
+        .map(|f| f.path.as_path())
+        .chain(spec.keys.values().map(|k| k.path.as_path()))
+        .collect()
+}
+
 /// A need's files without their `credential_for` units.
 pub(crate) fn declared_files(spec: &NeedSpec) -> Vec<fort_core::schema::FileSpec> {
     spec.files
@@ -244,7 +269,14 @@ impl Fulfiller {
                         .map(|(k, st)| (k.clone(), st.files.clone()))
                         .collect()
                 });
+            let own: Vec<PathBuf> = needs
+                .iter()
+                .filter_map(|(key, spec)| own_directory(&needs, key, spec))
+                .collect();
             tokio::task::spawn_blocking(move || {
+                // A replacement a crash interrupted may have left a directory of private
+                // keys beside a need's own.
+                crate::swap::sweep(own.iter().map(PathBuf::as_path));
                 satisfied
                     .into_iter()
                     .filter_map(|(k, files)| crate::files::missing(&files).map(|p| (k, p)))

@@ -25,7 +25,6 @@ const MAX_KEY_FILE: u64 = 64 * 1024;
 /// What the need's state keeps about a key: its public half and the CSR made with it,
 /// so that every request carries the same bytes (an ECDSA signature differs each time).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct KeyRecord {
     /// SHA-256 of the raw public key the CSR was made with.
     pub public_sha256: String,
@@ -201,23 +200,70 @@ impl Material {
             .map_err(|e| format!("cannot make a CSR: {e}"))
     }
 
-    /// Whether `certificate` (a PEM X.509 certificate, the first one counting, or an
+    /// Whether `certificate` (PEM X.509 certificates, the first one counting, or an
     /// OpenSSH certificate) is for this key.
+    #[cfg(test)]
     fn certifies(&self, certificate: &str) -> Result<bool, String> {
-        let text = certificate.trim_start();
-        if text.starts_with("-----BEGIN") {
-            let (_, pem) = x509_parser::pem::parse_x509_pem(text.as_bytes())
-                .map_err(|e| format!("not a PEM certificate: {e}"))?;
-            let cert = pem
-                .parse_x509()
-                .map_err(|e| format!("not an X.509 certificate: {e}"))?;
-            // The whole SubjectPublicKeyInfo: the algorithm and curve too, not only the
-            // key's bits (an X25519 key has the same 32 bytes as an ed25519 one).
-            return Ok(cert.public_key().raw == self.pair.subject_public_key_info().as_slice());
+        Certificate::read(certificate)?.certifies(self)
+    }
+
+    /// The key's SubjectPublicKeyInfo: the algorithm and curve too, not only the key's
+    /// bits (an X25519 key has the same 32 bytes as an ed25519 one).
+    fn spki(&self) -> Vec<u8> {
+        self.pair.subject_public_key_info()
+    }
+}
+
+/// A key's certificate, as the payload carries it at the key's `certificate` pointer.
+enum Certificate {
+    /// PEM X.509 certificates (DER), the first one the key's.
+    X509(Vec<Vec<u8>>),
+    Openssh(Box<ssh_key::Certificate>),
+}
+
+impl Certificate {
+    fn read(text: &str) -> Result<Certificate, String> {
+        let pem = crate::certs::all(text.as_bytes())?;
+        if !pem.is_empty() {
+            return Ok(Certificate::X509(pem));
         }
-        let cert = ssh_key::Certificate::from_openssh(text.trim_end())
-            .map_err(|_| "neither a PEM X.509 certificate nor an OpenSSH certificate".to_owned())?;
-        Ok(*cert.public_key() == self.ssh_public()?)
+        ssh_key::Certificate::from_openssh(text.trim())
+            .map(|c| Certificate::Openssh(Box::new(c)))
+            .map_err(|_| {
+                "it is neither a PEM X.509 certificate nor an OpenSSH certificate".to_owned()
+            })
+    }
+
+    /// The X.509 certificate for the key.
+    fn leaf(&self) -> Option<&[u8]> {
+        match self {
+            Certificate::X509(pem) => pem.first().map(Vec::as_slice),
+            Certificate::Openssh(_) => None,
+        }
+    }
+
+    fn certifies(&self, m: &Material) -> Result<bool, String> {
+        match self {
+            Certificate::X509(_) => {
+                let leaf = self.leaf().expect("at least one certificate");
+                Ok(crate::certs::parse(leaf).public_key().raw == m.spki().as_slice())
+            }
+            Certificate::Openssh(cert) => Ok(*cert.public_key() == m.ssh_public()?),
+        }
+    }
+
+    /// Whether it is valid at `now` (unix seconds); `Err` says why not.
+    fn check_validity(&self, now: i64) -> Result<(), String> {
+        match self {
+            Certificate::X509(_) => crate::certs::check_validity(
+                &crate::certs::parse(self.leaf().expect("at least one certificate")),
+                now,
+            ),
+            Certificate::Openssh(cert) => {
+                let unix = |t: u64| i64::try_from(t).unwrap_or(i64::MAX);
+                crate::certs::check_window(unix(cert.valid_after()), unix(cert.valid_before()), now)
+            }
+        }
     }
 }
 
@@ -435,8 +481,11 @@ pub(crate) struct KeyFile {
     pub was_next: bool,
 }
 
-/// For a payload about to be applied: each key's certificate must be for the next key or
-/// the installed one; the key it certifies is the file to write beside the payload's.
+/// For a payload about to be applied (docs/protocol.md §11.10): each key's certificate
+/// must be for the next key or the installed one, and valid now; every file that holds
+/// certificates must hold only certificates that parse, the first one for one of those
+/// keys (and valid now) or one that issued a key's certificate. The key each certificate
+/// is for is the file to write beside the payload's. `Err` leaves everything in place.
 pub(crate) fn to_install(
     store: &KeyStore,
     need: &NeedKey,
@@ -447,10 +496,12 @@ pub(crate) fn to_install(
     let json: serde_json::Value = serde_json::from_slice(payload).map_err(|_| {
         "the payload is not JSON, so no certificate can be found for the keys".to_owned()
     })?;
+    let now = i64::try_from(fort_core::wire::unix_now()).unwrap_or(i64::MAX);
     let mut out = Vec::new();
     let mut chosen = Vec::new();
+    let mut leaves = Vec::new();
     for (name, k) in &spec.keys {
-        let certificate = json
+        let text = json
             .pointer(&k.certificate)
             .and_then(|v| v.as_str())
             .ok_or_else(|| {
@@ -459,6 +510,12 @@ pub(crate) fn to_install(
                     k.certificate
                 )
             })?;
+        let certificate = Certificate::read(text).map_err(|e| {
+            format!(
+                "key {name}: the value at {:?}: {e}; not installed",
+                k.certificate
+            )
+        })?;
         let mismatch = || {
             format!(
                 "the certificate at {:?} does not match key {name} (neither the key in use nor the one asked with); not installed",
@@ -466,73 +523,62 @@ pub(crate) fn to_install(
             )
         };
         let as_file = k.as_file(name);
-        if let Some(next) = store.load_next(need, name, k.key_type) {
-            if next
-                .certifies(certificate)
-                .map_err(|e| format!("key {name}: the value at {:?} is {e}", k.certificate))?
-            {
-                out.push(KeyFile {
-                    name: name.clone(),
-                    file: as_file,
-                    content: next.file_content(k.format)?,
-                    was_next: true,
-                });
-                chosen.push(next);
-                continue;
+        let next = store
+            .load_next(need, name, k.key_type)
+            .map(|m| certificate.certifies(&m).map(|yes| yes.then_some(m)))
+            .transpose()?
+            .flatten();
+        let (m, file) = match next {
+            Some(m) => {
+                let content = m.file_content(k.format)?;
+                (m, (content, true))
             }
-        }
-        let (current, bytes) =
-            installed(k, files.get(&k.path.display().to_string())).ok_or_else(mismatch)?;
-        if !current
-            .certifies(certificate)
-            .map_err(|e| format!("key {name}: the value at {:?} is {e}", k.certificate))?
-        {
-            return Err(mismatch());
-        }
+            None => {
+                let (current, bytes) =
+                    installed(k, files.get(&k.path.display().to_string())).ok_or_else(mismatch)?;
+                if !certificate.certifies(&current)? {
+                    return Err(mismatch());
+                }
+                (current, (bytes, false))
+            }
+        };
+        // A certificate a service would refuse (or that expired long ago) never
+        // replaces a working one.
+        certificate.check_validity(now).map_err(|e| {
+            format!(
+                "the certificate at {:?} for key {name} {e}; not installed",
+                k.certificate
+            )
+        })?;
         out.push(KeyFile {
             name: name.clone(),
             file: as_file,
-            content: bytes,
-            was_next: false,
+            content: file.0,
+            was_next: file.1,
         });
-        chosen.push(current);
+        chosen.push(m.spki());
+        leaves.extend(certificate.leaf().map(<[u8]>::to_vec));
     }
-    // Every file that starts with a leaf certificate (a chain starts with its issuer, a
-    // CA) must be for one of these keys too: a provider cannot pair a matching
-    // `certificate` with a `fullchain` for another key.
-    for f in &spec.files {
-        let Ok(content) = crate::files::content(payload, &f.pointer) else {
-            continue;
-        };
-        if leaf_for(&content, &chosen) == Some(false) {
-            return Err(format!(
-                "file {} holds a certificate for another key than the need's; not installed",
-                f.label()
-            ));
-        }
-    }
+    crate::certs::check_files(&spec.files, &json, payload, &chosen, &leaves, now)?;
     Ok(out)
 }
 
-/// Whether the leaf certificate `content` starts with is for one of `keys`; `None` when it
-/// starts with no certificate, or with a CA's.
-fn leaf_for(content: &[u8], keys: &[Material]) -> Option<bool> {
-    if !content
-        .trim_ascii_start()
-        .starts_with(b"-----BEGIN CERTIFICATE-----")
-    {
-        return None;
-    }
-    let (_, pem) = x509_parser::pem::parse_x509_pem(content.trim_ascii_start()).ok()?;
-    let cert = pem.parse_x509().ok()?;
-    if cert.is_ca() {
-        return None;
-    }
-    let spki = cert.public_key().raw;
-    Some(
-        keys.iter()
-            .any(|m| spki == m.pair.subject_public_key_info().as_slice()),
-    )
+/// The need's request as it would be sent, its `$fort_key` references filled from keys
+/// made now and thrown away (a CSR names exactly the key's `names`): what a check before a
+/// deploy holds against the provider's policy. No key is kept or written anywhere.
+pub fn with_throwaway_keys(spec: &NeedSpec) -> Result<serde_json::Value, String> {
+    let mut made: BTreeMap<String, Material> = BTreeMap::new();
+    let mut records = BTreeMap::new();
+    fort_core::schema::keys::resolve_keys(&spec.request, &mut |r| {
+        let k = spec
+            .keys
+            .get(&r.key)
+            .ok_or_else(|| format!("no key {:?}", r.key))?;
+        if !made.contains_key(&r.key) {
+            made.insert(r.key.clone(), Material::generate(k.key_type)?);
+        }
+        form(&r.key, k, &made[&r.key], r.form, &mut records)
+    })
 }
 
 /// For tests: the next key of a need, as its public OpenSSH line.
@@ -574,17 +620,10 @@ mod tests {
             let theirs = params.self_signed(&other.pair).unwrap().pem();
             assert!(!m.certifies(&theirs).unwrap());
             assert!(m.certifies("garbage").is_err());
-            // A file starting with a leaf for another key is caught; a chain (a CA's
-            // certificate first) and text are not leaves.
-            assert_eq!(
-                leaf_for(mine.as_bytes(), std::slice::from_ref(&m)),
-                Some(true)
-            );
-            assert_eq!(
-                leaf_for(theirs.as_bytes(), std::slice::from_ref(&m)),
-                Some(false)
-            );
-            assert_eq!(leaf_for(b"hello", std::slice::from_ref(&m)), None);
+            // Text before the certificate is passed over, as OpenSSL does.
+            assert!(m
+                .certifies(&format!("subject=a.example.org\n{mine}"))
+                .unwrap());
             // PEM round trip, and OpenSSH for ed25519.
             let back = Material::from_pem(t, &m.pem()).unwrap();
             assert_eq!(back.public_raw(), m.public_raw());

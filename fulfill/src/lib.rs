@@ -5,6 +5,7 @@
 mod apply;
 mod ask;
 mod batch;
+mod certs;
 mod deliver;
 pub mod expiry;
 pub mod files;
@@ -16,6 +17,7 @@ mod safe_path;
 mod schedule;
 pub mod state;
 mod status;
+mod swap;
 mod units;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};

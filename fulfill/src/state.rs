@@ -50,7 +50,6 @@ impl Phase {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct NeedState {
     /// The provider, kept so a need removed from needs.json can still be released.
     pub from: String,
@@ -119,7 +118,6 @@ pub struct NeedState {
 
 /// A payload waiting to be applied.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct Inbox {
     /// The need's `seq` when it arrived.
     pub seq: u64,

@@ -34,7 +34,14 @@ pub struct Capability {
     pub check: fn(&Path) -> anyhow::Result<()>,
     /// Reconciles every entry.
     pub run: for<'a> fn(&'a Path, Vec<Entry>, Trigger) -> RunFuture<'a>,
+    /// The entries the provider's policy refuses, with why, decided from the config and
+    /// the fleet's hosts alone (no server, no secret, no state): what `fort-agent check
+    /// --fleet` holds every consumer's requests against before a deploy.
+    pub vet: fn(&Path, &common::hosts::Fleet, &[Entry]) -> anyhow::Result<Refusals>,
 }
+
+/// Entry key → why it is refused.
+pub type Refusals = std::collections::BTreeMap<String, String>;
 
 /// Every capability, in `--help` order.
 pub const CAPABILITIES: &[Capability] = &[

@@ -27,8 +27,16 @@ struct Cli {
     check: bool,
     /// Print the JSON Schema of the capability's requests (capabilities.json's
     /// `request_schema`, as the NixOS module writes it), then exit.
-    #[arg(long, conflicts_with_all = ["config", "check"])]
+    #[arg(long, conflicts_with_all = ["config", "check", "vet"])]
     schema: bool,
+    /// Read entries on stdin as a run would and print, as a JSON object, those the
+    /// provider's policy refuses with why, decided from the config and `--hosts` alone:
+    /// no server is contacted, no secret read, no state touched (the fleet check).
+    #[arg(long, requires = "hosts")]
+    vet: bool,
+    /// The fleet's hosts.json, for `--vet`.
+    #[arg(long)]
+    hosts: Option<PathBuf>,
 }
 
 fn after_help() -> String {
@@ -103,6 +111,22 @@ fn main() -> ExitCode {
     if let Err(e) = std::io::stdin().read_to_end(&mut input) {
         eprintln!("fort-handler {}: cannot read stdin: {e}", cap.name);
         return ExitCode::FAILURE;
+    }
+    if let (true, Some(hosts)) = (cli.vet, &cli.hosts) {
+        let vetted = common::hosts::Fleet::load(hosts).and_then(|fleet| {
+            let entries = common::parse_input(&input)?;
+            (cap.vet)(&config, &fleet, &entries)
+        });
+        return match vetted {
+            Ok(refusals) => {
+                println!("{}", serde_json::json!(refusals));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fort-handler {}: {e:#}", cap.name);
+                ExitCode::FAILURE
+            }
+        };
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -227,7 +227,7 @@ fn acme_http01_issue_keep_renew_and_revoke() {
     assert!(other.ok);
     assert_eq!(
         other.out["web:ssl-cert/x"]["$fort_refused"],
-        "app.example.test is not a name web may get a certificate for"
+        "app.example.test is not a name web may get a certificate for (nothing is allowed for web)"
     );
     assert_eq!(other.out[KEY], first);
 
@@ -383,7 +383,8 @@ fn acme_refusals_before_any_request() {
     };
     assert_eq!(
         reason("app:ssl-cert/outside"),
-        "evil.example.test is not a name app may get a certificate for"
+        "evil.example.test is not a name app may get a certificate for \
+         (allowed for app: app.example.test, app.hosts.example.test)"
     );
     assert!(reason("app:ssl-cert/names").contains("x.app.example.test"));
     assert_eq!(
@@ -472,4 +473,242 @@ fn acme_renewals_and_certificates_bounded() {
         std::thread::sleep(Duration::from_millis(500));
     }
     assert!(web_answer["certificate"].is_string(), "web was not served");
+}
+
+/// A caller's entries together get at most `max_certificates_per_caller_per_week`
+/// certificates, however it asks: many entries at once, or entries released and asked
+/// for again under new ids with new names (each entry, and each set of names, would be
+/// new to the per-entry limits). Another caller is served in the same runs.
+#[test]
+fn acme_a_caller_cannot_spend_the_cas_limits_for_everyone() {
+    const T: &str = "acme_a_caller_cannot_spend_the_cas_limits_for_everyone";
+    let records = "*.app IN A 127.0.0.1\nweb IN A 127.0.0.1\n";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let pebble = match Pebble::start(dns.addr, None) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["*.app.example.test"], "web": ["web.example.test"]},
+               "http01": {"webroot": web.path()}, "max_certificates_per_caller_per_week": 2,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let request = |name: &str| json!({"csr": csr(&[name]).1});
+    let (web_key, web_request) = ("web:ssl-cert/site", request("web.example.test"));
+    // Runs the entries (responses kept) until none is under way; the last output.
+    let settle = |input: &mut Value| -> Value {
+        for _ in 0..40 {
+            let r = run(&config, input);
+            assert!(r.ok, "the run failed: {}", r.stderr);
+            let mut under_way = false;
+            for (key, answer) in r.out.as_object().unwrap() {
+                if key.starts_with('$') {
+                    continue;
+                }
+                if answer.get("certificate").is_some() {
+                    input[key]["response"] = answer.clone();
+                }
+                let pending = answer["$fort_pending"].as_str().unwrap_or_default();
+                under_way |= pending.starts_with("order ");
+            }
+            if !under_way {
+                return r.out;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        panic!("orders still under way after 40 runs");
+    };
+
+    let mut input = json!({});
+    for i in 1..=3 {
+        input[format!("app:ssl-cert/c{i}")] =
+            json!({"request": request(&format!("c{i}.app.example.test")), "response": null});
+    }
+    input[web_key] = json!({"request": web_request, "response": null});
+    let out = settle(&mut input);
+    assert!(out[web_key]["certificate"].is_string(), "{out}");
+    let issued = (1..=3)
+        .filter(|i| out[format!("app:ssl-cert/c{i}")]["certificate"].is_string())
+        .count();
+    assert_eq!(issued, 2, "{out}");
+    let held = out["app:ssl-cert/c3"]["$fort_pending"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        held.contains("app's entries") && held.contains("max_certificates_per_caller_per_week"),
+        "{out}"
+    );
+
+    // Released, and asked for again under a new id with a new name: still held.
+    let mut input = json!({
+        "app:ssl-cert/fresh": {"request": request("fresh.app.example.test"), "response": null},
+        web_key: input[web_key].clone(),
+    });
+    let out = settle(&mut input);
+    let held = out["app:ssl-cert/fresh"]["$fort_pending"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(held.contains("app's entries"), "{out}");
+    assert!(out[web_key]["certificate"].is_string(), "{out}");
+}
+
+/// Two callers allowed the same names share that set's weekly limit, as they share the
+/// CA's. Another caller's new certificates for those names cannot take its last one: the
+/// holder's renewal, once due, gets it, in the same runs as the other caller is held.
+#[test]
+fn acme_another_caller_cannot_take_a_holders_renewal() {
+    const T: &str = "acme_another_caller_cannot_take_a_holders_renewal";
+    let records = "app IN A 127.0.0.1\n";
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    // Certificates living 12 s: due for renewal after 8.
+    let pebble = match Pebble::start(dns.addr, Some(12)) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["app.example.test"], "web": ["app.example.test"]},
+               "http01": {"webroot": web.path()}, "max_certificates_per_week": 2,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let (_, holder_csr) = csr(&["app.example.test"]);
+    let (first, _) = issue(&config, &json!({"csr": holder_csr}), None, false);
+    let issued_at = std::time::Instant::now();
+
+    // The other caller asks for the same names while the holder's certificate is young.
+    let (_, other_csr) = csr(&["app.example.test"]);
+    let other = "web:ssl-cert/same";
+    let r = run(
+        &config,
+        &json!({ KEY: {"request": {"csr": holder_csr}, "response": first},
+                 other: {"request": {"csr": other_csr}, "response": null} }),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    let held = r.out[other]["$fort_pending"].as_str().unwrap_or_default();
+    assert!(held.contains("due for renewal"), "{}", r.out);
+
+    // Due: the holder renews with a new key and gets the names' last certificate, while
+    // the other caller keeps waiting.
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(issued_at.elapsed()));
+    let (_, renewal_csr) = csr(&["app.example.test"]);
+    let mut renewed = Value::Null;
+    for _ in 0..40 {
+        let r = run(
+            &config,
+            &json!({ KEY: {"request": {"csr": renewal_csr}, "response": first},
+                     other: {"request": {"csr": other_csr}, "response": null} }),
+        );
+        assert!(r.ok, "{}", r.stderr);
+        assert!(
+            r.out[other]["$fort_pending"].as_str().is_some(),
+            "{}",
+            r.out
+        );
+        if r.out[KEY].get("certificate").is_some() {
+            renewed = r.out[KEY].clone();
+            break;
+        }
+        let why = r.out[KEY]["$fort_pending"].as_str().unwrap_or_default();
+        assert!(why.starts_with("order "), "{}", r.out);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_ne!(renewed["certificate"], first["certificate"], "not renewed");
+}
+
+/// A caller's orders that fail (names the CA cannot validate), asked for again under new
+/// ids to escape each entry's back-off, would spend the CA's new orders per account for
+/// every caller: at most `max_orders_per_caller_per_hour` are placed, whatever became of
+/// them, and another caller's order is placed and served in the same runs.
+#[test]
+fn acme_a_callers_failing_orders_cannot_spend_the_accounts_orders() {
+    const T: &str = "acme_a_callers_failing_orders_cannot_spend_the_accounts_orders";
+    // No record for the caller's names: every validation of them fails.
+    let dns = match DnsServer::start(Flavor::Knot, "example.test", "web IN A 127.0.0.1\n") {
+        Ok(d) => d,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let pebble = match Pebble::start(dns.addr, None) {
+        Ok(p) => p,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let web = match Webroot::start(pebble.http_port) {
+        Ok(w) => w,
+        Err(why) => return fort_tests::skip(T, &why),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        json!({"directory": pebble.directory, "ca_root": pebble.tls_root,
+               "allow": {"app": ["*.app.example.test"], "web": ["web.example.test"]},
+               "http01": {"webroot": web.path()}, "max_orders_per_caller_per_hour": 3,
+               "rerun_seconds": 1, "state": dir.path().join("state/acme.json")}),
+    );
+    let site = "web:ssl-cert/site";
+    let web_request = json!({"csr": csr(&["web.example.test"]).1});
+    let mut web_response = Value::Null;
+    let mut placed = 0;
+    // Each round: new ids with new names (the ones before released), and web's entry.
+    for round in 0..6 {
+        let mut input = json!({ site: {"request": web_request, "response": web_response} });
+        for i in 0..2 {
+            let name = format!("r{round}n{i}.app.example.test");
+            input[format!("app:ssl-cert/r{round}n{i}")] =
+                json!({"request": {"csr": csr(&[&name]).1}, "response": null});
+        }
+        let r = run(&config, &input);
+        assert!(r.ok, "{}", r.stderr);
+        for i in 0..2 {
+            let why = r.out[format!("app:ssl-cert/r{round}n{i}")]["$fort_pending"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            if why.contains("max_orders_per_caller_per_hour") {
+                assert!(why.contains("3 orders"), "{why}");
+            } else {
+                placed += 1;
+            }
+        }
+        if r.out[site].get("certificate").is_some() {
+            web_response = r.out[site].clone();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(placed, 3, "orders placed for app");
+    for _ in 0..20 {
+        if web_response.get("certificate").is_some() {
+            break;
+        }
+        let r = run(
+            &config,
+            &json!({ site: {"request": web_request, "response": web_response} }),
+        );
+        assert!(r.ok, "{}", r.stderr);
+        if r.out[site].get("certificate").is_some() {
+            web_response = r.out[site].clone();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        web_response["certificate"].is_string(),
+        "web was not served"
+    );
 }

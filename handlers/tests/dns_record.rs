@@ -137,6 +137,8 @@ on_both!(
     changes_replace_only_what_fort_made,
     unchanged_entries_need_no_primary,
     one_callers_large_record_set_costs_only_its_own_entry,
+    a_refused_change_keeps_the_records_in_service,
+    one_caller_cannot_fill_a_shared_txt_name,
 );
 
 const HAND_MADE: &str = "manual IN A 192.0.2.1\nshared IN TXT \"admin made this\"\n";
@@ -532,4 +534,89 @@ fn one_callers_large_record_set_costs_only_its_own_entry(flavor: Flavor, test: &
     );
     // What the attacker could never change is not left behind either.
     assert!(s.server.dig("big.app.example.test", "TXT").is_empty());
+}
+
+/// A caller renames its record to a name it may not have: refused, and the records it had
+/// stay (and stay its own); the provider narrowing the allowance takes them away.
+fn a_refused_change_keeps_the_records_in_service(flavor: Flavor, test: &str) {
+    let Some(s) = setup(test, flavor, "") else {
+        return;
+    };
+    let key = "app:dns-record/www";
+    let (ok, _, err) = s.run("request", &[(key, json!({"name": "shared.example.test"}))]);
+    assert!(ok, "{err}");
+    let renamed = [
+        (key, json!({"name": "www.web.example.test"})),
+        // Another caller asking for the name in the same run does not get it.
+        ("web:dns-record/www", json!({"name": "shared.example.test"})),
+    ];
+    let (ok, out, err) = s.run("request", &renamed);
+    assert!(ok, "{err}");
+    let why = refusal(&out, key);
+    assert!(
+        why.contains("may not hold records at www.web.example.test")
+            && why.contains("the records it had stay in service"),
+        "{why}"
+    );
+    assert!(refusal(&out, "web:dns-record/www").contains("already held"));
+    assert_eq!(s.server.dig("shared.example.test", "A"), ["10.0.0.2"]);
+    // The allowance narrowed: what it had goes.
+    s.write_config(|c| c["allow"] = json!({"app": ["other.app.example.test"]}));
+    let (ok, out, err) = s.run("request", &renamed[..1]);
+    assert!(ok, "{err}");
+    assert!(!refusal(&out, key).contains("stay in service"));
+    assert!(s.server.dig("shared.example.test", "A").is_empty());
+}
+
+/// TXT values at one name are shared by every caller allowed it, and a primary holds a
+/// bounded number of records of one type at a name (BIND: `max-records-per-type`, 100).
+/// One caller asks for seven sets of 16 values at a name another caller uses: its entries
+/// together get one set's worth, the rest are refused with the cause, and the other
+/// caller's values, old and new, are served.
+fn one_caller_cannot_fill_a_shared_txt_name(flavor: Flavor, test: &str) {
+    let Some(s) = setup(test, flavor, "") else {
+        return;
+    };
+    let shared = |values: Vec<String>| json!({"name": "shared.example.test", "type": "TXT", "values": values});
+    let mut entries: Vec<(String, Value)> = vec![(
+        "web:dns-record/txt".into(),
+        shared(vec!["web was here".into()]),
+    )];
+    for i in 0..7 {
+        let values = (0..16).map(|j| format!("app {i} {j}")).collect();
+        entries.push((format!("app:dns-record/t{i}"), shared(values)));
+    }
+    let run = |entries: &[(String, Value)]| {
+        let refs: Vec<(&str, Value)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let (ok, out, err) = s.run("request", &refs);
+        assert!(ok, "{err}");
+        out
+    };
+    let out = run(&entries);
+    assert_eq!(out["web:dns-record/txt"]["values"], json!(["web was here"]));
+    assert_eq!(
+        out["app:dns-record/t0"]["values"].as_array().unwrap().len(),
+        16
+    );
+    for i in 1..7 {
+        let why = refusal(&out, &format!("app:dns-record/t{i}"));
+        assert!(why.contains("one caller holds at most 16"), "{why}");
+    }
+    // The other caller adds values at its name: served.
+    entries.push((
+        "web:dns-record/more".into(),
+        shared((0..4).map(|j| format!("web more {j}")).collect()),
+    ));
+    let out = run(&entries);
+    assert_eq!(
+        out["web:dns-record/more"]["values"]
+            .as_array()
+            .map(Vec::len),
+        Some(4),
+        "{out}"
+    );
+    assert_eq!(s.server.dig("shared.example.test", "TXT").len(), 21);
 }

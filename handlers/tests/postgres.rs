@@ -539,3 +539,62 @@ fn a_consumers_sessions_hold_back_no_other_callers_database() {
     assert!(took < std::time::Duration::from_secs(5), "{took:?}");
     drop(sessions);
 }
+
+/// A caller whose consumer holds a lock on each of its own roles (a transaction that
+/// changed its own password and stays open) and raises `rotate` on every request: each
+/// of its entries makes the handler wait for the lock. Its first entry costs the run one
+/// lock wait and its others wait for a later run; two other callers' new databases are
+/// made in the same run, within its budget.
+#[test]
+fn a_caller_holding_locks_on_its_own_roles_holds_back_no_other_caller() {
+    const TEST: &str = "a_caller_holding_locks_on_its_own_roles_holds_back_no_other_caller";
+    let Some(pg) = server(TEST) else { return };
+    let s = Setup::new(pg, json!({"run_budget": "12s"}));
+    let attacker: Vec<(String, Value)> = (1..=4)
+        .map(|i| (format!("app:postgres/a{i}"), json!({})))
+        .collect();
+    let keys: Vec<(&str, Value)> = attacker
+        .iter()
+        .map(|(k, r)| (k.as_str(), r.clone()))
+        .collect();
+    let first = s.ok("request", &input(&keys, &Value::Null));
+    let mut sessions = Vec::new();
+    for (key, _) in &keys {
+        let cred = &first[*key];
+        let (user, password) = (
+            cred["user"].as_str().unwrap(),
+            cred["password"].as_str().unwrap(),
+        );
+        sessions.push(s.pg.session_holding(
+            user,
+            password,
+            user,
+            &format!("ALTER ROLE {user} PASSWORD 'held-by-the-consumer'"),
+        ));
+    }
+
+    let mut want: Vec<(&str, Value)> = keys
+        .iter()
+        .map(|(k, _)| (*k, json!({"rotate": 1})))
+        .collect();
+    want.push(("ops:postgres/grafana", json!({})));
+    want.push(("web:postgres/wiki", json!({})));
+    let started = std::time::Instant::now();
+    let out = s.ok("request", &input(&want, &first));
+    let took = started.elapsed();
+    for key in ["web:postgres/wiki", "ops:postgres/grafana"] {
+        assert!(out[key]["password"].is_string(), "{key}: {out}");
+        login(&s, &out[key], "SELECT 1").unwrap();
+    }
+    // One lock wait (5 s) for the caller, not one per entry.
+    assert!(took < std::time::Duration::from_secs(9), "{took:?}");
+    let waited = out["app:postgres/a1"]["$fort_pending"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(waited.contains("lock"), "{out}");
+    for key in ["app:postgres/a2", "app:postgres/a3", "app:postgres/a4"] {
+        let why = out[key]["$fort_pending"].as_str().unwrap_or_default();
+        assert!(why.contains("app"), "{key}: {out}");
+    }
+    drop(sessions);
+}

@@ -535,3 +535,88 @@ fn a_vhost_that_only_clashes_with_another_is_held_not_blamed() {
         "web /"
     );
 }
+
+/// A caller may forward to a host name of its own (upstream_hosts), which nginx resolves
+/// whenever it loads or tests the configuration. Its vhost passes; then the caller makes
+/// the name stop resolving. From then on nginx refuses the configuration as it stands:
+/// that vhost alone is taken out, with nginx's reason, and the other callers' vhosts
+/// stay and new ones are served in the same run.
+#[test]
+fn a_vhost_in_place_that_stops_passing_costs_only_its_own_entry() {
+    const TEST: &str = "a_vhost_in_place_that_stops_passing_costs_only_its_own_entry";
+    let hosts_dir = tempfile::tempdir().unwrap();
+    let hosts = hosts_dir.path().join("hosts");
+    let resolving = "127.0.0.1 localhost\n127.0.0.2 upstream.app.example.org\n";
+    std::fs::write(&hosts, resolving).unwrap();
+    let nginx = match Nginx::start_resolving(&hosts) {
+        Ok(n) => n,
+        Err(reason) => return fort_tests::skip(TEST, &reason),
+    };
+    let app = Upstream::start("127.0.0.2", "app");
+    let web = Upstream::start("127.0.0.3", "web");
+    let s = Setup::new(
+        nginx,
+        json!({"upstream_hosts": {"app": ["*.app.example.org"]}}),
+    );
+    let attacker = (
+        "app:proxy/named",
+        json!({"server_names": ["named.app.example.org"], "port": app.addr.port(),
+               "upstream_host": "upstream.app.example.org"}),
+    );
+    let site = (
+        "web:proxy/site",
+        json!({"server_names": ["web.example.org"], "port": web.addr.port()}),
+    );
+    let (out, _) = s.ok("request", &[attacker.clone(), site.clone()]);
+    assert!(out["app:proxy/named"]["upstream"].is_string(), "{out}");
+    assert_eq!(
+        s.nginx
+            .wait_for_body("named.app.example.org", "/", 200, "app /")
+            .1,
+        "app /"
+    );
+
+    // The name no longer resolves (the file rewritten in place: the bind mount follows
+    // its inode). Another caller asks for a new vhost.
+    std::fs::write(&hosts, "127.0.0.1 localhost\n").unwrap();
+    let blog = (
+        "web:proxy/blog",
+        json!({"server_names": ["blog.web.example.org"], "port": web.addr.port()}),
+    );
+    let requests = [attacker, site, blog];
+    let (ok, out, err) = s.run("request", &requests);
+    assert!(ok, "the run failed: {err}");
+    let why = refusal(&out, "app:proxy/named");
+    assert!(
+        why.contains("taken out") && why.contains("upstream.app.example.org"),
+        "{why}"
+    );
+    assert!(out["web:proxy/site"]["upstream"].is_string(), "{out}");
+    assert!(out["web:proxy/blog"]["upstream"].is_string(), "{out}");
+    assert!(!s.vhost("fort.app.proxy.named.conf").exists());
+    assert_eq!(
+        s.nginx
+            .wait_for_body("blog.web.example.org", "/", 200, "web /")
+            .1,
+        "web /"
+    );
+    assert_eq!(
+        s.nginx
+            .wait_for_body("web.example.org", "/", 200, "web /")
+            .1,
+        "web /"
+    );
+
+    // Asked for again while the name still does not resolve: refused as broken, and the
+    // others are answered as before.
+    let (out, _) = s.ok("request", &requests);
+    assert!(
+        refusal(&out, "app:proxy/named").contains("host not found"),
+        "{out}"
+    );
+    assert!(out["web:proxy/blog"]["upstream"].is_string(), "{out}");
+    // The name resolves again: a reconciling run brings the vhost back.
+    std::fs::write(&hosts, resolving).unwrap();
+    let (out, _) = s.ok("manual", &requests);
+    assert!(out["app:proxy/named"]["upstream"].is_string(), "{out}");
+}

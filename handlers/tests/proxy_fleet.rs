@@ -22,6 +22,7 @@ async fn a_consumers_vhost_forwards_to_its_own_address_while_it_needs_it() {
     f.host("edge");
     let app_ip = f.host("app").addr.ip().to_string();
     f.host("web");
+    f.principal("ops");
     let upstream = Upstream::start(&app_ip, "wiki on app");
     let config = f.dir.path().join("proxy.json");
     std::fs::write(
@@ -93,6 +94,38 @@ async fn a_consumers_vhost_forwards_to_its_own_address_while_it_needs_it() {
     })
     .await;
     assert!(refused, "{}", f.need_status("web", "proxy/site"));
+
+    // app renames its vhost to a name outside its allowance: the change is refused, the
+    // vhost it had keeps serving, and app's need state says both.
+    f.host("app").needs.get_mut("proxy/wiki").unwrap()["request"]["server_names"] =
+        json!(["wiki.web.example.test"]);
+    f.write_files();
+    f.agents["app"].hup();
+    let said = eventually(Duration::from_secs(20), || {
+        f.need_status("app", "proxy/wiki")["reason"]
+            .as_str()
+            .is_some_and(|r| {
+                r.contains("app may not have the server name wiki.web.example.test")
+                    && r.contains("the vhost it had stays in service")
+            })
+    })
+    .await;
+    assert!(said, "{}", f.need_status("app", "proxy/wiki"));
+    assert_eq!(
+        nginx.get("wiki.app.example.test", "/docs"),
+        (200, "wiki on app /docs".to_owned())
+    );
+    let (_, status, _) = f.fort("ops", "app", &["status", "app"]);
+    assert!(
+        status.contains("the vhost it had stays in service"),
+        "{status}"
+    );
+    // Named back: accepted again, nothing stopped serving meanwhile.
+    f.host("app").needs.get_mut("proxy/wiki").unwrap()["request"]["server_names"] =
+        json!(["wiki.app.example.test"]);
+    f.write_files();
+    f.agents["app"].hup();
+    assert!(eventually(Duration::from_secs(20), || f.all_satisfied("app")).await);
 
     // app releases its need: the vhost goes, the name answers 404.
     f.host("app").needs.remove("proxy/wiki");

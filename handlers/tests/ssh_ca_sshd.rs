@@ -308,7 +308,7 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
     };
     assert!(
         eventually(Duration::from_secs(30), || impostor_reason(&f)
-            == "refused by forge: principal forge.example.test is not one app may have on a host certificate")
+            == "refused by forge: principal forge.example.test is not one app may have on a host certificate (allowed for app: app, app.example.test)")
         .await,
         "{}",
         f.need_status("app", "ssh-ca/impostor")

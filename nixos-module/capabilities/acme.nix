@@ -158,6 +158,27 @@ let
             shared by every caller (Let's Encrypt: 5 a week for one set of names).
           '';
         };
+        maxCertificatesPerCallerPerWeek = mkOption {
+          type = types.nullOr (types.ints.between 1 100000);
+          default = null;
+          description = ''
+            Certificates issued in any 7 days for all entries of one caller together,
+            those it released included. `null`: 20. Without it a caller asking under new
+            ids for new names could spend the CA's limit for a whole domain (Let's
+            Encrypt: 50 a week for one registered domain), and every other caller's new
+            certificates with it.
+          '';
+        };
+        maxOrdersPerCallerPerHour = mkOption {
+          type = types.nullOr (types.ints.between 1 100000);
+          default = null;
+          description = ''
+            Orders placed in any hour for all entries of one caller together, whatever
+            became of them. `null`: 30. A CA limits new orders per account (Let's
+            Encrypt: 300 in 3 hours); without it a caller whose orders fail, or that asks
+            again under new ids, could spend that limit for every caller.
+          '';
+        };
         stateFile = mkOption {
           type = types.str;
           default = "/var/lib/fort/handlers/${name}.json";
@@ -187,6 +208,12 @@ let
             key_id = s.eab.keyId;
             hmac_file = s.eab.hmacFile;
           };
+        }
+        // lib.optionalAttrs (s.maxCertificatesPerCallerPerWeek != null) {
+          max_certificates_per_caller_per_week = s.maxCertificatesPerCallerPerWeek;
+        }
+        // lib.optionalAttrs (s.maxOrdersPerCallerPerHour != null) {
+          max_orders_per_caller_per_hour = s.maxOrdersPerCallerPerHour;
         }
         // lib.optionalAttrs (s.caRoot != null) { ca_root = "${s.caRoot}"; }
         // lib.optionalAttrs (s.webroot != null) { http01.webroot = s.webroot; }

@@ -22,6 +22,15 @@ let
     ;
   fortPackage = config.services.fort-agent.package;
   nginxCfg = config.services.nginx;
+  self = config.services.fort-agent.hostName;
+  # This host's own acme capabilities, and the certificates this host gets from them: the
+  # vhosts answer HTTP-01 for the first's webroot, and each such certificate is a TLS set
+  # of its name (its key is made on this host), so nobody wires paths by hand.
+  acmeHere = filterAttrs (_: c: (c.acme or null) != null) config.fort.host.capabilities;
+  acmeWebroots = lib.filter (w: w != null) (mapAttrsToList (_: c: c.acme.webroot) acmeHere);
+  ownCertificates = filterAttrs (
+    _: c: c.from == self && acmeHere ? ${c.capability}
+  ) config.fort.host.certificates;
   clusterInterfaces = config.fort.cluster.interfaces;
   # What nginx reads without quoting (the handler checks the same).
   configPath = types.strMatching "/[A-Za-z0-9._+@/-]*";
@@ -135,7 +144,22 @@ let
           example = literalExpression ''{ example-org = { certificate = "/var/lib/acme/example.org/fullchain.pem"; key = "/var/lib/acme/example.org/key.pem"; }; }'';
           description = ''
             Certificate sets a request may name in `tls`, by name (`[A-Za-z0-9._-]`, at
-            most 64). A request names a set, never a file.
+            most 64). A request names a set, never a file. Every
+            `fort.host.certificates.<name>` this host gets from its own `acme`
+            capability is a set of that name as well (its `fullchain.pem` and
+            `key.pem`); a set declared here of the same name wins. A vhost whose set has
+            no certificate yet is served over plain HTTP until it has one.
+          '';
+        };
+        acmeWebroot = mkOption {
+          type = types.nullOr configPath;
+          default = if acmeWebroots == [ ] then null else lib.head acmeWebroots;
+          defaultText = literalExpression "the webroot of this host's acme capability, if it has one";
+          description = ''
+            Serve `/.well-known/acme-challenge/` of every virtual host from this
+            directory (a path with no file there still goes to the upstream), so the
+            CA validates by HTTP-01 the names this host proxies, for certificates this
+            host's `acme` capability orders, whoever asked for them.
           '';
         };
         allow = mkOption {
@@ -187,7 +211,8 @@ let
   configFile =
     name: s:
     pkgs.writeText "fort-proxy-${name}.json" (
-      builtins.toJSON {
+      builtins.toJSON (
+        {
         include_dir = s.includeDir;
         state_file = s.stateFile;
         hosts = "/etc/fort/hosts.json";
@@ -196,10 +221,17 @@ let
         command_timeout_seconds = s.commandTimeoutSeconds;
         inherit (s) listen allow;
         listen_tls = s.listenTls;
-        tls = mapAttrs (_: t: { inherit (t) certificate key; }) s.tls;
+        tls =
+          mapAttrs (_: c: {
+            certificate = "${c.directory}/fullchain.pem";
+            key = "${c.directory}/key.pem";
+          }) ownCertificates
+          // mapAttrs (_: t: { inherit (t) certificate key; }) s.tls;
         upstream_hosts = s.upstreamHosts;
         server_names_hash_bucket_size = s.serverNamesHashBucketSize;
-      }
+        }
+        // lib.optionalAttrs (s.acmeWebroot != null) { acme_webroot = s.acmeWebroot; }
+      )
     );
 
   withProxy = filterAttrs (_: c: c.proxy != null) config.fort.host.capabilities;

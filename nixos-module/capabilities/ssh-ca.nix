@@ -198,7 +198,7 @@ let
     ];
 
   cert = config.fort.host.sshCertificate;
-  selfKeys = config.fort.cluster.hosts.${agent.hostName}.publicKeys or [ ];
+  selfKeys = config.fort.cluster.facts.hosts.${agent.hostName}.publicKeys or [ ];
   sshdKey = "/etc/ssh/ssh_host_ed25519_key";
   krlHandler = pkgs.writeShellScript "fort-ssh-ca-krl" ''
     exec ${agent.package}/bin/fort-handler ssh-ca-krl --out ${cert.revokedKeysFile}

@@ -7,10 +7,15 @@
 # mode = "fleet" (default): { hosts.<host> = the generated files and units, read back
 #   from the stubs; manifest = lib.fleetManifest }; fails if any assertion fails or a
 #   warning is emitted.
+# mode = "shared": the same fleet with its declarations in `shared` instead of mkFleet's
+#   `cluster`, so every host derives the fleet's facts itself.
 # mode = "flake": the same, but through flake.nix's lib.mkFleet, with a nixpkgs whose
 #   nixosSystem is the stubbed evaluation (so the flake's wiring is tested too).
 # mode = "example": the demo fleet shipped as NixOS configuration
 #   (examples/demo-fleet/fleet.nix) through flake.nix's lib.mkFleet, as "fleet" renders.
+# mode = "vm": the NixOS VM test's nodes (tests/vm.nix), wired as the test framework
+#   wires them (`nodes` as a module argument, fort.cluster.fleet from lib's projection),
+#   as "fleet" renders.
 # mode = "lib": the flake's lib without any host: the example interfaces rendered as
 #   Markdown and as JSON Schema, a schema covering every mapped option type, and refs.
 # mode = "broken", case = ./broken/<name>.nix: { expect; messages.<host> = [ failed
@@ -108,6 +113,28 @@ let
     };
   };
 
+  # The VM test's nodes as the NixOS test framework evaluates them: `defaults` and the
+  # node's module, the node's name as its host name, and every node's config as `nodes`.
+  vmNodes =
+    let
+      test = import ./vm.nix {
+        fortModule = ../default.nix;
+        inherit lib;
+      };
+      nodes = lib.mapAttrs (
+        name: node:
+        evalHost {
+          specialArgs.nodes = lib.mapAttrs (_: n: n.config) nodes;
+          modules = [
+            test.defaults
+            node
+            { networking.hostName = name; }
+          ];
+        }
+      ) test.nodes;
+    in
+    nodes;
+
   # No host is evaluated here: interfaces are rendered from their modules alone.
   libOutputs = {
       markdown = flake.lib.renderInterfaces flake.lib.interfaces;
@@ -123,9 +150,16 @@ let
   broken =
     let
       c = import case;
+      # cluster = [ modules ]: added to mkFleet's `cluster`, the fleet's declarations;
+      # callersFromInventory: passed to mkFleet.
       # withoutExternalPath = true: a nixpkgs lib older than types.externalPath, as the
       # modules see it, for the hostKeyFile type's fallback.
-      fleet = import ./fleet.nix { extra = c.extra or { }; } // lib.optionalAttrs (c.withoutExternalPath or false) {
+      declared = import ./fleet.nix { extra = c.extra or { }; };
+      fleet = declared // {
+        cluster = declared.cluster ++ c.cluster or [ ];
+      } // lib.optionalAttrs (c ? callersFromInventory) {
+        inherit (c) callersFromInventory;
+      } // lib.optionalAttrs (c.withoutExternalPath or false) {
         specialArgs.lib = lib // {
           types = removeAttrs lib.types [ "externalPath" ];
         };
@@ -139,6 +173,7 @@ let
               specialArgs = { };
               modules =
                 [ ../default.nix ]
+                ++ fleet.cluster
                 ++ fleet.shared
                 ++ host.modules
                 ++ [
@@ -172,10 +207,14 @@ let
 in
 if mode == "fleet" then
   renderFleet (mkFleet good)
+else if mode == "shared" then
+  renderFleet (mkFleet (import ./fleet.nix { clusterIn = "shared"; }))
 else if mode == "flake" then
   renderFleet (flake.lib.mkFleet good)
 else if mode == "example" then
   renderFleet (flake.lib.mkFleet example)
+else if mode == "vm" then
+  renderFleet vmNodes
 else if mode == "lib" then
   libOutputs
 else if mode == "broken" then

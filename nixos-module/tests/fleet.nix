@@ -16,71 +16,78 @@
 #           capability (tls) for a key it makes (fort.host.certificates); proxy with
 #           beacon's certificate set, waiting for oidc; dns-record for its own address
 #           under a name beacon allows it; postgres under a name forge allows it
-# `extra.<host>` adds modules to a host (the broken fleets use it).
+# `extra.<host>` adds modules to a host (the broken fleets use it). The fleet's
+# declarations are mkFleet's `cluster`, evaluated once for the fleet; clusterIn =
+# "shared" puts the same module in `shared` instead, where every host evaluates it (the
+# evaluation test checks that both build the same fleet).
 {
   extra ? { },
+  clusterIn ? "cluster",
 }:
 let
   key = name: builtins.readFile (./keys + "/${name}.pub");
   trim = s: builtins.head (builtins.match "([^\n]*)\n*" s);
   pub = name: trim (key name);
   more = name: extra.${name} or [ ];
+
+  declarations = {
+    fort.cluster = {
+      hosts = {
+        forge = {
+          address = "https://10.0.0.1:7770";
+          publicKeys = [ (pub "forge") ];
+          tags = [ "infra" ];
+        };
+        beacon = {
+          address = "https://10.0.0.2:7771";
+          publicKeys = [ (pub "beacon") ];
+          tags = [
+            "edge"
+            "web"
+          ];
+        };
+        app = {
+          address = "https://10.0.0.3:7770";
+          publicKeys = [ (pub "app") ];
+          tags = [ "web" ];
+        };
+      };
+      principals.ops.publicKeys = [ (pub "ops") ];
+
+      # One OIDC client per consumer of "wiki": app by name, app and beacon by tag.
+      instances.wiki = {
+        capability = "oidc";
+        roles.provider.machines.forge = { };
+        settings = {
+          client_name = "wiki";
+          scopes = [ "openid" ];
+        };
+        roles.consumer.tags.web.settings.scopes = [
+          "openid"
+          "email"
+        ];
+        roles.consumer.machines.app.settings = {
+          redirect_uris = [ "https://wiki.example.org/oidc/callback" ];
+        };
+      };
+      # A second instance of the same capability: its own need id, no collision.
+      instances.grafana = {
+        capability = "oidc";
+        roles.provider.machines.forge = { };
+        settings.client_name = "grafana";
+        roles.consumer.machines.beacon = { };
+      };
+    };
+  };
 in
 {
   interfaces = import ../interfaces;
 
+  cluster = if clusterIn == "cluster" then [ declarations ] else [ ];
   shared = [
-    {
-      fort.cluster = {
-        hosts = {
-          forge = {
-            address = "https://10.0.0.1:7770";
-            publicKeys = [ (pub "forge") ];
-            tags = [ "infra" ];
-          };
-          beacon = {
-            address = "https://10.0.0.2:7771";
-            publicKeys = [ (pub "beacon") ];
-            tags = [
-              "edge"
-              "web"
-            ];
-          };
-          app = {
-            address = "https://10.0.0.3:7770";
-            publicKeys = [ (pub "app") ];
-            tags = [ "web" ];
-          };
-        };
-        principals.ops.publicKeys = [ (pub "ops") ];
-
-        # One OIDC client per consumer of "wiki": app by name, app and beacon by tag.
-        instances.wiki = {
-          capability = "oidc";
-          roles.provider.machines.forge = { };
-          settings = {
-            client_name = "wiki";
-            scopes = [ "openid" ];
-          };
-          roles.consumer.tags.web.settings.scopes = [
-            "openid"
-            "email"
-          ];
-          roles.consumer.machines.app.settings = {
-            redirect_uris = [ "https://wiki.example.org/oidc/callback" ];
-          };
-        };
-        # A second instance of the same capability: its own need id, no collision.
-        instances.grafana = {
-          capability = "oidc";
-          roles.provider.machines.forge = { };
-          settings.client_name = "grafana";
-          roles.consumer.machines.beacon = { };
-        };
-      };
-      services.fort-agent.enable = true;
-    }
-  ];
+    { services.fort-agent.enable = true; }
+  ]
+  ++ (if clusterIn == "shared" then [ declarations ] else [ ]);
 
   hosts = {
     forge.modules = [

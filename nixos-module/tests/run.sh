@@ -2,9 +2,10 @@
 # Module evaluation test: evaluates nixos-module/ with the real nixpkgs lib and stubbed
 # NixOS options (tests/eval.nix), compares every host's generated files with
 # tests/expected/<host>/ and the fleet manifest with tests/expected/manifest.json, checks
-# each manifest hash against the installed bytes, renders the interfaces without any
-# host (tests/expected/interfaces.md, schemas.json), and checks that broken fleets
-# (tests/broken/*.nix) fail with the expected assertion messages.
+# each manifest hash against the installed bytes, evaluates the NixOS VM test's nodes
+# (tests/vm.nix), renders the interfaces without any host (tests/expected/interfaces.md,
+# schemas.json), and checks that broken fleets (tests/broken/*.nix) fail with the
+# expected assertion messages.
 #
 #   NIXPKGS_LIB=/path/to/nixpkgs bash nixos-module/tests/run.sh
 #
@@ -105,6 +106,20 @@ else
   fail "lib.fleetManifest differs from expected/manifest.json"
 fi
 
+# ------------------------------------------------------ the NixOS VM test's nodes
+# tests/vm.nix runs only under `nix flake check`; its nodes are evaluated here as the
+# test framework wires them, and forge's callers must be what the test greps for.
+if ! evaluate --argstr mode vm >"$work/vm.json" 2>"$work/vm.err"; then
+  cat "$work/vm.err"
+  fail "the VM test's nodes (tests/vm.nix) do not evaluate"
+elif ! jq -e '.hosts.forge.capabilities.greeting.callers == {"app": ["app"]}
+    and (.hosts.app.needs | keys == ["greeting/app"])' "$work/vm.json" >/dev/null; then
+  jq '.hosts | map_values({callers: (.capabilities | map_values(.callers)), needs: (.needs | keys)})' "$work/vm.json"
+  fail "the VM test's nodes: forge's greeting callers are not {app: [app]}, or app does not need greeting/app"
+else
+  echo "ok   the VM test's nodes evaluate: forge serves greeting to app"
+fi
+
 # ------------------------------------------------- the flake's lib, no host at all
 if ! evaluate --argstr mode lib >"$work/lib.json" 2>"$work/lib.err"; then
   cat "$work/lib.err"
@@ -122,6 +137,19 @@ else
   else
     fail "the flake's lib output differs from expected/interfaces.md or expected/schemas.json"
   fi
+fi
+
+# The fleet's declarations in `shared`, where every host derives the fleet's facts
+# itself, must build the same fleet as in mkFleet's `cluster`, where they are derived
+# once for the fleet.
+if ! evaluate --argstr mode shared >"$work/shared.json" 2>"$work/shared.err"; then
+  cat "$work/shared.err"
+  fail "the fleet with its declarations in shared does not evaluate"
+elif ! diff -q <(jq -S . "$work/fleet.json") <(jq -S . "$work/shared.json") >/dev/null; then
+  diff -u <(jq -S . "$work/fleet.json") <(jq -S . "$work/shared.json") | head -40
+  fail "the fleet's declarations in shared build a different fleet than in cluster"
+else
+  echo "ok   the fleet's declarations in cluster (derived once) or in shared (per host) build the same fleet"
 fi
 
 # flake.nix's lib.mkFleet must build the same fleet as the mkFleetWith above.

@@ -94,7 +94,15 @@ in
         default = [ ];
       };
       environment.etc = mkOption {
-        type = types.attrsOf (types.submodule { options.source = mkOption { type = types.raw; }; });
+        type = types.attrsOf (
+          types.submodule {
+            options.source = mkOption { type = types.raw; };
+            options.mode = mkOption {
+              type = types.str;
+              default = "symlink";
+            };
+          }
+        );
         default = { };
       };
       environment.systemPackages = list;

@@ -7,6 +7,7 @@ pub mod dns;
 pub mod nginx;
 pub mod oidc;
 pub mod pebble;
+pub mod pki;
 pub mod postgres;
 
 use std::collections::BTreeMap;
@@ -21,6 +22,7 @@ use fort_core::sign::Signer;
 use serde_json::{json, Value};
 
 pub mod lane;
+pub mod releases;
 
 /// The path of a workspace binary (`fort-agent`, `fort`), built by cargo for the tests.
 pub fn bin(name: &str) -> PathBuf {
@@ -103,6 +105,10 @@ pub struct SpawnOptions {
     pub umask: Option<u32>,
     /// Extra environment variables of the agent process itself.
     pub env: Vec<(String, String)>,
+    /// Another `fort-agent` than the tree's (another release's, for the compatibility lane).
+    pub binary: Option<PathBuf>,
+    /// Extra arguments after `serve --config …` (`--recover`).
+    pub args: Vec<String>,
 }
 
 impl HostSpec {
@@ -589,10 +595,11 @@ impl Agent {
             .append(true)
             .open(dir.join("agent.log"))
             .expect("log file");
-        let mut cmd = Command::new(bin("fort-agent"));
+        let mut cmd = Command::new(options.binary.clone().unwrap_or_else(|| bin("fort-agent")));
         cmd.arg("serve")
             .arg("--config")
             .arg(dir.join("agent.toml"))
+            .args(&options.args)
             .env(
                 "FORT_LOG",
                 std::env::var("FORT_LOG").unwrap_or_else(|_| "info".into()),

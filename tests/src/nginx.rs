@@ -23,11 +23,46 @@ pub struct Nginx {
     pub program: PathBuf,
     pub addr: SocketAddr,
     master: Option<Running>,
+    /// What every nginx command runs under (`unshare` for a private `/etc/hosts`).
+    wrap: Vec<String>,
 }
 
 impl Nginx {
     /// Starts nginx; `Err` says why it cannot run here (not installed).
     pub fn start() -> Result<Nginx, String> {
+        Nginx::start_wrapped(Vec::new())
+    }
+
+    /// Starts nginx with every command of it (the server, its test and its reload)
+    /// resolving host names through `hosts` in place of `/etc/hosts` (bind-mounted in a
+    /// mount namespace of its own): a test changes what an upstream name resolves to by
+    /// rewriting `hosts` in place. `Err` when that cannot be done here (not root, no
+    /// `unshare`).
+    pub fn start_resolving(hosts: &std::path::Path) -> Result<Nginx, String> {
+        let unshare = find_program("unshare").ok_or("no unshare (util-linux)")?;
+        let wrap: Vec<String> = vec![
+            unshare.display().to_string(),
+            "--mount".into(),
+            "sh".into(),
+            "-c".into(),
+            r#"mount --bind "$0" /etc/hosts && exec "$@""#.into(),
+            hosts.display().to_string(),
+        ];
+        let probe = Command::new(&wrap[0])
+            .args(&wrap[1..])
+            .arg("true")
+            .output()
+            .map_err(|e| format!("cannot run unshare: {e}"))?;
+        if !probe.status.success() {
+            return Err(format!(
+                "cannot give nginx a hosts file of its own (needs root): {}",
+                String::from_utf8_lossy(&probe.stderr).trim()
+            ));
+        }
+        Nginx::start_wrapped(wrap)
+    }
+
+    fn start_wrapped(wrap: Vec<String>) -> Result<Nginx, String> {
         let program = find_program("nginx").ok_or("nginx is not installed (nginx-light)")?;
         let dir = tempfile::tempdir().expect("tempdir");
         let addr = crate::free_addr("127.0.0.1");
@@ -50,12 +85,13 @@ impl Nginx {
             program,
             addr,
             master: None,
+            wrap,
         };
-        let mut argv = nginx.base_args();
-        argv.extend(["-g".into(), "daemon off;".into()]);
+        // Wrapped, the process is still nginx's master: `unshare` and `sh` exec it.
+        let argv = nginx.command(&["-g", "daemon off;"]);
         let master = Running::spawn(
-            Command::new(&nginx.program)
-                .args(&argv)
+            Command::new(&argv[0])
+                .args(&argv[1..])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
@@ -89,7 +125,8 @@ impl Nginx {
     }
 
     fn command(&self, tail: &[&str]) -> Vec<String> {
-        let mut argv = vec![self.program.display().to_string()];
+        let mut argv = self.wrap.clone();
+        argv.push(self.program.display().to_string());
         argv.extend(self.base_args());
         argv.extend(tail.iter().map(|s| s.to_string()));
         argv

@@ -285,6 +285,25 @@ impl Postgres {
     /// A session a consumer holds open with its credentials: `psql` over TCP in `db`,
     /// connected until the returned guard is dropped (its process is killed then).
     pub fn session(&self, user: &str, password: &str, db: &str) -> Session {
+        self.open_session(user, password, db, "SELECT pg_sleep(600)", "true")
+    }
+
+    /// A session that runs `sql` in a transaction it keeps open (holding every lock
+    /// `sql` took) until the guard is dropped: a consumer's way of making the server wait.
+    pub fn session_holding(&self, user: &str, password: &str, db: &str, sql: &str) -> Session {
+        let held = format!("BEGIN; {sql}; SELECT pg_sleep(600)");
+        // A transaction that wrote has its id: `sql` is done and its locks are held.
+        self.open_session(user, password, db, &held, "backend_xid IS NOT NULL")
+    }
+
+    fn open_session(
+        &self,
+        user: &str,
+        password: &str,
+        db: &str,
+        sql: &str,
+        ready: &str,
+    ) -> Session {
         let mut session = crate::cleanup::Running::spawn(
             self.psql_command()
                 .env("PGPASSWORD", password)
@@ -298,19 +317,19 @@ impl Postgres {
                     "-d",
                     db,
                 ])
-                .args(["-c", "SELECT pg_sleep(600)"])
+                .args(["-c", sql])
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::piped()),
             fort_core::process::Stop::TERM,
         )
         .expect("psql starts");
-        // Connected once the server lists the session; a psql that could not connect
-        // exits first.
+        // Ready once the server lists the session as asked; a psql that could not
+        // connect, or whose `sql` failed, exits first.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
         loop {
             let sql = format!(
-                "SELECT count(*) FROM pg_stat_activity WHERE usename = '{user}' AND datname = '{db}'"
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = '{user}' AND datname = '{db}' AND {ready}"
             );
             if self.superuser(&sql).is_ok_and(|n| n != "0") {
                 break;

@@ -179,6 +179,8 @@ pub fn status(app: &Arc<App>, entries: Entries) -> Value {
     let mut doc = json!({
         "host": app.config.host,
         "version": fort_core::VERSION,
+        "protocol": fort_core::compat::PROTOCOL,
+        "state_formats": fort_core::compat::formats_json(),
         "uptime_seconds": app.started.elapsed().as_secs(),
         "manifest_sha256": loaded.manifest_sha256,
         "needs": {

@@ -166,7 +166,12 @@ pub fn fleet_json(rows: &[FleetRow], expected: Option<&Expected>) -> Value {
             (r.host.clone(), v)
         })
         .collect();
-    json!({ "hosts": hosts })
+    let spread = super::versions::spread(
+        rows.iter()
+            .filter_map(|r| r.status.as_ref().ok().map(|s| (r.host.as_str(), s))),
+    );
+    let warning = super::versions::warning(&spread);
+    json!({ "hosts": hosts, "releases": spread, "releases_warning": warning })
 }
 
 fn short(hash: Option<&String>) -> &str {
@@ -179,6 +184,8 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
     let mut columns = vec![
         "HOST",
         "REACHABLE",
+        "RELEASE",
+        "PROTOCOL",
         "UP",
         ">NEEDS",
         ">ENTRIES",
@@ -251,9 +258,12 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
                         ));
                     }
                 }
+                let (release, protocol) = super::versions::of(s);
                 vec![
                     r.host.clone(),
                     "yes".to_owned(),
+                    release,
+                    protocol,
                     s["uptime_seconds"].as_u64().map_or("?".into(), span),
                     format!(
                         "{}/{}",
@@ -271,6 +281,8 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
                 "-".to_owned(),
                 "-".to_owned(),
                 "-".to_owned(),
+                "-".to_owned(),
+                "-".to_owned(),
             ],
         };
         if let Some(c) = &checked {
@@ -283,6 +295,19 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
         table.row(cells);
     }
     table.render(&mut out);
+    let spread = super::versions::spread(
+        rows.iter()
+            .filter_map(|r| r.status.as_ref().ok().map(|s| (r.host.as_str(), s))),
+    );
+    if spread.len() > 1 {
+        let _ = writeln!(out, "\nRELEASES IN USE");
+        for (release, hosts) in &spread {
+            let _ = writeln!(out, "  fort {release}: {}", hosts.join(", "));
+        }
+    }
+    if let Some(w) = super::versions::warning(&spread) {
+        let _ = writeln!(out, "\nWARNING: {w}");
+    }
     if !needs.is_empty() {
         let _ = writeln!(
             out,

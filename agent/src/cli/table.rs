@@ -160,9 +160,10 @@ pub fn status_table(status: &Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "host {}  version {}  up {}  manifest {}",
+        "host {}  release {}  protocol {}  up {}  manifest {}",
         peer_text(&status["host"]),
-        peer_text(&status["version"]),
+        super::versions::of(status).0,
+        super::versions::of(status).1,
         status["uptime_seconds"].as_u64().map_or("?".into(), span),
         short_hash(status["manifest_sha256"].as_str()),
     );

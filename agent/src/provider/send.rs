@@ -93,9 +93,14 @@ pub async fn one(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
                 acknowledged(app, &owed);
                 None
             }
-            Sent::Results(r) if r[0].status == 503 => Some(Duration::from_secs(
-                r[0].retry_after.unwrap_or(5).clamp(1, 60),
-            )),
+            // Busy: tried again when it says, but as an attempt, so a consumer that
+            // never takes it is not called forever.
+            Sent::Results(r) if r[0].status == 503 => failed_after(
+                app,
+                &owed,
+                "consumer answered 503 to the verdict",
+                Some(busy_for(r[0].retry_after)),
+            ),
             Sent::Results(r) => failed(
                 app,
                 &owed,
@@ -230,8 +235,9 @@ pub async fn batch(
     outcomes
 }
 
-/// What one item's result in a batch reply means for its entry: acknowledged, busy with
-/// the batch's earlier items (not a failed attempt), or a failed attempt.
+/// What one item's result in a batch reply means for its entry: acknowledged, or a
+/// failed attempt; a busy consumer's (`503` with `retry_after`) is tried again when it
+/// says rather than after the back-off, and counts as an attempt all the same.
 fn item_outcome(
     app: &App,
     owed: &Owed,
@@ -243,9 +249,19 @@ fn item_outcome(
             acknowledged(app, owed);
             None
         }
-        (503, Some(after)) => Some(Duration::from_secs(after.clamp(1, 60))),
+        (503, Some(after)) => failed_after(
+            app,
+            owed,
+            &format!("consumer answered 503 {what}"),
+            Some(busy_for(Some(after))),
+        ),
         (status, _) => failed(app, owed, &format!("consumer answered {status} {what}")),
     }
+}
+
+/// How long to wait after a consumer's `503`: its `Retry-After`, within 1 s to 1 min.
+fn busy_for(retry_after: Option<u64>) -> Duration {
+    Duration::from_secs(retry_after.unwrap_or(5).clamp(1, 60))
 }
 
 /// The verdicts owed to `origin`, sent now in one batch of their own (a lone one through
@@ -419,6 +435,12 @@ fn acknowledged(app: &App, owed: &Owed) {
 
 /// A failed attempt: recorded on the entry; returns when to try again, if attempts remain.
 fn failed(app: &App, owed: &Owed, error: &str) -> Option<Duration> {
+    failed_after(app, owed, error, None)
+}
+
+/// A failed attempt, tried again after `wait` (a busy consumer's word) instead of the
+/// back-off, if attempts remain.
+fn failed_after(app: &App, owed: &Owed, error: &str, wait: Option<Duration>) -> Option<Duration> {
     let key = &owed.key;
     let attempt = owed.attempt;
     let cfg = &app.config.callbacks;
@@ -441,7 +463,7 @@ fn failed(app: &App, owed: &Owed, error: &str) -> Option<Duration> {
         let delay = cfg
             .backoff
             .saturating_mul(2u32.saturating_pow(attempt - 1).min(64));
-        Some(delay.min(Duration::from_secs(300)))
+        Some(wait.unwrap_or(delay).min(Duration::from_secs(300)))
     } else {
         q.attempts.remove(key);
         tracing::warn!(entry = %key, "callback gave up; the redelivery sweep and the consumer's nag will try again");

@@ -18,7 +18,6 @@ pub const FIELD: &str = "entries";
 /// provider never looks inside them, a parsed tree costs ten times the text, an entry is
 /// copied on every change, and every entry is handed to each handler run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Entry {
     pub request: Arc<RawValue>,
     /// The handler's last response; `None` when it gave none.
@@ -53,7 +52,7 @@ pub struct Entry {
 
 /// A handler's verdict on an entry, as the consumer is told it (§11.9).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase", deny_unknown_fields)]
+#[serde(rename_all = "lowercase")]
 pub enum Notice {
     /// `$fort_refused`: no response, and why.
     Refused(String),
@@ -79,7 +78,6 @@ impl Notice {
 
 /// What the consumer last acknowledged, and how the latest attempt went.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct Delivery {
     /// Hash of the payload the consumer acknowledged last (`None`: nothing, or a revocation).
     pub delivered_hash: Option<String>,

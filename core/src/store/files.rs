@@ -7,6 +7,11 @@
 //! snapshot's `next_log`, in order. Within one log, an invalid line followed only by
 //! invalid lines is a torn tail (a write cut short by a crash or a full disk) and is
 //! dropped; an invalid line followed by a valid one is corruption, and nothing starts.
+//!
+//! Across releases (docs/compatibility.md): members a record has that this release does
+//! not know are kept and written back, so does the snapshot's own; a record whose
+//! checksum holds but which this release cannot read (another release's format) is a
+//! refusal naming the file, the field and the release that wrote it, never a torn tail.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
@@ -14,12 +19,25 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use std::collections::HashMap;
 
-/// The snapshot's version; version 1 (a whole-state file, no logs) is read as is.
+use serde::de::DeserializeOwned;
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::compat::{self, Unknown};
+
+/// The snapshot's version; version 1 (a whole-state file, no logs) is read as is. A
+/// change an older release cannot read raises it, and is written only once the operator
+/// says the fleet has moved (docs/compatibility.md): the release before refuses a higher
+/// version by name instead of misreading it.
 pub const SNAPSHOT_VERSION: u32 = 2;
+/// The versions this release reads.
+pub const SNAPSHOT_READS: [u32; 2] = [1, 2];
+
+/// The snapshot's own members; any other (a later release's) is kept as it is.
+const OWN_MEMBERS: [&str; 3] = ["version", "next_log", compat::WRITTEN_BY];
 
 /// Why state could not be read; the agent refuses to start rather than overwrite it.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +49,34 @@ pub enum LoadError {
     },
     #[error("{file}: unreadable: {detail}. The agent will not start and overwrite it: restore it from a backup, or move it aside to start with an empty state")]
     Corrupt { file: String, detail: String },
+    /// Well-formed, but in a form this release cannot read: another release wrote it.
+    #[error("{file}: {field}: {problem}; written by {written_by}, which this release (fort {release}) cannot read. The agent will not start on it, and nothing was changed", release = compat::RELEASE)]
+    Refused {
+        file: String,
+        /// Where in the file: `version`, `needs.oidc/wiki.phase`, `line 3: v.phase`.
+        field: String,
+        problem: String,
+        written_by: String,
+    },
+}
+
+impl LoadError {
+    /// Whether a recovering start can get past it (what it can read, it keeps).
+    pub fn recoverable(&self) -> bool {
+        !matches!(self, LoadError::Io { .. })
+    }
+}
+
+/// How [`load`] treats what it cannot use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The agent is about to append: torn tails are cut off; anything else stops it.
+    Strict,
+    /// A read-only look: torn tails are skipped, not cut.
+    View,
+    /// A recovering start, on files already moved aside: every record it cannot read is
+    /// skipped and listed, the rest is kept.
+    Lenient,
 }
 
 fn io_err(file: &Path) -> impl FnOnce(std::io::Error) -> LoadError + '_ {
@@ -40,25 +86,37 @@ fn io_err(file: &Path) -> impl FnOnce(std::io::Error) -> LoadError + '_ {
     }
 }
 
-/// A log record: one key set to a value, or removed (`v: null`).
+/// A log record: one key set to a value, or removed (`v: null`). Members of a record
+/// other than these (a later release's) are ignored.
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Record<V> {
     pub k: String,
     pub v: Option<V>,
 }
 
-/// One encoded log line, proven to read back as written.
+/// One encoded log line, proven to read back as written; `unknown`: members of the
+/// record as read that this release does not know, written back with it.
 pub fn encode_line<V: Serialize + DeserializeOwned>(
     key: &str,
     value: Option<&V>,
+    unknown: Option<&Unknown>,
 ) -> Result<Vec<u8>, String> {
     #[derive(Serialize)]
     struct Out<'a, V> {
         k: &'a str,
         v: Option<&'a V>,
     }
-    let json = serde_json::to_vec(&Out { k: key, v: value }).map_err(|e| e.to_string())?;
+    let json = match (value, unknown) {
+        (Some(v), Some(u)) if !u.is_empty() => {
+            let merged = compat::to_value(v, u).map_err(|e| e.to_string())?;
+            serde_json::to_vec(&Out {
+                k: key,
+                v: Some(&merged),
+            })
+        }
+        _ => serde_json::to_vec(&Out { k: key, v: value }),
+    }
+    .map_err(|e| e.to_string())?;
     // The proof that what is written can be read back (a value nested past the parser's
     // limit, say, would make the whole state unreadable at the next start).
     serde_json::from_slice::<Record<V>>(&json)
@@ -69,17 +127,32 @@ pub fn encode_line<V: Serialize + DeserializeOwned>(
     Ok(line)
 }
 
-/// Decodes one line (without its `\n`); `None` when torn, mangled or foreign.
-fn decode_line<V: DeserializeOwned>(line: &[u8]) -> Option<Record<V>> {
-    let (crc, json) = (line.get(..8)?, line.get(9..)?);
-    if line.get(8) != Some(&b' ') {
-        return None;
+/// One line of a log, decoded.
+enum Line<V> {
+    Record(Record<V>, Unknown),
+    /// Torn, mangled or foreign: its checksum does not hold.
+    Torn,
+    /// Whole (its checksum holds), but not a record this release can read.
+    Refused(compat::ReadError),
+}
+
+/// Decodes one line (without its `\n`).
+fn decode_line<V: DeserializeOwned + Serialize>(line: &[u8]) -> Line<V> {
+    let checked = || {
+        let (crc, json) = (line.get(..8)?, line.get(9..)?);
+        if line.get(8) != Some(&b' ') {
+            return None;
+        }
+        let crc = u32::from_str_radix(std::str::from_utf8(crc).ok()?, 16).ok()?;
+        (crc32fast::hash(json) == crc).then_some(json)
+    };
+    let Some(json) = checked() else {
+        return Line::Torn;
+    };
+    match compat::read_slice::<Record<V>>(json) {
+        Ok((record, unknown)) => Line::Record(record, compat::record_unknown(unknown)),
+        Err(e) => Line::Refused(e),
     }
-    let crc = u32::from_str_radix(std::str::from_utf8(crc).ok()?, 16).ok()?;
-    if crc32fast::hash(json) != crc {
-        return None;
-    }
-    serde_json::from_slice(json).ok()
 }
 
 pub fn snapshot_path(dir: &Path, name: &str) -> PathBuf {
@@ -111,59 +184,105 @@ pub fn log_generations(dir: &Path, name: &str) -> Result<Vec<u64>, LoadError> {
 /// What recovery found.
 pub struct Loaded<V> {
     pub map: BTreeMap<String, V>,
+    /// Per record, the members this release does not know (records without any are absent).
+    pub unknown: HashMap<String, Unknown>,
+    /// The snapshot's members this release does not know, kept as they are.
+    pub extra: Map<String, Value>,
     pub next_log: u64,
     pub logs: Vec<u64>,
     pub snapshot_bytes: u64,
     pub torn_tails: usize,
+    /// [`Mode::Lenient`]: what was skipped, one line each (`needs.oidc/wiki.phase: …`).
+    pub skipped: Vec<String>,
 }
 
-/// Reads the snapshot and replays the logs. `strict`: torn tails are cut off the files
-/// (the agent is about to append); otherwise they are only skipped (a read-only view).
-pub fn load<V: DeserializeOwned>(
+/// Reads the snapshot and replays the logs, as `mode` says.
+pub fn load<V: DeserializeOwned + Serialize>(
     dir: &Path,
     name: &str,
     field: &str,
-    strict: bool,
+    mode: Mode,
 ) -> Result<Loaded<V>, LoadError> {
     let path = snapshot_path(dir, name);
-    let (map, next_log, snapshot_bytes) = match std::fs::read(&path) {
+    let mut loaded = Loaded {
+        map: BTreeMap::new(),
+        unknown: HashMap::new(),
+        extra: Map::new(),
+        next_log: 0,
+        logs: Vec::new(),
+        snapshot_bytes: 0,
+        torn_tails: 0,
+        skipped: Vec::new(),
+    };
+    let mut written_by = compat::writer();
+    match std::fs::read(&path) {
         Ok(bytes) => {
+            let file = path.display().to_string();
             let corrupt = |detail: String| LoadError::Corrupt {
-                file: path.display().to_string(),
+                file: file.clone(),
                 detail,
             };
-            let mut doc: serde_json::Map<String, Value> =
+            let mut doc: Map<String, Value> =
                 serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+            written_by = compat::written_by(&doc);
             let version = doc.get("version").and_then(Value::as_u64).unwrap_or(0);
-            if version != 1 && version != u64::from(SNAPSHOT_VERSION) {
+            let known = SNAPSHOT_READS.iter().any(|v| u64::from(*v) == version);
+            if !known && version > u64::from(SNAPSHOT_VERSION) && mode != Mode::Lenient {
+                return Err(LoadError::Refused {
+                    file,
+                    field: "version".into(),
+                    problem: format!(
+                        "format version {version}; this release reads versions {SNAPSHOT_READS:?}"
+                    ),
+                    written_by,
+                });
+            }
+            if !known && version <= u64::from(SNAPSHOT_VERSION) {
                 return Err(corrupt(format!(
                     "version {version} is not one this agent reads (1 or {SNAPSHOT_VERSION})"
                 )));
             }
-            let next_log = doc.get("next_log").and_then(Value::as_u64).unwrap_or(0);
-            let map = doc
+            loaded.next_log = doc.get("next_log").and_then(Value::as_u64).unwrap_or(0);
+            let records = doc
                 .remove(field)
                 .unwrap_or(Value::Object(Default::default()));
-            let map: BTreeMap<String, V> =
-                serde_json::from_value(map).map_err(|e| corrupt(format!("{field}: {e}")))?;
-            (map, next_log, bytes.len() as u64)
+            let Value::Object(records) = records else {
+                return Err(corrupt(format!("{field}: not an object")));
+            };
+            for (key, value) in records {
+                match compat::read::<V>(&value) {
+                    Ok((v, unknown)) => {
+                        if !unknown.is_empty() {
+                            loaded.unknown.insert(key.clone(), unknown);
+                        }
+                        loaded.map.insert(key, v);
+                    }
+                    Err(e) if mode == Mode::Lenient => loaded
+                        .skipped
+                        .push(format!("{field}.{key}.{}: {}", e.path, e.message)),
+                    Err(e) => {
+                        return Err(LoadError::Refused {
+                            file,
+                            field: format!("{field}.{key}.{}", e.path),
+                            problem: e.message,
+                            written_by,
+                        })
+                    }
+                }
+            }
+            doc.retain(|k, _| !OWN_MEMBERS.contains(&k.as_str()));
+            loaded.extra = doc;
+            loaded.snapshot_bytes = bytes.len() as u64;
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (BTreeMap::new(), 0, 0),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_err(&path)(e)),
-    };
-    let mut loaded = Loaded {
-        map,
-        next_log,
-        logs: Vec::new(),
-        snapshot_bytes,
-        torn_tails: 0,
-    };
+    }
     for generation in log_generations(dir, name)? {
-        if generation < next_log {
+        if generation < loaded.next_log {
             continue; // already in the snapshot
         }
         let file = log_path(dir, name, generation);
-        if replay(&file, &mut loaded.map, strict)? {
+        if replay(&file, &mut loaded, mode, &written_by)? {
             loaded.torn_tails += 1;
         }
         loaded.logs.push(generation);
@@ -171,12 +290,13 @@ pub fn load<V: DeserializeOwned>(
     Ok(loaded)
 }
 
-/// Applies one log's records; returns whether a torn tail was found (and, with
-/// `strict`, cut off).
-fn replay<V: DeserializeOwned>(
+/// Applies one log's records; returns whether a torn tail was found (and, in
+/// [`Mode::Strict`], cut off).
+fn replay<V: DeserializeOwned + Serialize>(
     file: &Path,
-    map: &mut BTreeMap<String, V>,
-    strict: bool,
+    loaded: &mut Loaded<V>,
+    mode: Mode,
+    written_by: &str,
 ) -> Result<bool, LoadError> {
     let f = std::fs::File::open(file).map_err(io_err(file))?;
     let mut reader = std::io::BufReader::new(f);
@@ -192,34 +312,62 @@ fn replay<V: DeserializeOwned>(
         }
         number += 1;
         let complete = line.last() == Some(&b'\n');
-        let record = if complete {
+        let decoded = if complete {
             decode_line::<V>(&line[..line.len() - 1])
         } else {
-            None
+            Line::Torn
         };
-        match (record, torn_at) {
-            (Some(r), None) => match r.v {
-                Some(v) => {
-                    map.insert(r.k, v);
-                }
-                None => {
-                    map.remove(&r.k);
-                }
-            },
-            (Some(_), Some((_, bad))) => {
+        if let (Some((_, bad)), false) = (torn_at, matches!(decoded, Line::Torn)) {
+            if mode != Mode::Lenient {
                 return Err(LoadError::Corrupt {
                     file: file.display().to_string(),
                     detail: format!("line {bad} is damaged but valid records follow it"),
+                });
+            }
+            loaded
+                .skipped
+                .push(format!("{} line {bad}: damaged", file.display()));
+            torn_at = None;
+        }
+        match decoded {
+            Line::Record(r, unknown) if torn_at.is_none() => match r.v {
+                Some(v) => {
+                    if unknown.is_empty() {
+                        loaded.unknown.remove(&r.k);
+                    } else {
+                        loaded.unknown.insert(r.k.clone(), unknown);
+                    }
+                    loaded.map.insert(r.k, v);
+                }
+                None => {
+                    loaded.unknown.remove(&r.k);
+                    loaded.map.remove(&r.k);
+                }
+            },
+            Line::Refused(e) if mode == Mode::Lenient => {
+                loaded.skipped.push(format!(
+                    "{} line {number}: {}: {}",
+                    file.display(),
+                    e.path,
+                    e.message
+                ));
+            }
+            Line::Refused(e) => {
+                return Err(LoadError::Refused {
+                    file: file.display().to_string(),
+                    field: format!("line {number}: {}", e.path),
+                    problem: e.message,
+                    written_by: written_by.to_owned(),
                 })
             }
-            (None, None) => torn_at = Some((offset, number)),
-            (None, Some(_)) => {}
+            Line::Torn if torn_at.is_none() => torn_at = Some((offset, number)),
+            _ => {}
         }
         offset += n as u64;
     }
     if let Some((at, number)) = torn_at {
         tracing::warn!(file = %file.display(), line = number, "state log ends in a torn record (a write cut short); it is dropped");
-        if strict {
+        if mode == Mode::Strict {
             let f = std::fs::OpenOptions::new()
                 .write(true)
                 .open(file)
@@ -232,26 +380,66 @@ fn replay<V: DeserializeOwned>(
     Ok(false)
 }
 
-/// The snapshot bytes of `map` under `field`, proven to read back.
+/// The records of a snapshot, each with the members this release does not know put back.
+struct Records<'a, V> {
+    map: &'a BTreeMap<String, V>,
+    unknown: &'a HashMap<String, Unknown>,
+}
+
+impl<V: Serialize> Serialize for Records<'_, V> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut out = s.serialize_map(Some(self.map.len()))?;
+        for (k, v) in self.map {
+            match self.unknown.get(k) {
+                Some(u) if !u.is_empty() => {
+                    let merged = compat::to_value(v, u).map_err(serde::ser::Error::custom)?;
+                    out.serialize_entry(k, &merged)?;
+                }
+                _ => out.serialize_entry(k, v)?,
+            }
+        }
+        out.end()
+    }
+}
+
+/// The snapshot bytes of `map` under `field`, proven to read back: its records with
+/// their `unknown` members, and `extra`, the snapshot's members of another release.
 pub fn encode_snapshot<V: Serialize + DeserializeOwned>(
     field: &str,
     next_log: u64,
     map: &BTreeMap<String, V>,
+    unknown: &HashMap<String, Unknown>,
+    extra: &Map<String, Value>,
 ) -> Result<Vec<u8>, String> {
-    #[derive(Serialize)]
     struct Snap<'a, V> {
-        version: u32,
+        field: &'a str,
         next_log: u64,
-        #[serde(flatten)]
-        body: BTreeMap<&'a str, &'a BTreeMap<String, V>>,
+        records: Records<'a, V>,
+        extra: &'a Map<String, Value>,
     }
-    let mut body = BTreeMap::new();
-    body.insert(field, map);
+    impl<V: Serialize> Serialize for Snap<'_, V> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let mut out = s.serialize_map(None)?;
+            out.serialize_entry("version", &SNAPSHOT_VERSION)?;
+            out.serialize_entry("next_log", &self.next_log)?;
+            // Read by nothing but messages: an older release ignores it (and drops it
+            // when it rewrites the file, which then rightly names no writer).
+            out.serialize_entry(compat::WRITTEN_BY, &compat::writer())?;
+            for (k, v) in self.extra {
+                if k != self.field && !OWN_MEMBERS.contains(&k.as_str()) {
+                    out.serialize_entry(k, v)?;
+                }
+            }
+            out.serialize_entry(self.field, &self.records)?;
+            out.end()
+        }
+    }
     // Compact: operators read it with `fort-agent state` or `jq .`.
     let bytes = serde_json::to_vec(&Snap {
-        version: SNAPSHOT_VERSION,
+        field,
         next_log,
-        body,
+        records: Records { map, unknown },
+        extra,
     })
     .map_err(|e| e.to_string())?;
     // Proof that it parses back, without building it again: every record in it was
@@ -259,6 +447,49 @@ pub fn encode_snapshot<V: Serialize + DeserializeOwned>(
     serde_json::from_slice::<serde::de::IgnoredAny>(&bytes)
         .map_err(|e| format!("snapshot would not read back: {e}"))?;
     Ok(bytes)
+}
+
+/// Moves `<name>.json` and its logs from `dir` into a new directory
+/// `dir/set-aside/<name>.<unix seconds>` (0700), where nothing reads them and nothing is
+/// lost; `None` when there was nothing to move.
+pub fn set_aside(dir: &Path, name: &str) -> Result<Option<PathBuf>, LoadError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let mut files = Vec::new();
+    let snapshot = snapshot_path(dir, name);
+    if snapshot.exists() {
+        files.push(snapshot);
+    }
+    for g in log_generations(dir, name)? {
+        files.push(log_path(dir, name, g));
+    }
+    if files.is_empty() {
+        return Ok(None);
+    }
+    let parent = dir.join("set-aside");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut target = parent.join(format!("{name}.{now}"));
+    let mut n = 1;
+    while target.exists() {
+        target = parent.join(format!("{name}.{now}.{n}"));
+        n += 1;
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&target)
+        .map_err(io_err(&target))?;
+    for f in &files {
+        let to = target.join(f.file_name().expect("a file name"));
+        std::fs::rename(f, &to).map_err(io_err(f))?;
+    }
+    for d in [&target, &parent, &dir.to_path_buf()] {
+        std::fs::File::open(d)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(d))?;
+    }
+    Ok(Some(target))
 }
 
 /// Replaces `path` with `bytes`: a crash leaves either the old file or the new one.

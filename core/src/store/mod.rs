@@ -30,7 +30,11 @@ use serde::Serialize;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
-pub use files::{remove_stale_temporaries, write_atomic, LoadError};
+pub use files::{
+    remove_stale_temporaries, set_aside, write_atomic, LoadError, SNAPSHOT_READS, SNAPSHOT_VERSION,
+};
+
+use crate::compat::Unknown;
 
 /// The longest a lazy change waits for its write.
 pub const LAZY_FLUSH: Duration = Duration::from_millis(500);
@@ -62,6 +66,9 @@ struct Pending<V> {
 struct State<V> {
     /// What is on disk.
     map: BTreeMap<String, V>,
+    /// Per record, members another release wrote that this one does not know: written
+    /// back with the record whenever it changes, dropped with it.
+    unknown: HashMap<String, Unknown>,
     /// The latest not-yet-written value of each key changed since, with its ticket.
     pending: HashMap<String, (u64, Option<V>)>,
     /// Encoded changes waiting for the flusher, in ticket order.
@@ -99,6 +106,8 @@ struct Inner<V> {
     dir: PathBuf,
     name: String,
     field: &'static str,
+    /// The snapshot's members another release wrote, kept as they are.
+    extra: serde_json::Map<String, serde_json::Value>,
     state: Mutex<State<V>>,
     writer: tokio::sync::Mutex<Writer>,
     dirty: Notify,
@@ -212,8 +221,21 @@ impl<V> Changes<'_, V> {
 impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     /// Opens the state at `path` (`<dir>/<name>.json`, its logs beside it), whose records
     /// live under `field` in the snapshot. Replays the logs, cuts torn tails, and folds
-    /// everything into a fresh snapshot. A damaged file is an error, never an empty state.
+    /// everything into a fresh snapshot. A damaged file, or one in a form this release
+    /// cannot read, is an error, never an empty state.
     pub fn open(path: &Path, field: &'static str) -> Result<Store<V>, LoadError> {
+        Self::open_with(path, field, false).map(|(store, _)| store)
+    }
+
+    /// Like [`Store::open`]; with `recover`, a state it would refuse is moved aside
+    /// ([`set_aside`]) and what can be read of it is kept: every record this release
+    /// reads, in the snapshot and the logs, and nothing else. The [`Recovery`] says what
+    /// was skipped and where the files went.
+    pub fn open_with(
+        path: &Path,
+        field: &'static str,
+        recover: bool,
+    ) -> Result<(Store<V>, Option<Recovery>), LoadError> {
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         let name = path
             .file_stem()
@@ -224,7 +246,23 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         if removed > 0 {
             tracing::info!(dir = %dir.display(), removed, "removed temporary files a previous run left behind");
         }
-        let loaded = files::load::<V>(&dir, &name, field, true)?;
+        let (loaded, recovery) = match files::load::<V>(&dir, &name, field, files::Mode::Strict) {
+            Ok(loaded) => (loaded, None),
+            Err(refused) if recover && refused.recoverable() => {
+                let Some(moved_to) = set_aside(&dir, &name)? else {
+                    return Err(refused);
+                };
+                let loaded = files::load::<V>(&moved_to, &name, field, files::Mode::Lenient)?;
+                let recovery = Recovery {
+                    refused: refused.to_string(),
+                    moved_to,
+                    kept: loaded.map.len(),
+                    skipped: loaded.skipped.clone(),
+                };
+                (loaded, Some(recovery))
+            }
+            Err(e) => return Err(e),
+        };
         let generation = loaded
             .logs
             .last()
@@ -234,7 +272,14 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         let mut snapshot_bytes = loaded.snapshot_bytes;
         // Everything replayed goes into one snapshot, so the next start reads one file.
         // Best effort: on a full disk the logs stay and are replayed again next time.
-        let folded = files::encode_snapshot(field, generation, &loaded.map).and_then(|bytes| {
+        let folded = files::encode_snapshot(
+            field,
+            generation,
+            &loaded.map,
+            &loaded.unknown,
+            &loaded.extra,
+        )
+        .and_then(|bytes| {
             write_atomic(&files::snapshot_path(&dir, &name), &bytes)
                 .map(|()| bytes.len() as u64)
                 .map_err(|e| e.to_string())
@@ -248,17 +293,30 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                     }
                 }
             }
+            Err(e) if recovery.is_some() => {
+                // The files were moved aside: starting without writing what was kept
+                // would start empty.
+                return Err(LoadError::Io {
+                    file: path.display().to_string(),
+                    source: std::io::Error::other(e),
+                });
+            }
             Err(e) => {
                 tracing::warn!(file = %path.display(), error = %e, "cannot write a fresh snapshot at start; the logs are kept")
             }
         }
-        Ok(Store {
+        if !loaded.unknown.is_empty() || !loaded.extra.is_empty() {
+            tracing::info!(file = %path.display(), records = loaded.unknown.len(), "state holds members a later release wrote; they are kept as they are");
+        }
+        let store = Store {
             inner: Arc::new(Inner {
                 dir,
                 name,
                 field,
+                extra: loaded.extra,
                 state: Mutex::new(State {
                     map: loaded.map,
+                    unknown: loaded.unknown,
                     pending: HashMap::new(),
                     batch: Vec::new(),
                     last_ticket: 0,
@@ -276,14 +334,15 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                 snapshots: AtomicU64::new(0),
                 disk_bytes: AtomicU64::new(snapshot_bytes),
             }),
-        })
+        };
+        Ok((store, recovery))
     }
 
     /// The durable records (what is on disk), read-only. `field` as in [`Store::open`].
     pub fn view(path: &Path, field: &str) -> Result<BTreeMap<String, V>, LoadError> {
         let dir = path.parent().unwrap_or(Path::new("."));
         let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or("state");
-        Ok(files::load::<V>(dir, name, field, false)?.map)
+        Ok(files::load::<V>(dir, name, field, files::Mode::View)?.map)
     }
 
     pub fn path(&self) -> PathBuf {
@@ -364,7 +423,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         }
         let mut lines = Vec::with_capacity(staged.len());
         for (k, v) in &staged {
-            match files::encode_line(k, v.as_ref()) {
+            match files::encode_line(k, v.as_ref(), st.unknown.get(k)) {
                 Ok(line) => lines.push(line),
                 Err(message) => {
                     return Err(Staged(
@@ -453,6 +512,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                             }
                             None => {
                                 st.map.remove(&p.key);
+                                st.unknown.remove(&p.key);
                             }
                         }
                         if st.pending.get(&p.key).is_some_and(|(t, _)| *t <= upto) {
@@ -500,7 +560,13 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         // generation hold; what is staged will go to the next log.
         let encoded = {
             let st = self.inner.state.lock();
-            files::encode_snapshot(self.inner.field, next, &st.map)
+            files::encode_snapshot(
+                self.inner.field,
+                next,
+                &st.map,
+                &st.unknown,
+                &self.inner.extra,
+            )
         };
         let (dir, name, path) = (self.inner.dir.clone(), self.inner.name.clone(), self.path());
         let old = writer.generation;
@@ -555,6 +621,16 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         }
         let _ = self.flush_once().await;
     }
+}
+
+/// What a recovering start did: the refusal it got past, where the files it could not
+/// use whole went, and what it kept and skipped.
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    pub refused: String,
+    pub moved_to: PathBuf,
+    pub kept: usize,
+    pub skipped: Vec<String>,
 }
 
 /// A change that could not be staged; the closure's result is still handed back.

@@ -201,3 +201,138 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         self.wait(t).await.unwrap();
     }
 }
+
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+struct Rec {
+    n: u32,
+    #[serde(default)]
+    phase: Phase,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Phase {
+    #[default]
+    Old,
+}
+
+fn line(key: &str, v: &serde_json::Value) -> String {
+    let json = serde_json::json!({"k": key, "v": v}).to_string();
+    format!("{:08x} {json}\n", crc32fast::hash(json.as_bytes()))
+}
+
+/// A later release's members, in the snapshot, in a record, in a logged record and around
+/// the records, are kept through changes, compaction and restarts.
+#[tokio::test]
+async fn members_of_a_later_release_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    std::fs::write(
+        &path,
+        r#"{"version":2,"next_log":1,"written_by":"fort 9.0.0","later":[1],"entries":{"a":{"n":1,"x":{"y":2}},"b":{"n":2}}}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("s.log.1"),
+        line("b", &serde_json::json!({"n": 3, "z": true})),
+    )
+    .unwrap();
+    let store: Store<Rec> = Store::open(&path, "entries").unwrap();
+    assert_eq!(store.read(|m| m["b"].n), 3);
+    let token = CancellationToken::new();
+    let flusher = tokio::spawn(store.clone().run_flusher(token.clone()));
+    store
+        .change_durable(|c| {
+            c.put(
+                "a",
+                Rec {
+                    n: 10,
+                    phase: Phase::Old,
+                },
+            );
+            c.put(
+                "c",
+                Rec {
+                    n: 5,
+                    phase: Phase::Old,
+                },
+            );
+        })
+        .await
+        .unwrap();
+    token.cancel();
+    flusher.await.unwrap();
+    let view = Store::<serde_json::Value>::view(&path, "entries").unwrap();
+    assert_eq!(
+        view["a"],
+        serde_json::json!({"n": 10, "phase": "old", "x": {"y": 2}})
+    );
+    assert_eq!(view["b"]["z"], true);
+    drop(store);
+    let _again: Store<Rec> = Store::open(&path, "entries").unwrap();
+    let snap: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(snap["later"], serde_json::json!([1]));
+    assert_eq!(snap["entries"]["a"]["x"], serde_json::json!({"y": 2}));
+    assert_eq!(snap["entries"]["b"]["z"], true);
+    assert_eq!(
+        snap["written_by"],
+        format!("fort {}", crate::compat::RELEASE)
+    );
+}
+
+/// A record this release cannot read is a refusal naming file, field and writer, also in
+/// a log (never a torn tail); recovering keeps every other record and moves the files.
+#[tokio::test]
+async fn an_unreadable_record_is_refused_by_name_and_recovered_around() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    let snap = r#"{"version":2,"next_log":1,"written_by":"fort 9.0.0","entries":{"a":{"n":1},"b":{"n":2,"phase":"new"}}}"#;
+    std::fs::write(&path, snap).unwrap();
+    let e = Store::<Rec>::open(&path, "entries")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("s.json: entries.b.phase: unknown variant `new`"),
+        "{e}"
+    );
+    assert!(e.contains("written by fort 9.0.0"), "{e}");
+    std::fs::write(&path, snap.replace(r#","phase":"new""#, "")).unwrap();
+    let log = line("c", &serde_json::json!({"n": 3, "phase": "new"}))
+        + &line("d", &serde_json::json!({"n": 4}));
+    std::fs::write(dir.path().join("s.log.1"), &log).unwrap();
+    let e = Store::<Rec>::open(&path, "entries")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("s.log.1: line 1: v.phase: unknown variant `new`"),
+        "{e}"
+    );
+    // Nothing was changed.
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("s.log.1")).unwrap(),
+        log
+    );
+
+    let (store, recovery) = Store::<Rec>::open_with(&path, "entries", true).unwrap();
+    let recovery = recovery.unwrap();
+    assert_eq!(recovery.kept, 3);
+    assert_eq!(recovery.skipped.len(), 1, "{:?}", recovery.skipped);
+    assert_eq!(
+        store.read(|m| m.keys().cloned().collect::<Vec<_>>()),
+        ["a", "b", "d"]
+    );
+    assert_eq!(
+        std::fs::read_to_string(recovery.moved_to.join("s.log.1")).unwrap(),
+        log
+    );
+    // What was kept is a state of this release: it opens as is.
+    drop(store);
+    assert_eq!(
+        Store::<Rec>::open(&path, "entries")
+            .unwrap()
+            .read(|m| m.len()),
+        3
+    );
+}

@@ -65,6 +65,19 @@ pub struct Config {
     /// registered domain), so no caller may spend them by asking. Unset: 5.
     #[serde(default = "max_certificates_per_week")]
     pub max_certificates_per_week: u32,
+    /// Certificates issued in any 7 days for all entries of one caller together, those
+    /// it released included: a caller with many entries, or one that releases entries
+    /// and asks again under new ids with new names, would otherwise spend a limit of the
+    /// CA for a whole domain (Let's Encrypt: 50 a week for one registered domain), and
+    /// every other caller's new certificates with it. Unset: 20.
+    #[serde(default = "max_certificates_per_caller_per_week")]
+    pub max_certificates_per_caller_per_week: u32,
+    /// Orders placed in any hour for all entries of one caller together, whatever became
+    /// of them: a CA limits new orders per account (Let's Encrypt: 300 in 3 hours), and a
+    /// caller whose orders fail, or that releases entries and asks again under new ids,
+    /// would otherwise spend that limit for every caller. Unset: 30.
+    #[serde(default = "max_orders_per_caller_per_hour")]
+    pub max_orders_per_caller_per_hour: u32,
     /// The handler's state file: the ACME account (its key), and per entry the
     /// certificate issued and the order under way. Required; 0600.
     pub state: PathBuf,
@@ -107,6 +120,12 @@ pub struct Dns01Config {
 fn max_certificates_per_week() -> u32 {
     5
 }
+fn max_certificates_per_caller_per_week() -> u32 {
+    20
+}
+fn max_orders_per_caller_per_hour() -> u32 {
+    30
+}
 fn rerun_seconds() -> u64 {
     3
 }
@@ -140,6 +159,18 @@ impl Config {
         config.check()
     }
 
+    /// Loads what decides which names a caller may have (allowances, DNS-01 or not),
+    /// without reading the files the config names: what the fleet check holds requests
+    /// against.
+    pub fn load_policy(path: &Path) -> anyhow::Result<Config> {
+        let config: Config = crate::common::config::load(path)?;
+        config
+            .allow
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(config)
+    }
+
     fn check(self) -> anyhow::Result<Checked> {
         if !self.directory.starts_with("https://") || self.directory.len() > 2048 {
             anyhow::bail!("directory: {:?} is not an https:// URL", self.directory);
@@ -164,6 +195,18 @@ impl Config {
                 u64::from(self.max_certificates_per_week),
                 1,
                 10_000,
+            ),
+            (
+                "max_certificates_per_caller_per_week",
+                u64::from(self.max_certificates_per_caller_per_week),
+                1,
+                100_000,
+            ),
+            (
+                "max_orders_per_caller_per_hour",
+                u64::from(self.max_orders_per_caller_per_hour),
+                1,
+                100_000,
             ),
         ] {
             if !(lo..=hi).contains(&v) {

@@ -35,6 +35,7 @@ pub const CAPABILITY: Capability = Capability {
     about: "certificates from an ACME CA for the consumer's CSR (HTTP-01, DNS-01)",
     check,
     run,
+    vet,
 };
 
 /// Orders moved on at once: each step is a few requests to the CA.
@@ -137,6 +138,47 @@ fn unchanged<'a>(state: &'a State, e: &Entry, now: u64) -> Option<&'a Issued> {
     same.then_some(i)
 }
 
+/// Why the provider's policy refuses `e` its request `req`, decided from the config
+/// alone: a name the caller may not have, or a wildcard without DNS-01.
+fn refusal(config: &Config, e: &Entry, req: &Request) -> Option<String> {
+    if let Some(name) = config
+        .allow
+        .first_refused(&e.origin, req.names.iter().map(String::as_str))
+    {
+        return Some(format!(
+            "{name} is not a name {} may get a certificate for ({})",
+            e.origin,
+            config.allow.describe(&e.origin)
+        ));
+    }
+    if config.dns01.is_none() {
+        if let Some(w) = req.names.iter().find(|n| n.starts_with("*.")) {
+            return Some(format!(
+                "{w} is a wildcard name, and this provider has no DNS-01"
+            ));
+        }
+    }
+    None
+}
+
+fn vet(
+    path: &Path,
+    _fleet: &crate::common::hosts::Fleet,
+    entries: &[Entry],
+) -> anyhow::Result<crate::Refusals> {
+    let config = Config::load_policy(path)?;
+    Ok(entries
+        .iter()
+        .filter_map(|e| {
+            let why = match request::parse(&e.request) {
+                Ok(req) => refusal(&config, e, &req)?,
+                Err(why) => why,
+            };
+            Some((e.key.clone(), why))
+        })
+        .collect())
+}
+
 /// Whether `i` is in the last third of its lifetime (or its certificate cannot be read,
 /// which a new one mends).
 fn renewal_due(i: &Issued, now: u64) -> bool {
@@ -169,12 +211,24 @@ pub async fn reconcile_all(
     let mut kept = kept::Kept::load(&config.state);
     let now = now();
     let mut issue_log = issued::IssueLog::load(&config.state, now);
+    let limits = issued::Limits {
+        per_entry: config.max_certificates_per_week,
+        per_caller: config.max_certificates_per_caller_per_week,
+        orders_per_caller: config.max_orders_per_caller_per_hour,
+    };
     let mut not_due = 0usize;
     let mut output = Output::default();
     let mut dirty = false;
     let mut work: Vec<(String, Work)> = Vec::new();
     let mut refused = 0usize;
     let mut waiting = 0usize;
+
+    // Orders under way count against the limits until they end.
+    for (key, st) in &state.entries {
+        if let Some(o) = &st.order {
+            issue_log.ordered(key, &o.names);
+        }
+    }
 
     for e in &entries {
         // An entry whose certificate is still good: answered without a signature check
@@ -199,29 +253,24 @@ pub async fn reconcile_all(
                 continue;
             }
         };
-        if let Some(name) = config
-            .allow
-            .first_refused(&e.origin, req.names.iter().map(String::as_str))
-        {
-            output.refuse(
-                e,
-                format!(
-                    "{name} is not a name {} may get a certificate for",
-                    e.origin
-                ),
-            );
+        if let Some(mut why) = refusal(config, e, &req) {
+            // The certificate it had is not revoked: it serves until it expires.
+            if let Some(i) = state
+                .entries
+                .get(&e.key)
+                .and_then(|st| st.issued.as_ref())
+                .filter(|i| i.not_after > now as i64)
+            {
+                why.push_str(&format!(
+                    "; the certificate it had stays valid until {}",
+                    humantime::format_rfc3339_seconds(
+                        UNIX_EPOCH + Duration::from_secs(i.not_after.max(0) as u64)
+                    )
+                ));
+            }
+            output.refuse(e, why);
             refused += 1;
             continue;
-        }
-        if config.dns01.is_none() {
-            if let Some(w) = req.names.iter().find(|n| n.starts_with("*.")) {
-                output.refuse(
-                    e,
-                    format!("{w} is a wildcard name, and this provider has no DNS-01"),
-                );
-                refused += 1;
-                continue;
-            }
         }
         let st = state.entries.entry(e.key.clone()).or_default();
         // An order for another CSR is given up; its challenge answers are removed.
@@ -258,12 +307,18 @@ pub async fn reconcile_all(
             // CA counts every duplicate against limits all callers share.
             not_due += usize::from(e.renew);
             answer(&mut output, &mut kept, e, i);
-        } else if let Some(why) =
-            issue_log.held_back(&e.key, &req.names, config.max_certificates_per_week, now)
-        {
+        } else if let Some(why) = {
+            // The entry's certificate for these names is due (whatever key it asks with
+            // now: a consumer renews with a new one).
+            let renewing = st.issued.as_ref().is_some_and(|i| {
+                i.names == req.names && (i.not_after <= now as i64 || renewal_due(i, now))
+            });
+            issue_log.held_back(&e.key, &req.names, limits, renewing, now)
+        } {
             output.pending(e, format!("a new certificate waits: {why}"));
             waiting += 1;
         } else {
+            issue_log.placing(&e.key, &req.names);
             work.push((e.key.clone(), Work::Place(req)));
         }
     }
@@ -334,6 +389,11 @@ pub async fn reconcile_all(
         per_entry: Duration::from_secs(config.timeout_seconds.saturating_mul(2)),
         in_flight: IN_FLIGHT,
     };
+    let placing: BTreeSet<String> = work
+        .iter()
+        .filter(|(_, w)| matches!(w, Work::Place(_)))
+        .map(|(k, _)| k.clone())
+        .collect();
     let results = isolate::each(work, budget, |w| async move {
         match &w {
             Work::Place(req) => order::place(ctx, req).await,
@@ -351,6 +411,11 @@ pub async fn reconcile_all(
     let mut issued = 0usize;
     for (key, attempt) in results {
         let e = by_key[key.as_str()];
+        // An order that was started counts against its caller's orders, whatever became
+        // of it (the CA may have taken it before the step failed).
+        if placing.contains(&key) && !matches!(attempt, Attempt::NotStarted) {
+            issue_log.placed(&key, now);
+        }
         let st = state.entries.entry(key.clone()).or_default();
         let result = match attempt {
             Attempt::Done(result) => result,

@@ -11,7 +11,6 @@ use serde::{Deserialize, Serialize};
 pub const STATE_VERSION: u32 = 1;
 
 #[derive(Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// The account, for the directory it was made at.
     #[serde(default)]
@@ -24,7 +23,6 @@ pub struct State {
 }
 
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct AccountRecord {
     pub directory: String,
     /// instant-acme's credentials: the account URL and its private key (PKCS#8).
@@ -32,7 +30,6 @@ pub struct AccountRecord {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct EntryState {
     /// The certificate the entry holds (the last one issued).
     #[serde(default)]
@@ -46,7 +43,6 @@ pub struct EntryState {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct Issued {
     /// SHA-256 of the CSR it was issued for, and its names.
     pub csr_sha256: String,
@@ -57,7 +53,6 @@ pub struct Issued {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct OrderRecord {
     pub url: String,
     pub csr_sha256: String,
@@ -69,7 +64,7 @@ pub struct OrderRecord {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Published {
     /// `<webroot>/.well-known/acme-challenge/<token>`.
     HttpFile { token: String },
@@ -78,7 +73,6 @@ pub enum Published {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Backoff {
     pub until: u64,
     pub failures: u32,

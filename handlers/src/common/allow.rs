@@ -50,6 +50,30 @@ impl Allowances {
         patterns.iter().any(|p| matches(p, &name))
     }
 
+    /// What `origin` may have, for a refusal that tells it: `allowed for app:
+    /// *.app.example.org, wiki.example.org` (at most eight patterns, then how many more),
+    /// or `nothing is allowed for app`.
+    pub fn describe(&self, origin: &str) -> String {
+        const SHOWN: usize = 8;
+        let patterns = self.patterns(origin);
+        if patterns.is_empty() {
+            return format!("nothing is allowed for {origin}");
+        }
+        let mut text = format!(
+            "allowed for {origin}: {}",
+            patterns
+                .iter()
+                .take(SHOWN)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if patterns.len() > SHOWN {
+            text.push_str(&format!(" and {} more", patterns.len() - SHOWN));
+        }
+        text
+    }
+
     /// The first of `names` that `origin` may not claim, for a refusal that names it.
     pub fn first_refused<'a>(
         &self,

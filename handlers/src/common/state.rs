@@ -2,27 +2,36 @@
 //! atomically (temporary file, fsync, rename, fsync of the directory; mode 0600), with a
 //! `version` so a later release can upgrade it. It records what the handler created, so
 //! cleanup removes only that (never "everything not in this run").
+//!
+//! Across releases (docs/compatibility.md): members this release does not know, in the
+//! state or around it, are kept and written back; a version above the one it writes is
+//! refused with the file, the version and the release that wrote it.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
+use fort_core::compat::{self, Unknown};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
+use serde_json::{Map, Value};
 
 /// A versioned state document at `path`.
 pub struct StateFile {
     path: PathBuf,
+    /// What the last [`StateFile::load`] read that this release does not know: members of
+    /// the state, and of the document around it.
+    kept: RefCell<(Unknown, Map<String, Value>)>,
 }
 
-#[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Envelope<T> {
-    version: u32,
-    state: T,
-}
+/// The document's own members besides the state.
+const OWN_MEMBERS: [&str; 3] = ["version", "state", compat::WRITTEN_BY];
 
 impl StateFile {
     pub fn new(path: impl Into<PathBuf>) -> StateFile {
-        StateFile { path: path.into() }
+        StateFile {
+            path: path.into(),
+            kept: RefCell::default(),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -31,30 +40,65 @@ impl StateFile {
 
     /// The state, or `T::default()` when there is no file yet. A file of another version
     /// or that does not parse is an error: guessing could forget what was created.
-    pub fn load<T: DeserializeOwned + Default>(&self, version: u32) -> anyhow::Result<T> {
+    pub fn load<T: DeserializeOwned + Serialize + Default>(
+        &self,
+        version: u32,
+    ) -> anyhow::Result<T> {
+        let shown = self.path.display();
         let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(T::default()),
-            Err(e) => anyhow::bail!("cannot read {}: {e}", self.path.display()),
+            Err(e) => anyhow::bail!("cannot read {shown}: {e}"),
         };
-        let env: Envelope<T> = serde_json::from_slice(&bytes)
-            .map_err(|e| anyhow::anyhow!("{} does not parse: {e}", self.path.display()))?;
-        if env.version != version {
-            anyhow::bail!(
-                "{} is version {}, this handler reads version {version}",
-                self.path.display(),
-                env.version
-            );
+        let mut doc: Map<String, Value> = serde_json::from_slice(&bytes)
+            .map_err(|e| anyhow::anyhow!("{shown} does not parse: {e}"))?;
+        let found = doc.get("version").and_then(Value::as_u64);
+        if found != Some(u64::from(version)) {
+            let found = found.map_or_else(|| "no version".to_owned(), |v| format!("version {v}"));
+            let newer = doc
+                .get("version")
+                .and_then(Value::as_u64)
+                .is_some_and(|v| v > u64::from(version));
+            if newer {
+                anyhow::bail!(
+                    "{shown}: version: {found}, written by {}; this fort-handler (fort {}) reads version {version}. Nothing was changed: run the release that wrote it, or restore the file from before it was upgraded",
+                    compat::written_by(&doc),
+                    compat::RELEASE
+                );
+            }
+            anyhow::bail!("{shown} is {found}, this handler reads version {version}");
         }
-        Ok(env.state)
+        let state = doc.remove("state").unwrap_or(Value::Null);
+        let (value, unknown) = compat::read::<T>(&state).map_err(|e| {
+            anyhow::anyhow!(
+                "{shown}: state.{}: {}; written by {}, which this fort-handler (fort {}) cannot read. Nothing was changed",
+                e.path,
+                e.message,
+                compat::written_by(&doc),
+                compat::RELEASE
+            )
+        })?;
+        doc.retain(|k, _| !OWN_MEMBERS.contains(&k.as_str()));
+        *self.kept.borrow_mut() = (unknown, doc);
+        Ok(value)
     }
 
-    /// Replaces the state. Creates the directory (0700) when missing.
+    /// Replaces the state, with what [`StateFile::load`] read and did not know. Creates
+    /// the directory (0700) when missing.
     pub fn save<T: Serialize>(&self, version: u32, state: &T) -> anyhow::Result<()> {
         if let Some(dir) = self.path.parent() {
             create_private_dir(dir)?;
         }
-        let bytes = serde_json::to_vec(&Envelope { version, state })?;
+        let kept = self.kept.borrow();
+        let mut doc = kept.1.clone();
+        doc.insert("version".into(), Value::from(version));
+        // Version 1 documents are read by releases that refuse members they do not know
+        // (fort 0.1.0): the writer is recorded from version 2 on, which they refuse anyway.
+        if version >= 2 {
+            doc.insert(compat::WRITTEN_BY.into(), Value::from(compat::writer()));
+        }
+        doc.insert("state".into(), compat::to_value(state, &kept.0)?);
+        let bytes = serde_json::to_vec(&doc)?;
         fort_core::store::write_atomic(&self.path, &bytes)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", self.path.display()))
     }
@@ -89,6 +133,38 @@ mod tests {
         let back: BTreeMap<String, u32> = f.load(1).unwrap();
         assert_eq!(back["a"], 1);
         assert!(f.load::<BTreeMap<String, u32>>(2).is_err());
+        // Written by a later release: members it added, in the state and around it, are
+        // kept; a later version is refused with who wrote it.
+        std::fs::write(
+            f.path(),
+            r#"{"version":1,"state":{"entries":{"a":{"n":1,"since":4}},"next":true},"lease":9}"#,
+        )
+        .unwrap();
+        #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+        struct S {
+            entries: BTreeMap<String, E>,
+        }
+        #[derive(Debug, serde::Serialize, serde::Deserialize)]
+        struct E {
+            n: u32,
+        }
+        let f = StateFile::new(f.path());
+        let mut s: S = f.load(1).unwrap();
+        s.entries.get_mut("a").unwrap().n = 2;
+        f.save(1, &s).unwrap();
+        let back: Value = serde_json::from_slice(&std::fs::read(f.path()).unwrap()).unwrap();
+        assert_eq!(
+            back,
+            serde_json::json!({"version": 1, "lease": 9,
+                "state": {"entries": {"a": {"n": 2, "since": 4}}, "next": true}})
+        );
+        std::fs::write(
+            f.path(),
+            r#"{"version":2,"written_by":"fort 0.3.0","state":{}}"#,
+        )
+        .unwrap();
+        let e = f.load::<S>(1).unwrap_err().to_string();
+        assert!(e.contains("version 2, written by fort 0.3.0"), "{e}");
         use std::os::unix::fs::MetadataExt;
         assert_eq!(std::fs::metadata(f.path()).unwrap().mode() & 0o777, 0o600);
     }

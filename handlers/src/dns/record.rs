@@ -167,7 +167,6 @@ impl fmt::Display for Kind {
 
 /// A record set: every value at one name and type, with one TTL.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct RecordSet {
     pub name: DnsName,
     #[serde(rename = "type")]

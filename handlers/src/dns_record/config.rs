@@ -89,12 +89,20 @@ impl Config {
         config.check()
     }
 
-    fn check(self) -> anyhow::Result<Checked> {
+    /// Loads and checks what decides which records a caller may have (zone, allowances,
+    /// TTLs), without the key: what the fleet check holds requests against.
+    pub fn load_policy(path: &Path) -> anyhow::Result<(Config, DnsName)> {
+        let config: Config = crate::common::config::load(path)?;
+        let zone = config.check_policy()?;
+        Ok((config, zone))
+    }
+
+    fn check_policy(&self) -> anyhow::Result<DnsName> {
         let zone = DnsName::parse(&self.zone).map_err(|e| anyhow::anyhow!("zone: {e}"))?;
         if zone.is_wildcard() {
             anyhow::bail!("zone: {zone} is a wildcard name");
         }
-        let addr = parse_primary(&self.primary).ok_or_else(|| {
+        parse_primary(&self.primary).ok_or_else(|| {
             anyhow::anyhow!(
                 "primary: {:?} is not IP or IP:PORT (names are not resolved)",
                 self.primary
@@ -123,6 +131,12 @@ impl Config {
         if !(1..=120).contains(&self.timeout_seconds) {
             anyhow::bail!("timeout_seconds: {} is not 1 to 120", self.timeout_seconds);
         }
+        Ok(zone)
+    }
+
+    fn check(self) -> anyhow::Result<Checked> {
+        let zone = self.check_policy()?;
+        let addr = parse_primary(&self.primary).expect("checked by check_policy");
         let key = TsigKey::load(&self.key.name, self.key.algorithm, &self.key.file)
             .map_err(|e| anyhow::anyhow!("key: {e}"))?;
         let server = Server {

@@ -30,6 +30,7 @@ pub const CAPABILITY: Capability = Capability {
     about: "A/AAAA/CNAME/TXT records by RFC 2136 updates signed with TSIG",
     check,
     run,
+    vet,
 };
 
 /// Updates in flight at once on the one connection: enough to hide the round trip, few
@@ -45,6 +46,17 @@ fn check(path: &Path) -> anyhow::Result<()> {
     let checked = Config::load(path)?;
     Fleet::load(&checked.config.hosts)?;
     Ok(())
+}
+
+fn vet(path: &Path, fleet: &Fleet, entries: &[Entry]) -> anyhow::Result<crate::Refusals> {
+    let (config, zone) = Config::load_policy(path)?;
+    let policy = Policy {
+        zone: &zone,
+        allow: &config.allow,
+        default_ttl: config.default_ttl,
+        max_ttl: config.max_ttl,
+    };
+    Ok(reconcile::plan(entries, &BTreeMap::new(), &policy, |o| fleet.ip_of(o)).refused)
 }
 
 fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {

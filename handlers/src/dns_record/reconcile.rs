@@ -10,6 +10,7 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::common::Entry;
+use crate::dns::record::{SET_WIRE_MAX, VALUES_MAX};
 use crate::dns::{DnsName, Kind, RecordSet, Update};
 
 use super::request::Policy;
@@ -19,7 +20,6 @@ pub const STATE_VERSION: u32 = 1;
 /// What the handler created, per entry: exactly the record set the primary accepted for it.
 /// Nothing else in the zone is ever deleted.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// The zone the records are in.
     #[serde(default)]
@@ -32,7 +32,9 @@ pub struct State {
 /// Every entry's fate before the primary is asked anything.
 #[derive(Debug, Default)]
 pub struct Plan {
-    /// Entry key → the record set it will hold.
+    /// Entry key → the record set it will hold. A refused entry whose records in place
+    /// the provider still allows is here too, with those records: a refused change never
+    /// takes down what works (an allowance taken away does).
     pub wanted: BTreeMap<String, RecordSet>,
     /// Entry key → why it is refused.
     pub refused: BTreeMap<String, String>,
@@ -48,21 +50,94 @@ pub fn plan(
 ) -> Plan {
     let mut out = Plan::default();
     let mut candidates = Vec::with_capacity(entries.len());
+    let mut names: HashMap<DnsName, BTreeSet<Kind>> = HashMap::new();
     for e in entries {
         match policy.resolve(&e.origin, address_of(&e.origin), &e.request) {
             Ok(set) => {
                 let incumbent = held.get(&e.key).is_some_and(|h| h.same_slot(&set));
                 candidates.push((!incumbent, e.key.as_str(), set));
             }
-            Err(reason) => {
-                out.refused.insert(e.key.clone(), reason);
-            }
+            Err(reason) => match held
+                .get(&e.key)
+                .filter(|h| policy.still_allows(&e.origin, h))
+            {
+                Some(h) => {
+                    names.entry(h.name.clone()).or_default().insert(h.kind);
+                    out.wanted.insert(e.key.clone(), h.clone());
+                    out.refused.insert(
+                        e.key.clone(),
+                        format!("{reason}; the records it had stay in service"),
+                    );
+                }
+                None => {
+                    out.refused.insert(e.key.clone(), reason);
+                }
+            },
         }
     }
     // Incumbents first, then by key: the outcome does not depend on input order.
     candidates.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
-    let mut names: HashMap<DnsName, BTreeSet<Kind>> = HashMap::new();
+    // TXT values at one name are shared by every caller allowed it, and a primary holds a
+    // bounded number of records per name and type (BIND: 100): one caller's entries
+    // together hold no more there than one entry may. Records kept in service count.
+    let origin_of: HashMap<&str, &str> = entries
+        .iter()
+        .map(|e| (e.key.as_str(), e.origin.as_str()))
+        .collect();
+    let mut txt_of_caller: HashMap<(DnsName, &str), BTreeSet<String>> = HashMap::new();
+    for (key, set) in out.wanted.iter().filter(|(_, s)| s.kind == Kind::Txt) {
+        txt_of_caller
+            .entry((set.name.clone(), origin_of[key.as_str()]))
+            .or_default()
+            .extend(set.values.iter().cloned());
+    }
+    let fits = |values: &BTreeSet<String>| {
+        let wire: usize = values.iter().map(|v| Kind::Txt.wire_len(v)).sum();
+        (values.len() <= VALUES_MAX && wire <= SET_WIRE_MAX).then_some(wire)
+    };
+    for (_, key, set) in &candidates {
+        if set.kind != Kind::Txt {
+            continue;
+        }
+        let origin = origin_of[key];
+        let share = txt_of_caller.entry((set.name.clone(), origin)).or_default();
+        let together: BTreeSet<String> = share.union(&set.values).cloned().collect();
+        if fits(&together).is_some() {
+            *share = together;
+            continue;
+        }
+        let wire: usize = together.iter().map(|v| Kind::Txt.wire_len(v)).sum();
+        let reason = format!(
+            "{origin}'s entries would hold {} TXT values ({wire} bytes of record data) at {}; \
+             one caller holds at most {VALUES_MAX} values and {SET_WIRE_MAX} bytes at one \
+             name, which other callers share",
+            together.len(),
+            set.name
+        );
+        // A change past the share keeps what the entry had, if that fits.
+        let kept = held.get(*key).filter(|h| h.same_slot(set)).and_then(|h| {
+            let with_held: BTreeSet<String> = share.union(&h.values).cloned().collect();
+            fits(&with_held).map(|_| (h, with_held))
+        });
+        match kept {
+            Some((h, with_held)) => {
+                *share = with_held;
+                names.entry(h.name.clone()).or_default().insert(h.kind);
+                out.wanted.insert(key.to_string(), h.clone());
+                out.refused.insert(
+                    key.to_string(),
+                    format!("{reason}; the records it had stay in service"),
+                );
+            }
+            None => {
+                out.refused.insert(key.to_string(), reason);
+            }
+        }
+    }
     for (_, key, set) in candidates {
+        if out.refused.contains_key(key) {
+            continue;
+        }
         let kinds = names.entry(set.name.clone()).or_default();
         let taken = kinds.contains(&Kind::Cname)
             || (set.kind == Kind::Cname && !kinds.is_empty())
@@ -293,6 +368,51 @@ mod tests {
         assert!(p.refused.contains_key("e:dns-record/c"));
         assert!(p.wanted.contains_key("f:dns-record/c"));
         assert!(p.refused.contains_key("g:dns-record/c"));
+    }
+
+    #[test]
+    fn one_caller_holds_at_most_one_sets_worth_of_txt_values_at_a_name() {
+        let values =
+            |tag: &str, n: usize| -> Vec<String> { (0..n).map(|i| format!("{tag}{i}")).collect() };
+        let txt = |v: Vec<String>| json!({"name": "t.example.org", "type": "TXT", "values": v});
+        let p = run_plan(
+            json!({
+                "a:dns-record/1": {"request": txt(values("a", 10))},
+                // Values it shares with its own first entry count once.
+                "a:dns-record/2": {"request": txt(values("a", 14))},
+                "a:dns-record/3": {"request": txt(values("b", 3))},
+                "b:dns-record/1": {"request": txt(values("c", 16))},
+            }),
+            &BTreeMap::new(),
+        );
+        assert!(p.wanted.contains_key("a:dns-record/1"));
+        assert!(p.wanted.contains_key("a:dns-record/2"));
+        let why = &p.refused["a:dns-record/3"];
+        assert!(why.contains("would hold 17 TXT values"), "{why}");
+        assert!(
+            p.wanted.contains_key("b:dns-record/1"),
+            "another caller's own share"
+        );
+
+        // A change past the share keeps the records the entry had, which fit.
+        let had = |tag: &str| RecordSet {
+            values: values(tag, 8).into_iter().collect(),
+            ..set("t.example.org", Kind::Txt, &[])
+        };
+        let held = BTreeMap::from([
+            ("a:dns-record/1".to_owned(), had("h")),
+            ("a:dns-record/2".to_owned(), had("x")),
+        ]);
+        let p = run_plan(
+            json!({
+                "a:dns-record/1": {"request": txt(values("h", 8))},
+                "a:dns-record/2": {"request": txt(values("x", 12))},
+            }),
+            &held,
+        );
+        assert_eq!(p.wanted["a:dns-record/1"], had("h"));
+        assert_eq!(p.wanted["a:dns-record/2"], had("x"));
+        assert!(p.refused["a:dns-record/2"].contains("stay in service"));
     }
 
     #[test]

@@ -52,7 +52,10 @@ impl Policy<'_> {
             return Err(format!("{name} is not in the zone {}", self.zone));
         }
         if !self.allow.permits(origin, name.as_str()) {
-            return Err(format!("{origin} may not hold records at {name}"));
+            return Err(format!(
+                "{origin} may not hold records at {name} ({})",
+                self.allow.describe(origin)
+            ));
         }
         let kind = match request.kind.as_deref() {
             Some(text) => Kind::parse(text)
@@ -114,6 +117,18 @@ impl Policy<'_> {
             ttl,
             values,
         })
+    }
+}
+
+impl Policy<'_> {
+    /// Whether `origin` may still hold `set`, records made for it before: in the zone, at
+    /// a name its allowance has, within today's bounds.
+    pub fn still_allows(&self, origin: &str, set: &RecordSet) -> bool {
+        set.name.is_in(self.zone)
+            && self.allow.permits(origin, set.name.as_str())
+            && (1..=self.max_ttl).contains(&set.ttl)
+            && set.values.len() <= VALUES_MAX
+            && set.wire_len() <= SET_WIRE_MAX
     }
 }
 

@@ -73,11 +73,18 @@ fn default_budget() -> Duration {
 impl Config {
     /// Loads and validates `path`, and reads the initial access token file (so `--check`
     /// finds a missing one).
-    pub fn load(path: &Path) -> anyhow::Result<Config> {
+    /// Loads and validates the config without reading the files it names (secrets,
+    /// roots): what decides which requests a caller may make.
+    pub fn load_policy(path: &Path) -> anyhow::Result<Config> {
         let config: Config = crate::common::config::load(path)?;
         config
             .validate()
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(config)
+    }
+
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let config = Config::load_policy(path)?;
         config.initial_access_token()?;
         if let Some(ca) = &config.ca_file {
             let pem = std::fs::read(ca)

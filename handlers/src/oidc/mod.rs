@@ -23,10 +23,20 @@ pub const CAPABILITY: Capability = Capability {
     about: "OpenID Connect clients by dynamic registration (RFC 7591/7592)",
     check,
     run,
+    vet,
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {
     config::Config::load(path).map(|_| ())
+}
+
+fn vet(
+    path: &Path,
+    _fleet: &crate::common::hosts::Fleet,
+    entries: &[Entry],
+) -> anyhow::Result<crate::Refusals> {
+    let config = config::Config::load_policy(path)?;
+    Ok(reconcile::vet(&config, entries))
 }
 
 fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {

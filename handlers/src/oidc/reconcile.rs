@@ -19,7 +19,6 @@ pub const STATE_VERSION: u32 = 1;
 
 /// What this handler registered: the proof of ownership every update and delete goes by.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// Entry key → its client.
     #[serde(default)]
@@ -31,7 +30,6 @@ pub struct State {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Client {
     pub registration: Registration,
     pub client_secret: String,
@@ -153,7 +151,7 @@ pub async fn reconcile(
                 out.output
                     .pending(entry, format!("the provider failed this client: {e:#}"));
             }
-            Err(Failure::Down(e)) => {
+            Err(Failure::Down(e) | Failure::Denied(e)) => {
                 out.failure = Some(e);
                 return out;
             }
@@ -198,7 +196,7 @@ pub async fn reconcile(
                     state.retired.push(c.registration.clone());
                 }
             }
-            Err(Failure::Down(e)) => {
+            Err(Failure::Down(e) | Failure::Denied(e)) => {
                 // Kept as it is: the entry may come back, and must find its client.
                 out.failure = Some(e);
                 return out;
@@ -329,7 +327,7 @@ async fn delete_retired(
                 );
                 keep.push(r);
             }
-            Err(Failure::Down(e)) => {
+            Err(Failure::Down(e) | Failure::Denied(e)) => {
                 failure = Some(e);
                 keep.push(r);
             }
@@ -343,6 +341,26 @@ async fn delete_retired(
     failure.map_or(Ok(()), Err)
 }
 
+/// The entries the provider's policy refuses, decided from the config alone (no server,
+/// no state): what the fleet check holds requests against.
+pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
+    let mut out = Reconciled {
+        output: Output::default(),
+        changed: false,
+        counts: Counts::default(),
+        failure: None,
+    };
+    plan(config, &State::default(), entries, &mut out);
+    out.output
+        .answers
+        .into_iter()
+        .filter_map(|(key, answer)| match answer {
+            crate::Answer::Refused(why) => Some((key, why)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Sorts every entry into kept, refused (answered here) and work, and lists the clients
 /// no entry wants.
 fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled) -> Plan {
@@ -352,6 +370,18 @@ fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled)
         let request = match decide(config, entry) {
             Ok(r) => r,
             Err(reason) => {
+                // A refused change leaves the client it had in service, while the
+                // provider's policy still allows that client.
+                let stays = state
+                    .clients
+                    .get(&entry.key)
+                    .is_some_and(|c| permitted(config, &entry.origin, &c.metadata).is_ok());
+                let reason = if stays {
+                    wanted.insert(&entry.key);
+                    format!("{reason}; the client it had stays in service")
+                } else {
+                    reason
+                };
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
                 continue;
@@ -396,11 +426,17 @@ fn decide(config: &Config, entry: &Entry) -> Result<Request, String> {
         return Err("the caller's name is not a fort host or principal name".into());
     }
     let request = Request::parse(&entry.request)?;
-    let m = &request.metadata;
+    permitted(config, origin, &request.metadata)?;
+    Ok(request)
+}
+
+/// Whether the provider's policy lets `origin` have a client with `m`, or why not.
+fn permitted(config: &Config, origin: &str, m: &Metadata) -> Result<(), String> {
     if !config.allow.permits(origin, &m.client_name) {
         return Err(format!(
-            "{origin} may not register the client name {} (the provider's allow list)",
-            m.client_name
+            "{origin} may not register the client name {} (the provider's allow list; {})",
+            m.client_name,
+            config.allow.describe(origin)
         ));
     }
     if let Some(uri) = m
@@ -422,7 +458,7 @@ fn decide(config: &Config, entry: &Entry) -> Result<Request, String> {
             g.as_str()
         ));
     }
-    Ok(request)
+    Ok(())
 }
 
 /// The credential a consumer gets.

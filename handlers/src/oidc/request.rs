@@ -58,7 +58,6 @@ pub struct Request {
 /// What the provider is told about the client; a change is sent as an RFC 7592 update.
 /// Lists are sorted and deduplicated, so a reordered request is no change.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Metadata {
     pub client_name: String,
     pub redirect_uris: Vec<String>,

@@ -22,7 +22,6 @@ const MAX_VALUE: usize = 4096;
 /// What the handler keeps to manage one client it registered: its only proof of
 /// ownership (it never touches a client it has no registration access token for).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Registration {
     pub client_id: String,
     pub registration_client_uri: String,
@@ -46,9 +45,12 @@ pub enum Failure {
     /// The client or its registration access token no longer exists (RFC 7592 answers
     /// 401, some providers 404): forget it, or register anew.
     Gone,
-    /// The provider is unreachable, failing, or refused the initial access token: the
-    /// run fails and nothing is revoked.
+    /// The provider is unreachable or failing: the run fails and nothing is revoked,
+    /// unless the provider answers other calls of the run (then only this entry waits).
     Down(anyhow::Error),
+    /// The provider refused the initial access token, which every registration carries:
+    /// the run fails and nothing is revoked.
+    Denied(anyhow::Error),
 }
 
 type Result<T> = std::result::Result<T, Failure>;
@@ -121,7 +123,7 @@ impl Server {
                 Ok(registered)
             }
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                Err(Failure::Down(anyhow::anyhow!(
+                Err(Failure::Denied(anyhow::anyhow!(
                     "the provider refused the initial access token ({status}: {})",
                     reason(&body)
                 )))

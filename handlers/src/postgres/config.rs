@@ -102,11 +102,18 @@ const MAX_CONNECTION_LIMIT: u32 = 100_000;
 
 impl Config {
     /// Loads and validates `path`; reads the admin password file when one is named.
-    pub fn load(path: &Path) -> anyhow::Result<Config> {
+    /// Loads and validates the config without reading the files it names (secrets,
+    /// roots): what decides which requests a caller may make.
+    pub fn load_policy(path: &Path) -> anyhow::Result<Config> {
         let config: Config = crate::common::config::load(path)?;
         config
             .validate()
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(config)
+    }
+
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let config = Config::load_policy(path)?;
         if let Some(file) = &config.admin_password_file {
             crate::common::config::read_secret(file)?;
         }

@@ -2,7 +2,7 @@
 //! word to the server, which need server work (new, rotated, back from release, drifted),
 //! and which roles this handler made are no longer wanted.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use fort_core::names::{is_host_name, is_principal_name};
@@ -20,7 +20,6 @@ pub const STATE_VERSION: u32 = 1;
 
 /// What this handler made on the server: the proof of ownership that cleanup goes by.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// Role (and database) name → what it is for.
     #[serde(default)]
@@ -28,7 +27,6 @@ pub struct State {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Made {
     /// The entry key it was made for; no other entry may have it.
     pub entry: String,
@@ -135,11 +133,29 @@ pub async fn reconcile(
         }
     }
     respond_kept(config, state, entries, &plan.keep, &mut out);
-    let mut left = 0usize;
-    for work in &plan.work {
+    // Every caller's first entry before anyone's second, and a caller whose entry made
+    // the server wait (a lock its consumer holds) gets no more server work this run: one
+    // caller costs the others at most one wait per run, however many entries it has.
+    let work = by_turns(plan.work, |w| entries[w.entry].origin.as_str());
+    let mut slow: HashSet<String> = HashSet::new();
+    let mut left: Vec<&Work> = Vec::new();
+    let mut deferred = 0usize;
+    for work in &work {
         let entry = &entries[work.entry];
+        if slow.contains(&entry.origin) {
+            out.output.pending(
+                entry,
+                format!(
+                    "another entry of {} waited for a lock this run; this one comes in a later run",
+                    entry.origin
+                ),
+            );
+            deferred += 1;
+            owe_rotation(state, work, &mut out);
+            continue;
+        }
         if started.elapsed() >= budget {
-            left += 1;
+            left.push(work);
             continue;
         }
         let password = match (work.why, state.roles.get(&work.name)) {
@@ -178,9 +194,22 @@ pub async fn reconcile(
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
             }
+            Err(Failure::Waited(reason)) => {
+                tracing::warn!("{}: {reason}; tried again in a later run", entry.key);
+                slow.insert(entry.origin.clone());
+                deferred += 1;
+                owe_rotation(state, work, &mut out);
+                out.output.pending(
+                    entry,
+                    format!(
+                        "{reason} (a session holds a lock on its role or database); tried again in a later run"
+                    ),
+                );
+            }
             Err(Failure::Down(e)) if server.alive().await => {
                 // The server answers: what failed was this entry's alone.
                 tracing::warn!("{}: {e:#}; tried again next run", entry.key);
+                slow.insert(entry.origin.clone());
                 out.counts.pending += 1;
                 out.output
                     .pending(entry, format!("the server failed this entry: {e:#}"));
@@ -191,29 +220,34 @@ pub async fn reconcile(
             }
         }
     }
-    if left > 0 {
+    if deferred > 0 {
+        out.counts.pending += deferred;
+        // Not at once: the lock is its consumer's, and may be held for long.
+        out.output.rerun_within(DEFERRED_RERUN_SECONDS);
+    }
+    if !left.is_empty() {
         // Later runs go on where this one stopped; meanwhile each keeps what it had.
-        for work in plan.work.iter().rev().take(left) {
-            if let Some(m) = state.roles.get_mut(&work.name) {
-                if work.why == Why::Rotate && !m.owed {
-                    m.owed = true;
-                    out.changed = true;
-                }
-            }
+        let n = left.len();
+        for work in left {
+            owe_rotation(state, work, &mut out);
             out.output.pending(
                 &entries[work.entry],
-                format!("{left} databases are being set up; this one comes in a later run"),
+                format!("{n} databases are being set up; this one comes in a later run"),
             );
         }
-        out.counts.pending += left;
+        out.counts.pending += n;
         out.output.rerun_within(1);
     }
     for name in &plan.release {
+        let made = state.roles[name].clone();
+        let origin = made.entry.split(':').next().unwrap_or_default().to_owned();
+        if slow.contains(&origin) {
+            continue;
+        }
         if started.elapsed() >= budget {
             out.output.rerun_within(1);
             break;
         }
-        let made = state.roles[name].clone();
         let drop = config.on_release == OnRelease::Drop;
         let marker = names::marker(provider, &made.entry);
         match server.release(name, &marker, drop).await {
@@ -233,6 +267,12 @@ pub async fn reconcile(
                 tracing::warn!("{name}: cannot release: {reason}; tried again next run");
                 continue;
             }
+            Err(Failure::Waited(reason)) => {
+                tracing::warn!("{name}: cannot release: {reason}; tried again next run");
+                slow.insert(origin);
+                out.output.rerun_within(DEFERRED_RERUN_SECONDS);
+                continue;
+            }
             Err(Failure::Down(e)) if server.alive().await => {
                 tracing::warn!("{name}: cannot release: {e:#}; tried again next run");
                 continue;
@@ -247,6 +287,66 @@ pub async fn reconcile(
     out
 }
 
+/// The entries the provider's policy refuses, decided from the config alone (no server,
+/// no state): what the fleet check holds requests against.
+pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
+    let mut out = Reconciled {
+        output: Output::default(),
+        changed: false,
+        counts: Counts::default(),
+        failure: None,
+    };
+    plan(config, &State::default(), entries, &mut out);
+    out.output
+        .answers
+        .into_iter()
+        .filter_map(|(key, answer)| match answer {
+            crate::Answer::Refused(why) => Some((key, why)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// How soon to run again when a caller's entries waited for a lock of its own.
+const DEFERRED_RERUN_SECONDS: u64 = 30;
+
+/// A rotation asked for (`--force`, `renew`) but not done this run is remembered, so a
+/// later run does it although the entry then looks unchanged.
+fn owe_rotation(state: &mut State, work: &Work, out: &mut Reconciled) {
+    if let Some(m) = state.roles.get_mut(&work.name) {
+        if work.why == Why::Rotate && !m.owed {
+            m.owed = true;
+            out.changed = true;
+        }
+    }
+}
+
+/// `items` reordered in turns: each key's first item, then each key's second, and so
+/// on; keys in the order they first appear, items of one key in their order.
+fn by_turns<'a, T>(items: Vec<T>, key: impl Fn(&T) -> &'a str) -> Vec<T> {
+    let mut index: HashMap<&'a str, usize> = HashMap::new();
+    let mut queues: Vec<Vec<T>> = Vec::new();
+    for item in items {
+        let next = queues.len();
+        let i = *index.entry(key(&item)).or_insert(next);
+        if i == next {
+            queues.push(Vec::new());
+        }
+        queues[i].push(item);
+    }
+    let mut turns: Vec<std::vec::IntoIter<T>> = queues.into_iter().map(Vec::into_iter).collect();
+    let mut out = Vec::new();
+    loop {
+        let before = out.len();
+        for q in &mut turns {
+            out.extend(q.next());
+        }
+        if out.len() == before {
+            return out;
+        }
+    }
+}
+
 /// Sorts every entry into kept, refused (answered here) and work, and lists the roles no
 /// entry wants.
 fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled) -> Plan {
@@ -259,6 +359,21 @@ fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled)
         let (name, rotate) = match decided {
             Ok(d) => d,
             Err(reason) => {
+                // A refused change leaves the database it had in service (its role keeps
+                // its password), while the provider still allows that name.
+                let stays = state.roles.iter().find(|(name, m)| {
+                    m.entry == entry.key
+                        && m.password.is_some()
+                        && !wanted.contains_key(*name)
+                        && permitted(config, entry, name)
+                });
+                let reason = match stays {
+                    Some((name, _)) => {
+                        wanted.insert(name.clone(), &entry.key);
+                        format!("{reason}; the database it had stays in service")
+                    }
+                    None => reason,
+                };
                 out.counts.refused += 1;
                 out.output.refuse(entry, reason);
                 continue;
@@ -310,8 +425,9 @@ fn decide(
         Some(name) => {
             if !config.allow.permits(&entry.origin, &name) {
                 return Err(format!(
-                    "{} may not have the database {name} (the provider's allow list)",
-                    entry.origin
+                    "{} may not have the database {name} (the provider's allow list; {})",
+                    entry.origin,
+                    config.allow.describe(&entry.origin)
                 ));
             }
             name
@@ -323,6 +439,13 @@ fn decide(
         return Err(format!("the database {name} belongs to another entry"));
     }
     Ok((name, request.rotate))
+}
+
+/// Whether `entry` may have the database `name`: the one derived for it, or one the
+/// provider's allow list gives its caller.
+fn permitted(config: &Config, entry: &Entry, name: &str) -> bool {
+    name == names::derived(&config.name_prefix, &entry.origin, entry.need.id())
+        || config.allow.permits(&entry.origin, name)
 }
 
 /// One query over the kept entries' roles; whatever the server no longer holds as the
@@ -338,7 +461,9 @@ async fn find_drift(
     let names: Vec<String> = plan.keep.iter().map(|(_, n)| n.clone()).collect();
     let seen = match server.survey(&names).await {
         Ok(s) => s,
-        Err(Failure::Refused(r)) => anyhow::bail!("cannot read the roles: {r}"),
+        Err(Failure::Refused(r) | Failure::Waited(r)) => {
+            anyhow::bail!("cannot read the roles: {r}")
+        }
         Err(Failure::Down(e)) => return Err(e),
     };
     let limit = config.connection_limit();
@@ -492,5 +617,13 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("web may not have the database gitea"));
+    }
+
+    #[test]
+    fn work_goes_by_turns_of_callers() {
+        let items = vec!["a1", "a2", "a3", "b1", "c1", "c2"];
+        let turns = by_turns(items, |s| &s[..1]);
+        assert_eq!(turns, ["a1", "b1", "c1", "a2", "c2", "a3"]);
+        assert!(by_turns(Vec::<&str>::new(), |s| s).is_empty());
     }
 }

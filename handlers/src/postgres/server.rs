@@ -19,6 +19,9 @@ pub enum Failure {
     Refused(String),
     /// The server is unreachable or failing: the run fails and nothing is revoked.
     Down(anyhow::Error),
+    /// A lock on the entry's own role or database was not free within `lock_timeout`
+    /// (a session of its consumer holds it): the entry waits for a later run.
+    Waited(String),
 }
 
 impl Failure {
@@ -28,6 +31,10 @@ impl Failure {
         let Some(db) = e.as_db_error() else {
             return Failure::Down(anyhow::anyhow!("{what}: {e}"));
         };
+        // 55P03 lock_not_available: `lock_timeout` ran out.
+        if db.code().code() == "55P03" {
+            return Failure::Waited(format!("{what}: {}", db.message()));
+        }
         let class = &db.code().code()[..2];
         // 08 connection, 53 resources, 57 operator intervention, 58 system, XX internal.
         if matches!(class, "08" | "53" | "57" | "58" | "XX") {

@@ -64,6 +64,11 @@ pub struct Config {
     /// added there. Unset: 64, nginx's default on 64-bit machines.
     #[serde(default = "bucket_size")]
     pub server_names_hash_bucket_size: u32,
+    /// The HTTP-01 webroot of an `acme` capability on this host: every vhost serves
+    /// `/.well-known/acme-challenge/` from it (a path with no file there goes to the
+    /// upstream, or to HTTPS), so the CA validates names this nginx proxies. Unset: none.
+    #[serde(default)]
+    pub acme_webroot: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -150,6 +155,13 @@ impl Config {
                         "tls.{name}.{what}: {path:?} must be an absolute path of letters, digits and ._+@/-"
                     ));
                 }
+            }
+        }
+        if let Some(root) = &self.acme_webroot {
+            if !root.is_absolute() || !is_config_path(root) {
+                return Err(format!(
+                    "acme_webroot: {root:?} must be an absolute path of letters, digits and ._+@/-"
+                ));
             }
         }
         if !(32..=4096).contains(&self.server_names_hash_bucket_size) {

@@ -13,6 +13,7 @@ pub mod config;
 pub mod nginx;
 pub mod reconcile;
 pub mod request;
+mod set_aside;
 pub mod vhost;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,6 +34,7 @@ pub const CAPABILITY: Capability = Capability {
     about: "an nginx vhost per entry, tested with nginx -t before every reload",
     check,
     run,
+    vet,
 };
 
 /// Past this, no further test is started: the agent kills a run at 60 s.
@@ -42,6 +44,19 @@ fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     Fleet::load(&config.hosts)?;
     Ok(())
+}
+
+fn vet(path: &Path, fleet: &Fleet, entries: &[Entry]) -> anyhow::Result<crate::Refusals> {
+    let config = Config::load(path)?;
+    let none = BTreeSet::new();
+    let plan = reconcile::plan(
+        &config,
+        entries,
+        &BTreeMap::new(),
+        |o| fleet.host_of(o),
+        &none,
+    );
+    Ok(plan.refused)
 }
 
 fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
@@ -80,11 +95,37 @@ pub async fn reconcile_all(
     let fleet = Fleet::load(&config.hosts)?;
     let file = StateFile::new(&config.state_file);
     let mut state: State = file.load(STATE_VERSION)?;
-    let plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o));
-    let wanted = plan.wanted;
-    let mut refused = plan.refused;
-    let reconciling = trigger.reconciles();
     let mut dir = Dir::new(&config.include_dir);
+    let none = BTreeSet::new();
+    let mut plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o), &none);
+    // A refused entry whose vhost in place the provider still allows keeps it in service
+    // (its names stay reserved for it) until a change of it is accepted.
+    let mut stays = BTreeSet::new();
+    for e in entries.iter().filter(|e| plan.refused.contains_key(&e.key)) {
+        let Some(h) = state.held.get(&e.key) else {
+            continue;
+        };
+        let own = fleet.host_of(&e.origin);
+        if dir
+            .read(&h.file)?
+            .is_some_and(|text| reconcile::still_served(config, e, h, &text, own.as_deref()))
+        {
+            stays.insert(e.key.clone());
+        }
+    }
+    if !stays.is_empty() {
+        plan = reconcile::plan(config, &entries, &state.held, |o| fleet.host_of(o), &stays);
+    }
+    let mut wanted = plan.wanted;
+    let kept = plan.kept;
+    let tls_waits = serve_plain_until_certified(config, &mut wanted);
+    let mut refused = plan.refused;
+    for key in &kept {
+        if let Some(why) = refused.get_mut(key) {
+            why.push_str("; the vhost it had stays in service");
+        }
+    }
+    let reconciling = trigger.reconciles();
     let mut notes = Notes::default();
     let mut save = false;
 
@@ -145,7 +186,7 @@ pub async fn reconcile_all(
     let mut removals: Vec<String> = Vec::new();
     let mut forget: Vec<String> = Vec::new();
     for (key, h) in &state.held {
-        if wanted.contains_key(key) {
+        if wanted.contains_key(key) || kept.contains(key) {
             continue;
         }
         match dir.read(&h.file)? {
@@ -174,6 +215,7 @@ pub async fn reconcile_all(
             &Waiting {
                 untested: &BTreeSet::new(),
                 conflicts: &BTreeMap::new(),
+                tls: &tls_waits,
             },
             &mut notes,
             started,
@@ -195,6 +237,8 @@ pub async fn reconcile_all(
     let mut accepted: Vec<String> = Vec::new();
     let mut untested: BTreeSet<String> = BTreeSet::new();
     let mut conflicts: BTreeMap<String, String> = BTreeMap::new();
+    // Vhosts in place that nginx refuses now on their own: taken out, with the reason.
+    let mut taken_out: Vec<(String, String)> = Vec::new();
     if !changes.is_empty() {
         match test(config, &mut notes).await {
             Err(e) => {
@@ -206,15 +250,44 @@ pub async fn reconcile_all(
                 for key in &changes {
                     dir.set(&wanted[key].file, previous[&wanted[key].file].as_deref())?;
                 }
+                // What bisection takes a failing change back to.
+                let mut reset = previous.clone();
                 match test(config, &mut notes).await {
                     Ok(Ran::Passed) => {}
                     Ok(Ran::Failed(base)) => {
-                        restore(&mut dir, &previous)?;
-                        anyhow::bail!(
-                            "the nginx configuration fails its test without any of this run's \
-                             changes, so none is made and nginx is not reloaded: {}",
-                            nginx::reason(&base)
-                        );
+                        // A vhost in place that fails now on its own is its entry's
+                        // failure: taken out, and the others go on.
+                        let in_place = set_aside::in_place(&state, &removals, &mut dir)?;
+                        let found = set_aside::broken_in_place(
+                            config, &mut dir, &in_place, started, &mut notes,
+                        )
+                        .await;
+                        match found {
+                            Ok(Some(broken)) => {
+                                for (key, reason) in broken {
+                                    let v = in_place.iter().find(|v| v.key == key);
+                                    let v = v.expect("found among them");
+                                    // Restored on a later error, never by bisection.
+                                    previous.insert(v.file.clone(), Some(v.text.clone()));
+                                    reset.insert(v.file.clone(), None);
+                                    taken_out.push((key, reason));
+                                }
+                            }
+                            Ok(None) => {
+                                restore(&mut dir, &previous)?;
+                                anyhow::bail!(
+                                    "the nginx configuration fails its test without any of this \
+                                     run's changes, so none is made and nginx is not reloaded: {}",
+                                    nginx::reason(&base)
+                                );
+                            }
+                            Err(e) => {
+                                restore(&mut dir, &previous)?;
+                                return Err(
+                                    e.context("the vhosts could not be tested; nothing changed")
+                                );
+                            }
+                        }
                     }
                     Err(e) => {
                         restore(&mut dir, &previous)?;
@@ -227,9 +300,9 @@ pub async fn reconcile_all(
                     &mut dir,
                     &wanted,
                     &changes,
-                    &previous,
+                    &reset,
                     &held_files,
-                    output,
+                    taken_out.is_empty().then_some(output),
                     started,
                     &mut notes,
                 )
@@ -265,13 +338,23 @@ pub async fn reconcile_all(
     for key in forget {
         state.held.remove(&key);
     }
+    for (key, reason) in &taken_out {
+        if accepted.contains(key) {
+            continue;
+        }
+        state.held.remove(key);
+        refused.insert(
+            key.clone(),
+            format!("nginx refuses the vhost it had, which is taken out: {reason}"),
+        );
+    }
     for key in &accepted {
         state.held.insert(key.clone(), wanted[key].held());
         state.broken.remove(key);
     }
     notes.written = accepted.len();
-    notes.removed = removals.len();
-    if !accepted.is_empty() || !removals.is_empty() {
+    notes.removed = removals.len() + taken_out.len();
+    if !accepted.is_empty() || !removals.is_empty() || !taken_out.is_empty() {
         state.reload_owed = true;
     }
     if state.reload_owed {
@@ -292,11 +375,66 @@ pub async fn reconcile_all(
     let waiting = Waiting {
         untested: &untested,
         conflicts: &conflicts,
+        tls: &tls_waits,
     };
-    Ok(answer(
+    let mut output = answer(
         &entries, &state, &wanted, &refused, &waiting, &mut notes, started,
-    ))
+    );
+    if !taken_out.is_empty() {
+        // Tested again soon as a new vhost: what failed may have been passing (a name
+        // that did not resolve for a moment); what fails again is remembered as broken.
+        output.rerun_within(TAKEN_OUT_RERUN_SECONDS);
+    }
+    Ok(output)
 }
+
+/// How soon a run looks again for a TLS set's certificate that is not there yet.
+const TLS_RECHECK_SECONDS: u64 = 30;
+
+/// Vhosts whose TLS set has no certificate or key file yet are written for plain HTTP
+/// meanwhile (with the challenge answers, so the certificate can be ordered through
+/// them): a set's files often come from a certificate need of this host, which may be
+/// answered only after the vhost asks. Returns entry key → why it waits.
+fn serve_plain_until_certified(
+    config: &Config,
+    wanted: &mut BTreeMap<String, reconcile::Want>,
+) -> BTreeMap<String, String> {
+    let absent = |p: &Path| {
+        std::fs::symlink_metadata(p).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    };
+    let mut ready: BTreeMap<String, bool> = BTreeMap::new();
+    let mut waits = BTreeMap::new();
+    for (key, want) in wanted.iter_mut() {
+        let Some(name) = want.vhost.tls.clone() else {
+            continue;
+        };
+        let Some(set) = config.tls.get(&name) else {
+            continue;
+        };
+        let here = *ready
+            .entry(name.clone())
+            .or_insert_with(|| !absent(&set.certificate) && !absent(&set.key));
+        if !here {
+            let plain = request::Vhost {
+                tls: None,
+                ..want.vhost.clone()
+            };
+            want.text = vhost::render(config, key, &plain);
+            want.digest = vhost::digest(&want.text);
+            waits.insert(
+                key.clone(),
+                format!(
+                    "served over plain HTTP until the certificate of {name} ({}) is in place",
+                    set.certificate.display()
+                ),
+            );
+        }
+    }
+    waits
+}
+
+/// How soon vhosts taken out are tried again.
+const TAKEN_OUT_RERUN_SECONDS: u64 = 60;
 
 /// The reason an entry whose vhost failed the test gets.
 fn refusal(reason: &str, has_previous: bool) -> String {
@@ -363,9 +501,11 @@ struct Found {
     untested: BTreeSet<String>,
 }
 
-/// Finds the changed entries that make the test fail. The directory holds the run's
-/// removals and none of `changes`; groups are added on top of what passed so far and
-/// halved while they fail, so the directory always ends holding a tested configuration.
+/// Finds the changed entries that make the test fail (`first_failure`: how the test with
+/// all of them failed, if that was on the configuration they are now added to). The
+/// directory holds the run's removals and none of `changes`; groups are added on top of
+/// what passed so far and halved while they fail, so the directory always ends holding a
+/// tested configuration.
 /// An entry that fails alone on top of that is tested once more with no other vhost of
 /// this provider (`held` files and this run's accepted ones), to tell a vhost nginx
 /// refuses from one that only clashes with another: the first is refused, the second
@@ -378,7 +518,7 @@ async fn bisect(
     changes: &[String],
     previous: &BTreeMap<String, Option<String>>,
     held: &[String],
-    first_failure: String,
+    first_failure: Option<String>,
     started: Instant,
     notes: &mut Notes,
 ) -> anyhow::Result<Found> {
@@ -388,13 +528,19 @@ async fn bisect(
         conflicts: Vec::new(),
         untested: BTreeSet::new(),
     };
-    let mut stack: Vec<Vec<String>> = if changes.len() == 1 {
-        Vec::new()
-    } else {
-        let half = changes.len() / 2;
-        vec![changes[half..].to_vec(), changes[..half].to_vec()]
+    let (mut stack, mut single) = match first_failure {
+        // The configuration under the changes is not the one that failed (vhosts were
+        // taken out since): all of them are tested again first.
+        None => (vec![changes.to_vec()], None),
+        Some(failure) if changes.len() == 1 => (Vec::new(), Some((changes[0].clone(), failure))),
+        Some(_) => {
+            let half = changes.len() / 2;
+            (
+                vec![changes[half..].to_vec(), changes[..half].to_vec()],
+                None,
+            )
+        }
     };
-    let mut single = (changes.len() == 1).then(|| (changes[0].clone(), first_failure));
     loop {
         if let Some((key, failure)) = single.take() {
             let others: Vec<String> = held
@@ -474,6 +620,8 @@ async fn alone(
 struct Waiting<'a> {
     /// Not tested within the budget.
     untested: &'a BTreeSet<String>,
+    /// Served over plain HTTP until their TLS set's certificate is in place.
+    tls: &'a BTreeMap<String, String>,
     /// Held: they clash with another vhost.
     conflicts: &'a BTreeMap<String, String>,
 }
@@ -494,6 +642,18 @@ fn answer(
         if let Some(why) = refused.get(&e.key) {
             output.refuse(e, why);
             notes.refused.push(format!("{}: {why}", e.key));
+        } else if let Some(why) = waiting.tls.get(&e.key).filter(|_| {
+            // Its plain vhost is in place (written now or before).
+            state
+                .held
+                .get(&e.key)
+                .zip(wanted.get(&e.key))
+                .is_some_and(|(h, w)| h.digest == w.digest)
+        }) {
+            // Looked at again soon: the certificate comes by another need.
+            output.pending(e, why);
+            output.rerun_within(TLS_RECHECK_SECONDS);
+            pending += 1;
         } else if let Some(why) = waiting.conflicts.get(&e.key) {
             // Tried again when a run comes, not sooner: a clash does not pass by itself.
             output.pending(e, why);

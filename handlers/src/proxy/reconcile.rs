@@ -2,7 +2,7 @@
 //! it is refused), who has a server name several entries ask for, and what the state says
 //! the handler wrote, so that unchanged entries cost nothing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -17,7 +17,6 @@ pub const STATE_VERSION: u32 = 1;
 /// What the handler wrote, per entry, and what nginx refused. Only files recorded here
 /// (or carrying the marker of the entry asking for them) are ever replaced or removed.
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// Entry key → the vhost file in place for it, as nginx last accepted it.
     #[serde(default)]
@@ -33,7 +32,6 @@ pub struct State {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Held {
     pub file: String,
     /// SHA-256 of the file's content.
@@ -42,7 +40,6 @@ pub struct Held {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Broken {
     pub digest: String,
     pub reason: String,
@@ -73,6 +70,10 @@ pub struct Plan {
     pub wanted: BTreeMap<String, Want>,
     /// Entry key → why it is refused.
     pub refused: BTreeMap<String, String>,
+    /// Refused entries whose vhost in place the provider still allows: it stays in
+    /// service until a change of theirs is accepted (a refused change never takes down
+    /// what works; an allowance taken away does).
+    pub kept: BTreeSet<String>,
 }
 
 /// Resolves every entry and settles who has a contested server name: an entry that has a
@@ -82,6 +83,7 @@ pub fn plan(
     entries: &[Entry],
     held: &BTreeMap<String, Held>,
     host_of: impl Fn(&str) -> Option<String>,
+    stays: &BTreeSet<String>,
 ) -> Plan {
     let mut out = Plan::default();
     let mut candidates: BTreeMap<&str, Want> = BTreeMap::new();
@@ -122,14 +124,15 @@ pub fn plan(
             }
         }
     }
-    // Names in place stay with the entry that has them, if it still asks for them.
+    // Names in place stay with the entry that has them, if it still asks for them, or
+    // if its vhost stays in service while a change of it is refused (`stays`).
     let mut owner: HashMap<&str, &str> = HashMap::new();
     for (key, h) in held {
-        if let Some(want) = candidates.get(key.as_str()) {
-            for name in &h.server_names {
-                if want.vhost.server_names.contains(name) {
-                    owner.insert(name.as_str(), key.as_str());
-                }
+        let asks = candidates.get(key.as_str());
+        let kept = asks.is_none() && stays.contains(key);
+        for name in &h.server_names {
+            if kept || asks.is_some_and(|w| w.vhost.server_names.contains(name)) {
+                owner.insert(name.as_str(), key.as_str());
             }
         }
     }
@@ -151,7 +154,32 @@ pub fn plan(
         }
         out.wanted.insert(key.to_owned(), want);
     }
+    out.kept = out
+        .refused
+        .keys()
+        .filter(|k| stays.contains(*k))
+        .cloned()
+        .collect();
     out
+}
+
+/// Whether the vhost `h` in place for `entry`, whose content is `text`, is still one the
+/// provider would write for it: its request read back from the file passes today's checks
+/// (allowances, upstream hosts, TLS sets, name lengths) and renders to the same content.
+/// Such a vhost stays in service while a change of the entry is refused.
+pub fn still_served(
+    config: &Config,
+    entry: &Entry,
+    h: &Held,
+    text: &str,
+    own_host: Option<&str>,
+) -> bool {
+    let Some(request) = vhost::read_back(config, text) else {
+        return false;
+    };
+    let patterns = config.allow.patterns(&entry.origin);
+    resolve(config, &entry.origin, &patterns, own_host, &request)
+        .is_ok_and(|v| vhost::digest(&vhost::render(config, &entry.key, &v)) == h.digest)
 }
 
 /// The response an entry gets for its vhost in place.
@@ -192,7 +220,13 @@ mod tests {
                 server_names: vec!["w.example.org".into()],
             },
         )]);
-        let p = plan(&config, &entries, &held, |_| Some("10.0.0.1".into()));
+        let p = plan(
+            &config,
+            &entries,
+            &held,
+            |_| Some("10.0.0.1".into()),
+            &BTreeSet::new(),
+        );
         // b had w in place: a, first by key, is refused; c comes after b for v.
         assert!(p.refused["a:proxy/x"].contains("w.example.org is already served"));
         assert!(p.wanted.contains_key("b:proxy/x"));

@@ -111,7 +111,8 @@ pub fn resolve(
         }
         if !Allowances::any_permits(patterns, name.as_str()) {
             return Err(format!(
-                "{origin} may not have the server name {name} (the provider's allow list)"
+                "{origin} may not have the server name {name} (the provider's allow list; {})",
+                config.allow.describe(origin)
             ));
         }
         if !server_names.iter().any(|n| n == name.as_str()) {

@@ -47,13 +47,26 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
     let names = vhost.server_names.join(" ");
     let mut out = marker(key);
     out.push('\n');
-    let location = format!(
-        "    location / {{\n        proxy_pass {};\n        proxy_http_version 1.1;\n        \
-         proxy_set_header Host $host;\n        proxy_set_header X-Real-IP $remote_addr;\n        \
-         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n        \
-         proxy_set_header X-Forwarded-Proto $scheme;\n    }}\n",
-        vhost.upstream()
-    );
+    let proxy = |target: &str| {
+        format!(
+            "        proxy_pass {target};\n        proxy_http_version 1.1;\n        \
+             proxy_set_header Host $host;\n        proxy_set_header X-Real-IP $remote_addr;\n        \
+             proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n        \
+             proxy_set_header X-Forwarded-Proto $scheme;\n"
+        )
+    };
+    let location = format!("    location / {{\n{}    }}\n", proxy(&vhost.upstream()));
+    // The HTTP-01 answers of this host's acme capability, for the names it serves: a
+    // file there is served, any other path under it goes where it would without them.
+    let challenge = |fallback: &str| {
+        config.acme_webroot.as_ref().map(|root| {
+            format!(
+                "    location ^~ /.well-known/acme-challenge/ {{\n        root {};\n        \
+                 try_files $uri {fallback};\n    }}\n",
+                root.display()
+            )
+        })
+    };
     match vhost.tls.as_deref().and_then(|t| config.tls.get(t)) {
         None => {
             out.push_str("server {\n");
@@ -62,6 +75,15 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
             }
             out.push_str(&format!("    server_name {names};\n"));
             out.push_str(&location);
+            if let Some(c) = challenge("@fort_upstream") {
+                out.push_str(&c);
+                // A named location forwards the request as it came (no path of its own).
+                let bare = format!("http://{}:{}", vhost.upstream_host, vhost.port);
+                out.push_str(&format!(
+                    "    location @fort_upstream {{\n{}    }}\n",
+                    proxy(&bare)
+                ));
+            }
             out.push_str("}\n");
         }
         Some(set) => {
@@ -80,12 +102,59 @@ pub fn render(config: &Config, key: &str, vhost: &Vhost) -> String {
             for l in &config.listen {
                 out.push_str(&format!("    listen {l};\n"));
             }
-            out.push_str(&format!(
-                "    server_name {names};\n    return 301 https://$host$request_uri;\n}}\n"
-            ));
+            out.push_str(&format!("    server_name {names};\n"));
+            let redirect = "return 301 https://$host$request_uri;";
+            match challenge("@fort_https") {
+                None => out.push_str(&format!("    {redirect}\n}}\n")),
+                Some(c) => {
+                    // The redirect moves into locations: at the server level it would
+                    // answer before the challenge location is looked at.
+                    out.push_str(&c);
+                    out.push_str(&format!(
+                        "    location / {{\n        {redirect}\n    }}\n    \
+                         location @fort_https {{\n        {redirect}\n    }}\n}}\n"
+                    ));
+                }
+            }
         }
     }
     out
+}
+
+/// The request a vhost file this handler wrote answers, read back from its lines
+/// (`server_name`, `proxy_pass`, `ssl_certificate`), for checking it against today's
+/// config; `None` when the file is not in the form `render` writes.
+pub fn read_back(config: &Config, text: &str) -> Option<serde_json::Value> {
+    let value = |directive: &str| {
+        text.lines()
+            .map(str::trim)
+            .find_map(|l| l.strip_prefix(directive)?.strip_suffix(';'))
+    };
+    let names: Vec<&str> = value("server_name ")?.split(' ').collect();
+    let upstream = value("proxy_pass http://")?;
+    let (authority, path) = match upstream.find('/') {
+        Some(i) => (&upstream[..i], Some(&upstream[i..])),
+        None => (upstream, None),
+    };
+    let (host, port) = authority.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let tls = match value("ssl_certificate ") {
+        None => None,
+        Some(path) => Some(
+            config
+                .tls
+                .iter()
+                .find(|(_, set)| set.certificate.to_str() == Some(path))
+                .map(|(name, _)| name.clone())?,
+        ),
+    };
+    Some(serde_json::json!({
+        "server_names": names,
+        "port": port,
+        "path": path,
+        "upstream_host": host,
+        "tls": tls,
+    }))
 }
 
 /// The digest the state keeps of a file's content.
@@ -130,11 +199,34 @@ mod tests {
             "k",
             &Vhost {
                 tls: Some("t".into()),
-                ..vhost
+                ..vhost.clone()
             },
         );
         assert!(tls.contains("listen 443 ssl;") && tls.contains("ssl_certificate_key /k.pem;"));
         assert!(tls.contains("return 301"));
         assert_eq!(digest("x").len(), 64);
+        // What a file answers reads back into the request that renders it again.
+        for v in [
+            &vhost,
+            &Vhost {
+                tls: Some("t".into()),
+                path: Some("/wiki/".into()),
+                upstream_host: "[fd00::3]".into(),
+                ..vhost.clone()
+            },
+        ] {
+            let text = render(&config, "k", v);
+            let request = read_back(&config, &text).unwrap();
+            let again = crate::proxy::request::resolve(
+                &config,
+                "app",
+                &["*.example.org".to_owned()],
+                Some(&v.upstream_host),
+                &request,
+            )
+            .unwrap();
+            assert_eq!(render(&config, "k", &again), text);
+        }
+        assert_eq!(read_back(&config, "# not ours\n"), None);
     }
 }

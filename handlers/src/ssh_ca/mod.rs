@@ -25,6 +25,7 @@ pub const CAPABILITY: Capability = Capability {
     about: "SSH host and user certificates from a CA key, with a KRL of released ones",
     check,
     run,
+    vet,
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {
@@ -42,6 +43,11 @@ fn check(path: &Path) -> anyhow::Result<()> {
         Fleet::load(&config.hosts_file)?;
     }
     Ok(())
+}
+
+fn vet(path: &Path, fleet: &Fleet, entries: &[Entry]) -> anyhow::Result<crate::Refusals> {
+    let config = config::Config::load(path)?;
+    Ok(reconcile::vet(&config, fleet, entries, unix_now()))
 }
 
 fn run<'a>(path: &'a Path, entries: Vec<Entry>, _trigger: Trigger) -> RunFuture<'a> {

@@ -61,6 +61,41 @@ struct IssueSpec {
     hash: String,
 }
 
+/// Host principals for callers that are not hosts (people, CI): only where the config
+/// names them explicitly, never through `"*"`.
+fn host_principals_named(config: &Config) -> Allowances {
+    Allowances(
+        config
+            .host_principals
+            .0
+            .iter()
+            .filter(|(k, _)| k.as_str() != "*")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    )
+}
+
+/// The entries the provider's policy refuses, decided from the config and the fleet's
+/// hosts alone (no CA key, no state): what the fleet check holds requests against.
+pub fn vet(config: &Config, hosts: &dyn Hosts, entries: &[Entry], now: u64) -> crate::Refusals {
+    let named = host_principals_named(config);
+    let state = State::default();
+    entries
+        .iter()
+        .filter_map(|e| {
+            let is_host = hosts.is_host(&e.origin);
+            let allow = |kind: Kind| match kind {
+                Kind::Host if is_host => &config.host_principals,
+                Kind::Host => &named,
+                Kind::User => &config.user_principals,
+            };
+            let mut entry = e.clone();
+            let why = decide(config, &state, false, &mut entry, allow, now).err()?;
+            Some((e.key.clone(), why))
+        })
+        .collect()
+}
+
 /// Decides every entry, signs what must be signed, and changes `state` accordingly.
 /// The caller saves the state before printing the output.
 pub fn reconcile(
@@ -91,16 +126,7 @@ pub fn reconcile(
         state.ca = ca.fingerprint.clone();
         counts.changed = true;
     }
-    // Principals (people, CI) get host principals only where named explicitly.
-    let host_principals_named = Allowances(
-        config
-            .host_principals
-            .0
-            .iter()
-            .filter(|(k, _)| k.as_str() != "*")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    );
+    let host_principals_named = host_principals_named(config);
 
     // Released: entries the input no longer holds.
     let present: BTreeSet<&str> = entries.iter().map(|e| e.key.as_str()).collect();
@@ -206,12 +232,30 @@ pub fn reconcile(
                 }))
             }
             Decision::Refuse(reason) => {
-                if let Some(old) = state.entries.remove(&entry.key) {
-                    counts.changed = true;
-                    let before = state.revoked.len();
-                    krl_changed |= state.revoke_entry(&old, &ca.public_line, now);
-                    counts.revoked += state.revoked.len() - before;
-                }
+                // A refused change leaves the certificate it had valid, while the
+                // provider still allows its principals; an allowance taken away revokes.
+                let stays = state
+                    .entries
+                    .get(&entry.key)
+                    .filter(|old| !ca_changed && still_certified(&entry, old, &allow))
+                    .map(|old| old.valid_before);
+                let reason = match stays {
+                    Some(until) => format!(
+                        "{reason}; the certificate it had stays valid until {}",
+                        humantime::format_rfc3339_seconds(
+                            std::time::UNIX_EPOCH + std::time::Duration::from_secs(until)
+                        )
+                    ),
+                    None => {
+                        if let Some(old) = state.entries.remove(&entry.key) {
+                            counts.changed = true;
+                            let before = state.revoked.len();
+                            krl_changed |= state.revoke_entry(&old, &ca.public_line, now);
+                            counts.revoked += state.revoked.len() - before;
+                        }
+                        reason
+                    }
+                };
                 counts.refused += 1;
                 tracing::info!(entry = %entry.key, %reason, "refused");
                 Decision::Refuse(reason)
@@ -277,6 +321,34 @@ pub fn reconcile(
 /// Keep, issue or refuse one entry. Cheap when the entry is unchanged: the request is
 /// read and its principals checked against the allowances (which may have changed), but
 /// its key is parsed and a certificate signed only when one must be issued.
+/// Whether the certificate `entry` holds (its cached response, of the serial `issued`
+/// records) is one the provider would still give it: every principal still allowed for
+/// its kind.
+fn still_certified<'c>(
+    entry: &Entry,
+    issued: &Issued,
+    allow: &impl Fn(Kind) -> &'c Allowances,
+) -> bool {
+    let Some(r) = &entry.response else {
+        return false;
+    };
+    let kind = match r.get("kind").and_then(Value::as_str) {
+        Some("host") => Kind::Host,
+        Some("user") => Kind::User,
+        _ => return false,
+    };
+    let patterns = allow(kind).patterns(&entry.origin);
+    let principals = r.get("principals").and_then(Value::as_array);
+    r.get("serial").and_then(Value::as_u64) == Some(issued.serial)
+        && principals.is_some_and(|list| {
+            !list.is_empty()
+                && list.iter().all(|p| {
+                    p.as_str()
+                        .is_some_and(|p| Allowances::any_permits(&patterns, p))
+                })
+        })
+}
+
 fn decide<'c>(
     config: &'c Config,
     state: &State,
@@ -316,8 +388,9 @@ fn decide<'c>(
         request::check_principal(req.kind, p)?;
         if !Allowances::any_permits(&patterns, p) {
             return Err(format!(
-                "principal {p} is not one {origin} may have on a {} certificate",
-                req.kind.name()
+                "principal {p} is not one {origin} may have on a {} certificate ({})",
+                req.kind.name(),
+                allowances.describe(origin)
             ));
         }
     }

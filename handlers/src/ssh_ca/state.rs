@@ -11,7 +11,6 @@ use super::krl::Krl;
 pub const VERSION: u32 = 1;
 
 #[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct State {
     /// The serial the next certificate gets (0: not yet set; `first_serial` then).
     pub next_serial: u64,
@@ -30,7 +29,6 @@ pub struct State {
 /// revoked: a renewal does not revoke the certificate it replaces, which may be in use
 /// until the new one is installed).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Issued {
     /// SHA-256 of what was certified (kind, key, principals, validity): a request that
     /// hashes otherwise needs a new certificate.
@@ -43,14 +41,12 @@ pub struct Issued {
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Live {
     pub serial: u64,
     pub valid_before: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct Revoked {
     pub serial: u64,
     /// Once past, the certificate is expired anyway and leaves the KRL.

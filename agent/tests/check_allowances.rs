@@ -1,0 +1,163 @@
+//! `fort-agent check --fleet` holds every consumer's requests against the allowances of
+//! the capabilities fort's handlers serve: a name, principal or client outside a
+//! provider's allow list fails the check, naming the need, the value and what the caller
+//! is allowed, before anything is deployed; requests within them pass.
+
+use std::path::Path;
+use std::process::Command;
+
+use fort_tests::Fleet;
+use serde_json::{json, Value};
+
+/// Every capability of fort-handler on `edge`, each allowing `app` names under
+/// `app.example.test` (or `app` itself) only.
+fn serve_everything(f: &mut Fleet, cfg: &Path) {
+    std::fs::write(cfg.join("tsig.key"), "c2VjcmV0\n").unwrap();
+    std::fs::write(cfg.join("token"), "t\n").unwrap();
+    let configs: [(&str, &str, Value); 6] = [
+        (
+            "dns-record",
+            "dns-record",
+            json!({
+            "zone": "example.test", "primary": "127.0.0.1:53",
+            "key": {"name": "fort", "file": cfg.join("tsig.key")},
+            "allow": {"*": ["*.{origin}.example.test"]},
+            "state": cfg.join("dns.json")}),
+        ),
+        (
+            "proxy",
+            "proxy",
+            json!({
+            "include_dir": "/etc/nginx/fort", "state_file": cfg.join("proxy.json"),
+            "allow": {"*": ["*.{origin}.example.test"]}}),
+        ),
+        (
+            "ssl-cert",
+            "acme",
+            json!({
+            "directory": "https://127.0.0.1:14000/dir", "http01": {"webroot": "/var/www"},
+            "allow": {"*": ["*.{origin}.example.test"]}, "state": cfg.join("acme.json")}),
+        ),
+        (
+            "postgres",
+            "postgres",
+            json!({
+            "state_file": cfg.join("pg.json"), "host": "db.example.test",
+            "allow": {"*": ["{origin}_extra"]}}),
+        ),
+        (
+            "oidc",
+            "oidc",
+            json!({
+            "issuer": "https://id.example.test", "initial_access_token_file": cfg.join("token"),
+            "state_file": cfg.join("oidc.json"), "allow": {"*": ["{origin}-wiki"]},
+            "allow_grant_types": {"*": ["client_credentials"]}}),
+        ),
+        (
+            "ssh-ca",
+            "ssh-ca",
+            json!({
+            "ca_key_file": cfg.join("ca"), "state_file": cfg.join("ssh.json"),
+            "hosts_file": "/etc/fort/hosts.json",
+            "host_principals": {"*": ["{origin}", "{origin}.example.test"]}}),
+        ),
+    ];
+    for (name, handler, config) in configs {
+        let path = cfg.join(format!("{name}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        f.capability(
+            "edge",
+            name,
+            json!({"handler": fort_tests::bin("fort-handler"),
+                   "args": [handler, "--config", path], "mode": "async"}),
+        );
+    }
+}
+
+fn check(f: &Fleet) -> (bool, String) {
+    f.write_files();
+    let out = Command::new(fort_tests::bin("fort-agent"))
+        .args(["check", "--fleet"])
+        .arg(f.dir.path())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn csr_need(names: &[&str], keys: &Path) -> Value {
+    json!({"request": {"csr": {"$fort_key": "tls", "as": "csr"}},
+           "keys": {"tls": {"type": "ecdsa-p256", "path": keys.join("key.pem"), "names": names}}})
+}
+
+#[test]
+fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
+    let mut f = Fleet::new();
+    let cfg = tempfile::tempdir().unwrap();
+    serve_everything(&mut f, cfg.path());
+    let keys = tempfile::tempdir().unwrap();
+    // Within their allowances: web's requests.
+    let ok: [(&str, Value); 6] = [
+        (
+            "dns-record/www",
+            json!({"request": {"name": "www.web.example.test"}}),
+        ),
+        (
+            "proxy/site",
+            json!({"request": {"server_names": ["site.web.example.test"], "port": 80}}),
+        ),
+        (
+            "ssl-cert/site",
+            csr_need(&["site.web.example.test"], keys.path()),
+        ),
+        ("postgres/db", json!({"request": {"name": "web_extra"}})),
+        (
+            "oidc/wiki",
+            json!({"request": {"client_name": "web-wiki", "grant_types": ["client_credentials"]}}),
+        ),
+        (
+            "ssh-ca/host",
+            json!({"request": {"kind": "host", "public_key": fort_core::sign::Signer::generate().public_openssh(), "principals": ["web"]}}),
+        ),
+    ];
+    for (need, spec) in ok {
+        f.need("web", need, "edge", spec);
+    }
+    let (passed, report) = check(&f);
+    assert!(passed, "{report}");
+    assert!(
+        report.contains("edge's proxy (1 request): ok: every request within its allowances"),
+        "{report}"
+    );
+
+    // app asks for what web may have.
+    let app_keys = tempfile::tempdir().unwrap();
+    let wrong: [(&str, Value, &str); 6] = [
+        ("dns-record/www", json!({"request": {"name": "www.web.example.test"}}),
+         "app may not hold records at www.web.example.test (allowed for app: *.app.example.test)"),
+        ("proxy/site", json!({"request": {"server_names": ["site.web.example.test"], "port": 80}}),
+         "app may not have the server name site.web.example.test (the provider's allow list; allowed for app: *.app.example.test)"),
+        ("ssl-cert/site", csr_need(&["site.web.example.test"], app_keys.path()),
+         "site.web.example.test is not a name app may get a certificate for (allowed for app: *.app.example.test)"),
+        ("postgres/db", json!({"request": {"name": "web_extra"}}),
+         "app may not have the database web_extra (the provider's allow list; allowed for app: app_extra)"),
+        ("oidc/wiki", json!({"request": {"client_name": "web-wiki", "grant_types": ["client_credentials"]}}),
+         "app may not register the client name web-wiki (the provider's allow list; allowed for app: app-wiki)"),
+        ("ssh-ca/host", json!({"request": {"kind": "host", "public_key": fort_core::sign::Signer::generate().public_openssh(), "principals": ["web"]}}),
+         "principal web is not one app may have on a host certificate (allowed for app: app, app.example.test)"),
+    ];
+    for (need, spec, _) in &wrong {
+        f.need("app", need, "edge", spec.clone());
+    }
+    let (passed, report) = check(&f);
+    assert!(!passed, "{report}");
+    for (need, _, says) in &wrong {
+        let line = format!("app → edge: {need}: edge refuses it: {says}");
+        assert!(report.contains(&line), "missing {line:?} in:\n{report}");
+    }
+    assert!(report.contains("6 problem(s)"), "{report}");
+}
