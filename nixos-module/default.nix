@@ -5,8 +5,8 @@
 # cluster.nix and interface.nix (pure generation), assertions.nix and
 # assertions-needs.nix (what a user can get wrong), service.nix (files, agent unit,
 # firewall, users, dry-activate plan), delivery.nix (payload files as other services'
-# credentials), fleet.nix (mkFleet), capabilities/ (provider options and consumer
-# conveniences of the capabilities fort-handler serves).
+# credentials), alerts.nix (Prometheus alert rules), fleet.nix (mkFleet), capabilities/
+# (provider options and consumer conveniences of the capabilities fort-handler serves).
 {
   config,
   options,
@@ -39,6 +39,7 @@ in
     ./assertions-needs.nix
     ./service.nix
     ./delivery.nix
+    ./alerts.nix
     ./capabilities/acme.nix
     ./capabilities/certificates.nix
     ./capabilities/dns-record.nix

@@ -19,6 +19,7 @@ let
       modules = [
         ./options.nix
         ./options-host.nix
+        ./alerts.nix
         ./capabilities/acme.nix
         ./capabilities/certificates.nix
         ./capabilities/dns-record.nix

@@ -176,6 +176,15 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
                                 .map(|at| (format!("{{need=\"{}\"}}", n.need), at as f64))
                         })
                         .collect();
+                    let failures = app
+                        .fulfiller
+                        .request_failures()
+                        .into_iter()
+                        .map(|(need, from, n)| {
+                            (format!("{{need=\"{need}\",from=\"{from}\"}}"), f64::from(n))
+                        })
+                        .collect();
+                    let (entries, undelivered, last_run) = provider_gauges(&app);
                     let (restarts, reloads, _) = app.fulfiller.unit_counts();
                     let gauges = vec![
                         ("fort_needs", "Declared needs by state.", counts),
@@ -188,6 +197,22 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
                             "fort_need_expiry_timestamp_seconds",
                             "When the payload each need holds expires (unix seconds).",
                             expiries,
+                        ),
+                        (
+                            "fort_need_request_failures",
+                            "Requests in a row for each need that got no answer from its provider (no connection, TLS, a timeout, a server error); 0 once one is answered.",
+                            failures,
+                        ),
+                        ("fort_entries", "Provider entries by capability.", entries),
+                        (
+                            "fort_entries_undelivered",
+                            "Entries by capability whose current response or verdict their consumer has not acknowledged.",
+                            undelivered,
+                        ),
+                        (
+                            "fort_handler_last_run_success",
+                            "1 when the capability's last handler run succeeded, 0 when it failed (no series before its first run).",
+                            last_run,
                         ),
                         (
                             "fort_unit_actions",
@@ -215,6 +240,28 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
         quiet: app.quiet.clone(),
     };
     server::serve(metrics, router, app.shutdown.clone()).await;
+}
+
+type Series = Vec<(String, f64)>;
+
+/// The provider's gauges by capability: entries, undelivered entries, whether the last
+/// handler run succeeded.
+fn provider_gauges(app: &App) -> (Series, Series, Series) {
+    let loaded = app.loaded.load_full();
+    let summary = app
+        .provider
+        .summary(|origin| loaded.registry.is_host(origin));
+    let (mut entries, mut undelivered, mut last_run) = (Vec::new(), Vec::new(), Vec::new());
+    for (cap, c) in summary["capabilities"].as_object().into_iter().flatten() {
+        let label = format!("{{capability=\"{cap}\"}}");
+        let count = |field: &str| c[field].as_u64().unwrap_or(0) as f64;
+        entries.push((label.clone(), count("entries")));
+        undelivered.push((label.clone(), count("undelivered")));
+        if let Some(ok) = c["last_run"]["ok"].as_bool() {
+            last_run.push((label, if ok { 1.0 } else { 0.0 }));
+        }
+    }
+    (entries, undelivered, last_run)
 }
 
 /// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, if set.

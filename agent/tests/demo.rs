@@ -1,11 +1,18 @@
 //! The demo as a newcomer meets it: `fort-agent demo --keep` passes its walkthrough, and
-//! then every command it prints works exactly as printed.
+//! then every command it prints works exactly as printed. And whichever way the demo
+//! ends (done, failed, Ctrl-C), nothing it started is left running: this test process is
+//! the reaper of whatever the demo leaves (PR_SET_CHILD_SUBREAPER), so a server, an
+//! nginx worker or an agent that outlives it shows up here as a child.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use fort_tests::cleanup::{adopt_orphans, leftovers};
 use fort_tests::{bin, skip};
 
 fn on_path(tool: &str) -> bool {
@@ -13,73 +20,181 @@ fn on_path(tool: &str) -> bool {
         .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
 }
 
-/// Kills the demo (and with it its agents) however the test ends.
-struct Demo(std::process::Child);
+/// One demo at a time: what each leaves running becomes this process's child.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The demo, in a process group of its own as a shell's foreground job is. However the
+/// test ends, it is asked to stop (SIGTERM, which it handles like Ctrl-C), and killed
+/// if it does not.
+struct Demo {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+    stderr: std::path::PathBuf,
+}
+
+impl Demo {
+    fn start(dir: &Path, args: &[&str]) -> Demo {
+        let stderr = dir.join("stderr");
+        let mut child = Command::new(bin("fort-agent"))
+            .arg("demo")
+            .args(args)
+            .arg("--dir")
+            .arg(dir.join("fleet"))
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("start the demo");
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Demo {
+            child,
+            lines,
+            seen: Vec::new(),
+            stderr,
+        }
+    }
+
+    /// The next line of its output, within `deadline`.
+    fn line(&mut self, deadline: Instant) -> String {
+        match self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok(l) => {
+                self.seen.push(l.clone());
+                l
+            }
+            Err(_) => panic!(
+                "the demo ended or stalled:\n{}\n{}",
+                self.seen.join("\n"),
+                self.stderr()
+            ),
+        }
+    }
+
+    /// Reads lines until one satisfies `f`; that line.
+    fn until(&mut self, within: Duration, f: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let l = self.line(deadline);
+            if f(&l) {
+                return l;
+            }
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// `kill SIGNAL` to the demo (`group`: to its whole process group, as a terminal's
+    /// Ctrl-C reaches the foreground job).
+    fn signal(&self, signal: &str, group: bool) {
+        let target = if group {
+            format!("-{}", self.child.id())
+        } else {
+            self.child.id().to_string()
+        };
+        let sent = Command::new("kill")
+            .args([signal, "--", &target])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {signal} {target}");
+    }
+
+    /// Its exit status, waiting up to `within`; the rest of its output is read.
+    fn wait(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
+                    self.seen.push(l);
+                }
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the demo did not end within {within:?}:\n{}",
+                self.seen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
 
 impl Drop for Demo {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .arg(self.child.id().to_string())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while let Ok(None) = self.child.try_wait() {
+                if Instant::now() > deadline {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
     }
+}
+
+/// Whether the demo can run here; says why not otherwise.
+fn can_run(test: &str) -> bool {
+    if !on_path("jq") || !on_path("openssl") {
+        skip(test, "the demo's example handlers need jq and openssl");
+        return false;
+    }
+    true
+}
+
+/// Asserts that the demo, now ended, left nothing running.
+fn assert_nothing_left(demo: &Demo, how: &str) {
+    let left = leftovers(&[]);
+    assert!(
+        left.is_empty(),
+        "after {how}, the demo left running: {left:?}\n{}",
+        demo.seen.join("\n")
+    );
 }
 
 #[test]
 fn every_command_the_demo_prints_works() {
-    if !on_path("jq") || !on_path("openssl") {
-        skip(
-            "every_command_the_demo_prints_works",
-            "the demo's example handlers need jq and openssl",
-        );
+    if !can_run("every_command_the_demo_prints_works") {
         return;
     }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    adopt_orphans();
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("fleet");
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-    let mut demo = Demo(
-        Command::new(bin("fort-agent"))
-            .args(["demo", "--keep", "--dir"])
-            .arg(&root)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("start the demo"),
-    );
-    let (tx, rx) = mpsc::channel();
-    let out = demo.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
+    let mut demo = Demo::start(dir.path(), &["--keep"]);
+    demo.until(Duration::from_secs(180), |l| {
+        l.starts_with("The fleet keeps running")
     });
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let mut seen = Vec::new();
     let mut commands = Vec::new();
-    let mut in_commands = false;
     loop {
-        let line = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(l) => l,
-            Err(_) => panic!(
-                "the demo ended or stalled before printing its commands:\n{}\n{}",
-                seen.join("\n"),
-                std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default()
-            ),
-        };
-        seen.push(line.clone());
-        if line.starts_with("The fleet keeps running") {
-            in_commands = true;
-        } else if in_commands && line.starts_with("Ctrl-C") {
+        let line = demo.line(Instant::now() + Duration::from_secs(10));
+        if line.starts_with("Ctrl-C") {
             break;
-        } else if in_commands && !line.trim().is_empty() {
+        } else if !line.trim().is_empty() {
             commands.push(line.trim().to_owned());
         }
     }
     assert!(
-        seen.iter().any(|l| l == "All steps passed."),
+        demo.seen.iter().any(|l| l == "All steps passed."),
         "{}",
-        seen.join("\n")
+        demo.seen.join("\n")
     );
     assert!(
         !commands.iter().any(|c| c.starts_with('(')),
@@ -111,22 +226,89 @@ fn every_command_the_demo_prints_works() {
             }
         }
     }
-    // Ctrl-C (here SIGTERM) stops the fleet: the demo exits cleanly.
-    let pid = demo.0.id() as i32;
+    // Ctrl-C in a terminal reaches the demo's whole process group: it stops the fleet
+    // and exits cleanly, leaving nothing behind.
+    demo.signal("-INT", true);
+    let status = demo.wait(Duration::from_secs(60));
+    assert!(status.success(), "the demo exited with {status}");
+    assert_nothing_left(&demo, "Ctrl-C with --keep");
+}
+
+#[test]
+fn the_demo_leaves_nothing_running_when_it_finishes() {
+    const T: &str = "the_demo_leaves_nothing_running_when_it_finishes";
+    if !can_run(T) {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    adopt_orphans();
+    let dir = tempfile::tempdir().unwrap();
+    let mut demo = Demo::start(dir.path(), &[]);
+    let status = demo.wait(Duration::from_secs(240));
+    assert!(
+        status.success(),
+        "the demo exited with {status}:\n{}\n{}",
+        demo.seen.join("\n"),
+        demo.stderr()
+    );
+    assert!(demo.seen.iter().any(|l| l == "All steps passed."));
+    // A step whose server is not installed here says so in the summary.
+    for l in demo.seen.iter().filter(|l| l.contains(" OK  skipped: ")) {
+        skip(T, &format!("demo step {}", l.trim()));
+    }
+    assert_nothing_left(&demo, "a finished walkthrough");
+}
+
+#[test]
+fn the_demo_leaves_nothing_running_when_it_fails() {
+    if !can_run("the_demo_leaves_nothing_running_when_it_fails") {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    adopt_orphans();
+    let dir = tempfile::tempdir().unwrap();
+    let mut demo = Demo::start(dir.path(), &[]);
+    // app's agent killed under it: the demo cannot go on, after its servers started.
+    let up = demo.until(Duration::from_secs(120), |l| l.contains("app is up (pid "));
+    let pid = up
+        .split("(pid ")
+        .nth(1)
+        .and_then(|p| p.trim_end_matches(')').parse::<u32>().ok())
+        .expect("app's pid");
     assert!(Command::new("kill")
-        .arg(pid.to_string())
+        .args(["-KILL", &pid.to_string()])
         .status()
         .unwrap()
         .success());
-    let done = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(status) = demo.0.try_wait().unwrap() {
-            assert!(status.success(), "the demo exited with {status}");
-            break;
-        }
-        assert!(Instant::now() < done, "the demo did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
+    let status = demo.wait(Duration::from_secs(60));
+    assert!(!status.success(), "the demo went on without app's agent");
+    assert!(demo.stderr().contains("demo failed"), "{}", demo.stderr());
+    assert_nothing_left(&demo, "a failure");
+}
+
+#[test]
+fn the_demo_leaves_nothing_running_when_interrupted() {
+    if !can_run("the_demo_leaves_nothing_running_when_interrupted") {
+        return;
     }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    adopt_orphans();
+    let dir = tempfile::tempdir().unwrap();
+    let mut demo = Demo::start(dir.path(), &[]);
+    demo.until(Duration::from_secs(120), |l| l.starts_with("Step 1/"));
+    // SIGINT to the demo alone: its servers, in groups of their own, see nothing of it.
+    demo.signal("-INT", false);
+    let status = demo.wait(Duration::from_secs(60));
+    assert!(
+        !status.success(),
+        "an interrupted demo should not report success"
+    );
+    assert!(
+        demo.stderr().contains("interrupted by Ctrl-C"),
+        "{}",
+        demo.stderr()
+    );
+    assert_nothing_left(&demo, "SIGINT during the walkthrough");
 }
 
 /// The demo fleet shipped as NixOS configuration (examples/demo-fleet) evaluates, and
@@ -135,6 +317,8 @@ fn every_command_the_demo_prints_works() {
 #[test]
 fn the_demo_fleet_as_nixos_configuration_asks_what_the_demo_asks() {
     const TEST: &str = "the_demo_fleet_as_nixos_configuration_asks_what_the_demo_asks";
+    // Its child must not be taken for a demo's leftover.
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = Command::new("bash")
         .arg(repo.join("nixos-module/tests/example.sh"))

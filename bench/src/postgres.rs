@@ -158,7 +158,8 @@ pub async fn run(args: PostgresArgs, json_out: bool) -> Result<()> {
             entry: k.clone(),
             password: Some(names::new_password()),
             rotate: 0,
-            connection_limit: config.connection_limit(),
+            // One role per caller: its whole share.
+            connection_limit: config.connection_limits(1)[0],
             owed: false,
         });
         let response = reconcile::response(&config, &name, made.password.as_deref().unwrap_or(""));

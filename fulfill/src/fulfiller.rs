@@ -708,9 +708,9 @@ impl Fulfiller {
         if let Some(phase) = renewal {
             let at = st.expires_at.map(crate::status::when).unwrap_or_default();
             let word = if phase == Phase::Expired {
-                "expired"
+                "expired at"
             } else {
-                "expires"
+                "expires at"
             };
             // A renewal goes out at most once per nag interval: a provider that answers it
             // with a payload already inside the window (a CA issuing short lifetimes, a

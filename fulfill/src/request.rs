@@ -261,10 +261,10 @@ impl Fulfiller {
             // connect" must still learn that the credential expires (or has).
             let reason = match (st.phase, st.expires_at) {
                 (Phase::Expired, Some(at)) => {
-                    format!("expired {}; {reason}", crate::status::when(at))
+                    format!("expired at {}; {reason}", crate::status::when(at))
                 }
                 (Phase::Expiring, Some(at)) => {
-                    format!("expires {}; {reason}", crate::status::when(at))
+                    format!("expires at {}; {reason}", crate::status::when(at))
                 }
                 _ => reason,
             };

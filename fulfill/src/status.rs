@@ -140,6 +140,20 @@ impl Fulfiller {
     /// Needs per state, without building the rows: cheap enough for every metrics
     /// scrape and every poll. (The state holds exactly the declared needs: a reload
     /// removes the others.)
+    /// Every declared need with its provider and the requests for it in a row that got
+    /// no answer from that provider (no connection, TLS, a timeout, a server error); 0
+    /// once one is answered.
+    pub fn request_failures(&self) -> Vec<(String, String, u32)> {
+        let view = self.inner.view.lock();
+        view.needs
+            .iter()
+            .map(|(key, spec)| {
+                let failures = view.failures.get(key).copied().unwrap_or(0);
+                (key.to_string(), spec.from.clone(), failures)
+            })
+            .collect()
+    }
+
     pub fn counts(&self) -> [(Phase, usize); 6] {
         let mut counts = Phase::ALL.map(|p| (p, 0));
         let needs = self.inner.view.lock().needs.clone();

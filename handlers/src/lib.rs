@@ -11,6 +11,7 @@ pub mod dns_record;
 pub mod oidc;
 pub mod postgres;
 pub mod proxy;
+pub mod schema;
 pub mod ssh_ca;
 
 use std::future::Future;

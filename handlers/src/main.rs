@@ -20,11 +20,15 @@ struct Cli {
     /// The capability this run serves (see the list below).
     capability: String,
     /// The capability's config (JSON; the NixOS module writes it).
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, required_unless_present_any = ["schema", "answers"])]
+    config: Option<PathBuf>,
     /// Validate the config and the files it names, then exit; nothing is contacted.
     #[arg(long)]
     check: bool,
+    /// Print the JSON Schema of the capability's requests (capabilities.json's
+    /// `request_schema`, as the NixOS module writes it), then exit.
+    #[arg(long, conflicts_with_all = ["config", "check", "vet"])]
+    schema: bool,
     /// Read entries on stdin as a run would and print, as a JSON object, those the
     /// provider's policy refuses with why, decided from the config and `--hosts` alone:
     /// no server is contacted, no secret read, no state touched (the fleet check).
@@ -83,10 +87,26 @@ fn main() -> ExitCode {
         println!("{}", serde_json::json!(cap.answers));
         return ExitCode::SUCCESS;
     }
+    if cli.schema {
+        return match fort_handlers::schema::request_schema(cap.name) {
+            Some(schema) => {
+                println!("{schema:#}");
+                ExitCode::SUCCESS
+            }
+            None => {
+                eprintln!("fort-handler {}: no request schema is built in", cap.name);
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let Some(config) = cli.config else {
+        eprintln!("fort-handler {}: --config FILE is required", cap.name);
+        return ExitCode::from(2);
+    };
     if cli.check {
-        return match (cap.check)(&cli.config) {
+        return match (cap.check)(&config) {
             Ok(()) => {
-                println!("{}: {} is valid", cap.name, cli.config.display());
+                println!("{}: {} is valid", cap.name, config.display());
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -103,7 +123,7 @@ fn main() -> ExitCode {
     if let (true, Some(hosts)) = (cli.vet, &cli.hosts) {
         let vetted = common::hosts::Fleet::load(hosts).and_then(|fleet| {
             let entries = common::parse_input(&input)?;
-            (cap.vet)(&cli.config, &fleet, &entries)
+            (cap.vet)(&config, &fleet, &entries)
         });
         return match vetted {
             Ok(refusals) => {
@@ -128,7 +148,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         let entries = common::parse_input(&input)?;
-        (cap.run)(&cli.config, entries, common::Trigger::from_env()).await
+        (cap.run)(&config, entries, common::Trigger::from_env()).await
     });
     match result {
         Ok(output) => {

@@ -4,107 +4,12 @@
 //! state, drift and a server that is down. The whole fleet (real agents) is in
 //! `postgres_fleet.rs`.
 
-use std::path::PathBuf;
-
 use fort_handlers::postgres::names;
-use fort_tests::postgres::{Postgres, ADMIN, PASSWORD_ADMIN};
+use fort_tests::postgres::PASSWORD_ADMIN;
 use serde_json::{json, Value};
 
-/// A started server, or a recorded skip.
-fn server(test: &str) -> Option<Postgres> {
-    match Postgres::start(false) {
-        Ok(pg) => Some(pg),
-        Err(reason) => {
-            fort_tests::skip(test, &reason);
-            None
-        }
-    }
-}
-
-struct Setup {
-    pg: Postgres,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-}
-
-impl Setup {
-    fn new(pg: Postgres, extra: Value) -> Setup {
-        let dir = tempfile::tempdir().unwrap();
-        let mut config = json!({
-            "state_file": dir.path().join("state/postgres.json"),
-            "host": "127.0.0.1",
-            "socket_dir": pg.socket_dir(),
-            "port": pg.port,
-            "admin_role": ADMIN,
-        });
-        for (k, v) in extra.as_object().unwrap() {
-            config[k] = v.clone();
-        }
-        let path = dir.path().join("postgres.json");
-        std::fs::write(&path, config.to_string()).unwrap();
-        Setup {
-            pg,
-            dir,
-            config: path,
-        }
-    }
-
-    fn state_file(&self) -> PathBuf {
-        self.dir.path().join("state/postgres.json")
-    }
-
-    /// One handler run as the agent makes it: (exit ok, stdout as JSON, stderr).
-    fn run(&self, trigger: &str, input: &Value) -> (bool, Value, String) {
-        fort_tests::run_handler(
-            "postgres",
-            &self.config,
-            trigger,
-            &[("FORT_HOST", "db")],
-            input,
-        )
-    }
-
-    /// A run that must succeed.
-    fn ok(&self, trigger: &str, input: &Value) -> Value {
-        let (ok, out, err) = self.run(trigger, input);
-        assert!(ok, "handler failed: {err}");
-        out
-    }
-
-    fn sql(&self, sql: &str) -> String {
-        self.pg.superuser(sql).unwrap()
-    }
-
-    /// Roles whose names start with `prefix`, sorted.
-    fn roles(&self, prefix: &str) -> Vec<String> {
-        let out = self.sql(&format!(
-            "SELECT rolname FROM pg_roles WHERE starts_with(rolname, '{prefix}') ORDER BY 1"
-        ));
-        out.lines().map(str::to_owned).collect()
-    }
-}
-
-/// `{key: {"request": …, "response": …}}` with each response taken from `previous`.
-fn input(requests: &[(&str, Value)], previous: &Value) -> Value {
-    let mut m = serde_json::Map::new();
-    for (key, request) in requests {
-        let response = previous.get(*key).cloned().unwrap_or(Value::Null);
-        m.insert(
-            (*key).to_owned(),
-            json!({"request": request, "response": response}),
-        );
-    }
-    Value::Object(m)
-}
-
-fn login(s: &Setup, cred: &Value, sql: &str) -> Result<String, String> {
-    s.pg.login(
-        cred["user"].as_str().unwrap(),
-        cred["password"].as_str().unwrap(),
-        cred["dbname"].as_str().unwrap(),
-        sql,
-    )
-}
+mod postgres_harness;
+use postgres_harness::*;
 
 #[test]
 fn credentials_log_in_rotate_and_release_keeps_the_data() {

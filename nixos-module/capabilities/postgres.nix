@@ -87,8 +87,20 @@ let
           type = types.nullOr (types.ints.between 1 100000);
           default = null;
           description = ''
-            `CONNECTION LIMIT` of every role made. `null`: 20. The server's connections
-            are shared by every caller, so no role is made without a limit.
+            The most `CONNECTION LIMIT` of any one role. `null`: none beyond its part of
+            its caller's share (`connectionsPerCaller`).
+          '';
+        };
+        connectionsPerCaller = mkOption {
+          type = types.nullOr (types.ints.between 1 100000);
+          default = null;
+          description = ''
+            Connections one caller's roles share: each role's `CONNECTION LIMIT` is its
+            part (at least 1), set again as the caller's databases come and go. `null`:
+            20. The server's connections are shared by every caller (and by the
+            handler's own role, unless it is a superuser), so one caller with many
+            databases must not take them all; keep the callers' shares together under
+            `max_connections`, as the handler's run notes say when they are not.
           '';
         };
         allow = mkOption {
@@ -133,6 +145,9 @@ let
         // lib.optionalAttrs (s.publicPort != null) { public_port = s.publicPort; }
         // lib.optionalAttrs (s.adminPasswordFile != null) { admin_password_file = s.adminPasswordFile; }
         // lib.optionalAttrs (s.connectionLimit != null) { connection_limit = s.connectionLimit; }
+        // lib.optionalAttrs (s.connectionsPerCaller != null) {
+          connections_per_caller = s.connectionsPerCaller;
+        }
       )
     );
 

@@ -113,6 +113,17 @@ let
           default = "5m";
           description = "Certificates are valid from this long before they are signed (clock skew).";
         };
+        maxNewCertificatesPerCallerPerHour = mkOption {
+          type = types.nullOr (types.ints.between 1 100000);
+          default = null;
+          description = ''
+            Certificates for new or changed requests in any hour for all entries of one
+            caller together; past it an entry keeps what it has and waits. `null`: 10.
+            Every response carries the KRL, and each such certificate revokes the one it
+            replaces (or is revoked when its entry is released): without it one caller
+            could change every other consumer's payload on every run.
+          '';
+        };
       };
     };
 
@@ -121,21 +132,26 @@ let
     let
       ca = config.sshCa;
       configFile = pkgs.writeText "fort-ssh-ca-${name}.json" (
-        builtins.toJSON {
-          ca_key_file = ca.caKeyFile;
-          generate_ca_key = ca.generateCaKey;
-          state_file = ca.stateFile;
-          hosts_file = "/etc/fort/hosts.json";
-          host_principals = ca.hostPrincipals;
-          user_principals = ca.userPrincipals;
-          host_validity = seconds ca.hostValidity;
-          user_validity = seconds ca.userValidity;
-          renew_fraction = ca.renewFraction;
-          user_extensions = ca.userExtensions;
-          known_hosts_patterns = ca.knownHostsPatterns;
-          first_serial = ca.firstSerial;
-          backdate = seconds ca.backdate;
-        }
+        builtins.toJSON (
+          {
+            ca_key_file = ca.caKeyFile;
+            generate_ca_key = ca.generateCaKey;
+            state_file = ca.stateFile;
+            hosts_file = "/etc/fort/hosts.json";
+            host_principals = ca.hostPrincipals;
+            user_principals = ca.userPrincipals;
+            host_validity = seconds ca.hostValidity;
+            user_validity = seconds ca.userValidity;
+            renew_fraction = ca.renewFraction;
+            user_extensions = ca.userExtensions;
+            known_hosts_patterns = ca.knownHostsPatterns;
+            first_serial = ca.firstSerial;
+            backdate = seconds ca.backdate;
+          }
+          // lib.optionalAttrs (ca.maxNewCertificatesPerCallerPerHour != null) {
+            max_new_certificates_per_caller_per_hour = ca.maxNewCertificatesPerCallerPerHour;
+          }
+        )
       );
     in
     {

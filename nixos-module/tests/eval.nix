@@ -78,6 +78,9 @@ let
             command = checked.buildCommand;
             config = checked.env.checkConfig.value;
           };
+        }
+        // lib.optionalAttrs (config.services.prometheus.ruleFiles != [ ]) {
+          prometheusRuleFiles = map baseNameOf config.services.prometheus.ruleFiles;
         };
         # The installed bytes, for run.sh to hash on its own.
         texts = lib.genAttrs [ "hosts" "needs" "capabilities" ] (f: etc."fort/${f}.json".source.text);

@@ -97,6 +97,7 @@ in
           services.fort-agent = {
             openFirewall = true;
             metrics.enable = true;
+            metrics.alertRules = true;
             handlerEnvironment.FORT_EXAMPLE_STATE = "/var/lib/fort-examples";
           };
           # The unit both capabilities' triggers watch (defined, so OnSuccess= lands in a

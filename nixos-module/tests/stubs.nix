@@ -195,6 +195,12 @@ in
         type = types.nullOr types.ints.positive;
         default = null;
       };
+      # As NixOS's (nixos/modules/services/monitoring/prometheus): rule files, each
+      # checked with promtool at build time.
+      services.prometheus.ruleFiles = mkOption {
+        type = types.listOf types.path;
+        default = [ ];
+      };
       services.openssh.extraConfig = mkOption {
         type = types.lines;
         default = "";

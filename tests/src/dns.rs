@@ -1,14 +1,17 @@
 //! Authoritative DNS servers for tests: Knot (`knotd`) or BIND (`named`) on a loopback
 //! address and a free port, serving one zone from a scratch directory and accepting RFC
-//! 2136 updates signed with one TSIG key; killed on drop. `dig` and `nsupdate` look and
-//! act at them as a person would.
+//! 2136 updates signed with one TSIG key; stopped on drop, and however the test ends
+//! (crate::cleanup). `dig` and `nsupdate` look and act at them as a person would.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use fort_core::process::Stop;
+
+use crate::cleanup::Running;
 
 /// Which server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +57,7 @@ pub struct DnsServer {
     /// The network namespace it serves in (the systemd lane's loopback); `None`: the
     /// test's own.
     netns: Option<PathBuf>,
-    child: Option<Child>,
+    child: Option<Running>,
 }
 
 impl DnsServer {
@@ -157,13 +160,15 @@ impl DnsServer {
             }
         };
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
-        let child = crate::command_in(netns.as_deref(), &program)
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn the DNS server");
+        let child = Running::spawn(
+            crate::command_in(netns.as_deref(), &program)
+                .args(&args)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log"))
+                .stderr(log),
+            Stop::TERM,
+        )
+        .expect("spawn the DNS server");
         let mut server = DnsServer {
             flavor,
             addr,
@@ -184,7 +189,7 @@ impl DnsServer {
             if !self.dig(&self.zone.clone(), "SOA").is_empty() {
                 return;
             }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = self.child.as_mut().and_then(Running::exited) {
                 panic!(
                     "{} exited ({status}):\n{}",
                     self.flavor.binary(),
@@ -321,8 +326,7 @@ impl DnsServer {
     /// Stops the server (a primary that is down).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.stop();
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Harness for tests that start real `fort-agent` processes on loopback: each host gets
 //! its own 127.0.0.x address and free port, generated SSH key, state directory and config,
-//! and is killed on drop.
+//! and is killed on drop (and however the test ends: cleanup).
 
+pub mod cleanup;
 pub mod dns;
 pub mod nginx;
 pub mod oidc;
@@ -13,7 +14,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fort_core::client::{ClientOptions, Reply, SignedClient, Target};
@@ -572,7 +573,7 @@ fn admin_answers(socket: &Path) -> bool {
 pub struct Agent {
     pub name: String,
     pub addr: SocketAddr,
-    child: Child,
+    child: cleanup::Running,
 }
 
 impl Agent {
@@ -636,7 +637,8 @@ impl Agent {
                 });
             }
         }
-        let child = cmd.spawn().expect("spawn fort-agent");
+        let child = cleanup::Running::spawn(&mut cmd, fort_core::process::Stop::KILL)
+            .expect("spawn fort-agent");
         let mut agent = Agent {
             name: name.to_owned(),
             addr,
@@ -648,7 +650,7 @@ impl Agent {
         while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err()
             || !admin_answers(&dir.join("agent.sock"))
         {
-            if let Ok(Some(status)) = agent.child.try_wait() {
+            if let Some(status) = agent.child.exited() {
                 let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
                 return Err(format!("exit status {status}\n{log}"));
             }
@@ -666,8 +668,7 @@ impl Agent {
     }
 
     pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.kill();
     }
 
     /// SIGTERM, then waits (up to 20 s) for the agent to finish its shutdown; SIGKILL
@@ -680,7 +681,7 @@ impl Agent {
         }
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            if self.child.exited().is_some() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));

@@ -2,23 +2,27 @@
 //! foreground (`-p DIR -c DIR/nginx.conf -g 'daemon off;'`) on 127.0.0.1 and a free port,
 //! with a default server that answers 404 and an include directory for vhosts; the test
 //! and reload commands the handler is configured with; small HTTP upstreams to forward to.
+//! It runs in a process group of its own and is stopped gracefully (SIGQUIT: the master
+//! waits for its workers), then the group is killed (crate::cleanup).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::cleanup::Running;
 use crate::dns::find_program;
+use fort_core::process::Stop;
 
 /// A running nginx, stopped on drop.
 pub struct Nginx {
     pub dir: tempfile::TempDir,
     pub program: PathBuf,
     pub addr: SocketAddr,
-    child: Option<Child>,
+    master: Option<Running>,
     /// What every nginx command runs under (`unshare` for a private `/etc/hosts`).
     wrap: Vec<String>,
 }
@@ -80,21 +84,26 @@ impl Nginx {
             dir,
             program,
             addr,
-            child: None,
+            master: None,
             wrap,
         };
         // Wrapped, the process is still nginx's master: `unshare` and `sh` exec it.
         let argv = nginx.command(&["-g", "daemon off;"]);
-        let child = Command::new(&argv[0])
-            .args(&argv[1..])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot start nginx: {e}"))?;
-        nginx.child = Some(child);
+        let master = Running::spawn(
+            Command::new(&argv[0])
+                .args(&argv[1..])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            Stop::QUIT,
+        )
+        .map_err(|e| format!("cannot start nginx: {e}"))?;
+        nginx.master = Some(master);
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(addr).is_err() {
+            if let Some(status) = nginx.master.as_mut().and_then(Running::exited) {
+                return Err(format!("nginx exited ({status}): {}", nginx.error_log()));
+            }
             if Instant::now() > deadline {
                 return Err(format!("nginx did not listen: {}", nginx.error_log()));
             }
@@ -201,12 +210,18 @@ impl Nginx {
     }
 }
 
+impl Nginx {
+    /// Stops nginx now (master and workers), as dropping it does.
+    pub fn stop(&mut self) {
+        if let Some(mut master) = self.master.take() {
+            master.stop();
+        }
+    }
+}
+
 impl Drop for Nginx {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.stop();
     }
 }
 

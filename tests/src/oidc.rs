@@ -1,16 +1,20 @@
 //! An OpenID provider on loopback for tests and benchmarks: npm's `oidc-provider`, run by
 //! node with `tests/oidc/server.mjs` (dynamic registration behind an initial access
 //! token, RFC 7592 management, client_credentials, storage in memory), over https with a
-//! certificate for 127.0.0.1 from a CA made here; killed on drop.
+//! certificate for 127.0.0.1 from a CA made here; stopped on drop, and however the test
+//! ends (crate::cleanup).
 //!
 //! The package comes from `$FORT_OIDC_PROVIDER_DIR` or `~/.cache/fort/oidc-provider`
 //! (`.ci/run` installs it there with npm).
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use fort_core::process::Stop;
+
+use crate::cleanup::Running;
 use crate::dns::find_program;
 
 /// The `oidc-provider` version `.ci/run` installs and the tests were written against.
@@ -26,7 +30,7 @@ pub struct OidcProvider {
     pub token_file: PathBuf,
     /// The CA the provider's TLS certificate chains to.
     pub ca_file: PathBuf,
-    child: Option<Child>,
+    child: Option<Running>,
 }
 
 /// Where the package is installed: `$FORT_OIDC_PROVIDER_DIR`, else
@@ -90,18 +94,20 @@ impl OidcProvider {
         };
         let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
         let mut command = crate::command_in(within.as_ref().map(|(netns, _, _)| *netns), &node);
-        let child = command
-            .arg(&script)
-            .env("FORT_OIDC_PROVIDER_DIR", &package)
-            .env("FORT_OIDC_PORT", listen.port().to_string())
-            .env("FORT_OIDC_TOKEN_FILE", &token_file)
-            .env("FORT_OIDC_TLS_CERT", dir.path().join("cert.pem"))
-            .env("FORT_OIDC_TLS_KEY", dir.path().join("key.pem"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("cannot start node: {e}"))?;
+        let child = Running::spawn(
+            command
+                .arg(&script)
+                .env("FORT_OIDC_PROVIDER_DIR", &package)
+                .env("FORT_OIDC_PORT", listen.port().to_string())
+                .env("FORT_OIDC_TOKEN_FILE", &token_file)
+                .env("FORT_OIDC_TLS_CERT", dir.path().join("cert.pem"))
+                .env("FORT_OIDC_TLS_KEY", dir.path().join("key.pem"))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log"))
+                .stderr(log),
+            Stop::TERM,
+        )
+        .map_err(|e| format!("cannot start node: {e}"))?;
         let mut p = OidcProvider {
             dir,
             issuer: format!("https://{listen}"),
@@ -116,7 +122,7 @@ impl OidcProvider {
             None => TcpStream::connect(addr).is_ok(),
         };
         while !reachable(listen) {
-            if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = p.child.as_mut().and_then(Running::exited) {
                 return Err(format!("oidc-provider exited ({status}):\n{}", p.log()));
             }
             if Instant::now() > deadline {
@@ -142,8 +148,7 @@ impl OidcProvider {
     /// Stops the provider (a test of a provider that is down).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.stop();
         }
     }
 }

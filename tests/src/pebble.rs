@@ -1,16 +1,19 @@
 //! Pebble (Let's Encrypt's ACME test server) on loopback for tests: a CA and a
 //! `127.0.0.1` certificate for its own TLS made here (Debian's pebble ships none), free
 //! ports for the directory, the management interface and the ports it validates HTTP-01
-//! and TLS-ALPN-01 at, names resolved at a DNS server the test runs; killed on drop. And
+//! and TLS-ALPN-01 at, names resolved at a DNS server the test runs; stopped on drop. And
 //! nginx serving a webroot on the port pebble validates HTTP-01 at. `curl` reads the
-//! management interface as a person would (its root, a certificate's status).
+//! management interface as a person would (its root, a certificate's status). Both are
+//! stopped however the test ends (crate::cleanup).
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::cleanup::Running;
 use crate::dns::find_program;
+use fort_core::process::Stop;
 
 /// Where a pebble runs when not in the test's own network namespace.
 struct Namespace<'a> {
@@ -30,7 +33,7 @@ pub struct Pebble {
     pub http_port: u16,
     /// The CA pebble's own TLS certificate chains to (for the ACME client).
     pub tls_root: PathBuf,
-    child: Option<Child>,
+    child: Option<Running>,
 }
 
 impl Pebble {
@@ -121,21 +124,23 @@ impl Pebble {
         if always_valid {
             command.env("PEBBLE_VA_ALWAYS_VALID", "1");
         }
-        let child = command
-            .args([
-                "-config",
-                &conf.display().to_string(),
-                "-dnsserver",
-                &dns.to_string(),
-            ])
-            .env("PEBBLE_VA_NOSLEEP", "1")
-            .env("PEBBLE_WFE_NONCEREJECT", "0")
-            .env("PEBBLE_AUTHZREUSE", "0")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn pebble");
+        let child = Running::spawn(
+            command
+                .args([
+                    "-config",
+                    &conf.display().to_string(),
+                    "-dnsserver",
+                    &dns.to_string(),
+                ])
+                .env("PEBBLE_VA_NOSLEEP", "1")
+                .env("PEBBLE_WFE_NONCEREJECT", "0")
+                .env("PEBBLE_AUTHZREUSE", "0")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log"))
+                .stderr(log),
+            Stop::TERM,
+        )
+        .expect("spawn pebble");
         let mut p = Pebble {
             dir,
             directory: format!("https://{listen}/dir"),
@@ -150,7 +155,7 @@ impl Pebble {
             None => TcpStream::connect(addr).is_ok(),
         };
         while !reachable(listen) || !reachable(management) {
-            if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = p.child.as_mut().and_then(Running::exited) {
                 panic!("pebble exited ({status}):\n{}", p.log());
             }
             assert!(
@@ -165,7 +170,7 @@ impl Pebble {
 
     /// The pebble process (for its CPU time).
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.as_ref().map(Running::id)
     }
 
     /// Makes `host` serve `ssl-cert` with `fort-handler acme` against this CA: HTTP-01
@@ -232,8 +237,7 @@ impl Pebble {
     /// Stops pebble (a CA that is down).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.stop();
         }
     }
 }
@@ -252,11 +256,11 @@ impl Drop for Pebble {
     }
 }
 
-/// nginx serving `root` on 127.0.0.1:`port`, killed on drop.
+/// nginx serving `root` on 127.0.0.1:`port`, stopped on drop.
 pub struct Webroot {
     pub dir: tempfile::TempDir,
     pub root: PathBuf,
-    child: Option<Child>,
+    child: Option<Running>,
 }
 
 impl Webroot {
@@ -277,20 +281,22 @@ impl Webroot {
             ),
         )
         .expect("write");
-        let child = Command::new(program)
-            .args([
-                "-p",
-                &d.to_string(),
-                "-c",
-                &format!("{d}/nginx.conf"),
-                "-e",
-                &format!("{d}/error.log"),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn nginx");
+        let child = Running::spawn(
+            Command::new(program)
+                .args([
+                    "-p",
+                    &d.to_string(),
+                    "-c",
+                    &format!("{d}/nginx.conf"),
+                    "-e",
+                    &format!("{d}/error.log"),
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+            Stop::QUIT,
+        )
+        .expect("spawn nginx");
         let w = Webroot {
             dir,
             root,
@@ -321,8 +327,7 @@ impl Webroot {
 impl Drop for Webroot {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.stop();
         }
     }
 }

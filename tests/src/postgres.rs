@@ -1,6 +1,8 @@
 //! A scratch PostgreSQL cluster for tests and benchmarks: `initdb` in a temporary
 //! directory, its Unix socket there and a free loopback port, run as the `postgres` system
-//! user when the tests run as root (the server refuses to run as root), stopped on drop.
+//! user when the tests run as root (the server refuses to run as root), stopped on drop
+//! and however the test ends (`pg_ctl` detaches the server from the test: only
+//! `pg_ctl stop` ends it; crate::cleanup).
 //!
 //! Authentication as a provider would set it up: the superuser `postgres` by trust on the
 //! socket (for the test's own setup), the handler's admin role `fort_admin` (CREATEROLE,
@@ -22,6 +24,7 @@ pub struct Postgres {
     /// uid and gid the server runs as, when not the test's own.
     user: Option<(u32, u32)>,
     pub port: u16,
+    _on_signal: Option<crate::cleanup::OnSignal>,
 }
 
 /// The directory of `initdb`, `pg_ctl` and `psql`: `$FORT_PG_BIN`, the newest
@@ -92,11 +95,12 @@ impl Postgres {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
                 .map_err(|e| e.to_string())?;
         }
-        let pg = Postgres {
+        let mut pg = Postgres {
             dir,
             bin,
             user,
             port,
+            _on_signal: None,
         };
         let data = pg.data();
         pg.run_as_server(
@@ -152,6 +156,16 @@ impl Postgres {
             .open(data.join("postgresql.conf"))
             .map_err(|e| e.to_string())?;
         std::io::Write::write_all(&mut f, conf.as_bytes()).map_err(|e| e.to_string())?;
+        let (bin, dir, user) = (pg.bin.clone(), pg.dir.path().to_owned(), pg.user);
+        pg._on_signal = Some(crate::cleanup::on_signal(move || {
+            let _ = run_as(
+                &bin,
+                &dir,
+                user,
+                "pg_ctl",
+                &immediate_stop(&dir.join("data")),
+            );
+        }));
         pg.run_as_server(
             "pg_ctl",
             &[
@@ -187,17 +201,8 @@ impl Postgres {
     }
 
     fn run_as_server(&self, tool: &str, args: &[&str]) -> Result<String, String> {
-        let mut cmd = Command::new(self.bin.join(tool));
-        cmd.args(args).current_dir(self.dir.path());
-        if let Some((uid, gid)) = self.user {
-            cmd.uid(uid).gid(gid);
-        }
-        let out = cmd.output().map_err(|e| format!("{tool}: {e}"))?;
-        if out.status.success() {
-            Ok(text(&out))
-        } else {
-            Err(format!("{tool} failed: {}", text(&out)))
-        }
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        run_as(&self.bin, self.dir.path(), self.user, tool, &args)
     }
 
     fn psql_command(&self) -> Command {
@@ -299,25 +304,26 @@ impl Postgres {
         sql: &str,
         ready: &str,
     ) -> Session {
-        let mut child = self
-            .psql_command()
-            .env("PGPASSWORD", password)
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                user,
-                "-d",
-                db,
-            ])
-            .args(["-c", sql])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("psql starts");
+        let mut session = crate::cleanup::Running::spawn(
+            self.psql_command()
+                .env("PGPASSWORD", password)
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-U",
+                    user,
+                    "-d",
+                    db,
+                ])
+                .args(["-c", sql])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped()),
+            fort_core::process::Stop::TERM,
+        )
+        .expect("psql starts");
         // Ready once the server lists the session as asked; a psql that could not
         // connect, or whose `sql` failed, exits first.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
@@ -328,9 +334,9 @@ impl Postgres {
             if self.superuser(&sql).is_ok_and(|n| n != "0") {
                 break;
             }
-            if let Ok(Some(status)) = child.try_wait() {
+            if let Some(status) = session.exited() {
                 let mut err = String::new();
-                if let Some(mut e) = child.stderr.take() {
+                if let Some(mut e) = session.child_mut().stderr.take() {
                     let _ = std::io::Read::read_to_string(&mut e, &mut err);
                 }
                 panic!("psql as {user} in {db} ended ({status}): {err}");
@@ -341,7 +347,7 @@ impl Postgres {
             );
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        Session(child)
+        Session { _psql: session }
     }
 
     /// `psql` with a connection URI, as a consumer given the `uri` would.
@@ -398,28 +404,46 @@ impl Postgres {
 
 impl Drop for Postgres {
     fn drop(&mut self) {
-        let _ = self.run_as_server(
+        let _ = run_as(
+            &self.bin,
+            self.dir.path(),
+            self.user,
             "pg_ctl",
-            &[
-                "-D",
-                &self.data().to_string_lossy(),
-                "-m",
-                "immediate",
-                "-w",
-                "-t",
-                "300",
-                "stop",
-            ],
+            &immediate_stop(&self.data()),
         );
     }
 }
 
-/// A consumer's open session (`Postgres::session`); ended on drop.
-pub struct Session(std::process::Child);
-
-impl Drop for Session {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+/// `tool` from `bin` in `dir`, as `user` when there is one: its output, or why it failed.
+fn run_as(
+    bin: &Path,
+    dir: &Path,
+    user: Option<(u32, u32)>,
+    tool: &str,
+    args: &[String],
+) -> Result<String, String> {
+    let mut cmd = Command::new(bin.join(tool));
+    cmd.args(args).current_dir(dir);
+    if let Some((uid, gid)) = user {
+        cmd.uid(uid).gid(gid);
     }
+    let out = cmd.output().map_err(|e| format!("{tool}: {e}"))?;
+    if out.status.success() {
+        Ok(text(&out))
+    } else {
+        Err(format!("{tool} failed: {}", text(&out)))
+    }
+}
+
+/// `pg_ctl`'s arguments to stop the cluster in `data` at once, waiting until it is down.
+fn immediate_stop(data: &Path) -> Vec<String> {
+    let data = data.to_string_lossy().into_owned();
+    ["-D", &data, "-m", "immediate", "-w", "-t", "300", "stop"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// A consumer's open session (`Postgres::session`); ended on drop.
+pub struct Session {
+    _psql: crate::cleanup::Running,
 }

@@ -1,37 +1,41 @@
-//! The demo's ACME step: when Debian's `pebble` (Let's Encrypt's test CA) is installed,
-//! the demo starts one on loopback and forge also serves `tls` with `fort-handler acme`;
-//! app then asks for a certificate for a key its agent makes and never sends
-//! (docs/protocol.md §11.10). Without pebble the step says so and the certificate steps
-//! above, on the example handler, are what the demo shows.
+//! The demo's ACME step: when Debian's `pebble` (Let's Encrypt's test CA) and nginx are
+//! installed, the demo starts pebble on loopback and beacon also serves `tls` with
+//! `fort-handler acme`; app then asks for a certificate for a key its agent makes and
+//! never sends (docs/protocol.md §11.10). Pebble validates the name for real: it resolves
+//! it at the demo's DNS (dns.rs) and fetches the HTTP-01 challenge from the demo's nginx,
+//! which serves the webroot the handler writes to. Without them the step says so and the
+//! certificate steps above, on the example handler, are what the demo shows.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use fort_core::process::{Server, Stop};
 use serde_json::json;
 
+use super::dns::DemoDns;
 use super::fleet::{CapDecl, Fleet, NeedDecl};
+use super::proxy::DemoNginx;
 use super::steps::{need_row, Wait};
 use super::WIKI_DOMAIN;
 use crate::admin::AdminRequest;
 
 pub(super) const NEED: &str = "tls/wiki";
+/// The walkthrough step that adds [`NEED`].
+pub(super) const STEP: usize = 6;
+/// The host serving `tls`: the one whose nginx answers the challenges, as an edge does.
+const PROVIDER: &str = "beacon";
 
-/// A pebble the demo started; stopped when dropped.
+/// A pebble the demo started, and the DNS it resolves names at; stopped when dropped.
 pub(super) struct DemoCa {
-    child: Child,
+    pebble: Server,
+    _dns: DemoDns,
     dir: PathBuf,
     directory: String,
     management: SocketAddr,
-}
-
-impl Drop for DemoCa {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    webroot: PathBuf,
 }
 
 fn free_port() -> std::io::Result<SocketAddr> {
@@ -47,11 +51,10 @@ pub(super) fn find(program: &str) -> Option<PathBuf> {
 }
 
 impl DemoCa {
-    /// Starts pebble under `root/pebble`, or says why not (`Ok(None)`: not installed).
-    /// Pebble ships no TLS certificate of its own: the demo makes a CA and a certificate
-    /// for 127.0.0.1, which forge's handler is told to trust. Challenges are not
-    /// validated (`PEBBLE_VA_ALWAYS_VALID=1`), so the demo needs no DNS or web server.
-    pub(super) fn start(root: &Path) -> anyhow::Result<Option<DemoCa>> {
+    /// Starts pebble under `root/pebble`, validating HTTP-01 at `nginx`, or says why not
+    /// (`Ok(None)`: not installed). Pebble ships no TLS certificate of its own: the demo
+    /// makes a CA and a certificate for 127.0.0.1, which the handler is told to trust.
+    pub(super) fn start(root: &Path, nginx: &DemoNginx) -> anyhow::Result<Option<DemoCa>> {
         let Some(program) = find("pebble") else {
             return Ok(None);
         };
@@ -79,33 +82,40 @@ impl DemoCa {
             "managementListenAddress": management.to_string(),
             "certificate": dir.join("cert.pem"),
             "privateKey": dir.join("key.pem"),
-            "httpPort": free_port()?.port(),
+            // Where the names resolve to (127.0.0.1), nginx answers HTTP-01.
+            "httpPort": nginx.addr.port(),
             "tlsPort": free_port()?.port(),
             "ocspResponderURL": "",
             "externalAccountBindingRequired": false,
         }});
         std::fs::write(dir.join("pebble.json"), config.to_string())?;
+        let dns = DemoDns::start()?;
         let log = std::fs::File::create(dir.join("pebble.log"))?;
-        let child = Command::new(program)
-            .arg("-config")
-            .arg(dir.join("pebble.json"))
-            .env("PEBBLE_VA_ALWAYS_VALID", "1")
-            .env("PEBBLE_VA_NOSLEEP", "1")
-            .env("PEBBLE_WFE_NONCEREJECT", "0")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("cannot start pebble")?;
+        let pebble = Server::spawn(
+            Command::new(program)
+                .arg("-config")
+                .arg(dir.join("pebble.json"))
+                .arg("-dnsserver")
+                .arg(dns.addr.to_string())
+                .env("PEBBLE_VA_NOSLEEP", "1")
+                .env("PEBBLE_WFE_NONCEREJECT", "0")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log),
+            Stop::TERM,
+        )
+        .context("cannot start pebble")?;
         let mut ca = DemoCa {
-            child,
+            pebble,
+            _dns: dns,
             dir,
             directory: format!("https://{listen}/dir"),
             management,
+            webroot: nginx.webroot().to_owned(),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(listen).is_err() || TcpStream::connect(management).is_err() {
-            if let Ok(Some(status)) = ca.child.try_wait() {
+            if let Some(status) = ca.pebble.exited() {
                 bail!(
                     "pebble exited ({status}); see {}",
                     ca.dir.join("pebble.log").display()
@@ -119,8 +129,9 @@ impl DemoCa {
         Ok(Some(ca))
     }
 
-    /// forge's `tls` capability (`fort-handler acme` against this pebble) and app's need
-    /// for a certificate for its own key, added by the step.
+    /// beacon's `tls` capability (`fort-handler acme` against this pebble, writing
+    /// challenges to nginx's webroot) and app's need for a certificate for its own key,
+    /// added by the step.
     pub(super) fn declarations(&self, root: &Path) -> anyhow::Result<(CapDecl, NeedDecl)> {
         use std::os::unix::fs::MetadataExt;
         let handler = std::env::current_exe()?.with_file_name("fort-handler");
@@ -128,14 +139,13 @@ impl DemoCa {
             bail!("{} is not built", handler.display());
         }
         let config = self.dir.join("acme.json");
-        std::fs::create_dir_all(self.dir.join("webroot"))?;
         std::fs::write(
             &config,
             json!({
                 "directory": self.directory,
                 "ca_root": self.dir.join("tls-root.pem"),
                 "allow": {"app": [WIKI_DOMAIN]},
-                "http01": {"webroot": self.dir.join("webroot")},
+                "http01": {"webroot": self.webroot},
                 "revoke_on_release": true,
                 "rerun_seconds": 1,
                 "state": self.dir.join("acme-state.json"),
@@ -143,7 +153,7 @@ impl DemoCa {
             .to_string(),
         )?;
         let cap = CapDecl {
-            host: "forge",
+            host: PROVIDER,
             name: "tls",
             handler: "",
             command: Some((
@@ -155,14 +165,15 @@ impl DemoCa {
                 ],
             )),
             cache_response: false,
-            description: "certificates from pebble (ACME) for keys the consumers make",
+            description:
+                "certificates from pebble (ACME, HTTP-01 at nginx) for keys the consumers make",
         };
         let me = std::fs::metadata(root)?;
         let key_path = root.join("app/run/needs").join(NEED).join("key.pem");
         let need = NeedDecl {
             consumer: "app",
             key: NEED,
-            from: "forge",
+            from: PROVIDER,
             request: json!({"csr": {"$fort_key": "key", "as": "csr"}}),
             handler: None,
             files: vec![
@@ -173,7 +184,8 @@ impl DemoCa {
                 "type": "ecdsa-p256", "path": key_path, "names": [WIKI_DOMAIN],
                 "owner": me.uid().to_string(), "group": me.gid().to_string(), "mode": "0400",
             }}}),
-            from_start: false,
+            added_in: Some(STEP),
+            released_in: None,
         };
         Ok((cap, need))
     }
@@ -215,25 +227,28 @@ fn openssl(args: &[&str], paths: &[&Path]) -> anyhow::Result<String> {
 /// The step: app asks for a certificate with a CSR its agent makes; key and certificate
 /// land together, the certificate verifies against pebble's root, and the key is in no
 /// state file.
-pub(super) async fn step(fleet: &Fleet, ca: Option<&DemoCa>) -> anyhow::Result<String> {
-    let Some(ca) = ca else {
+pub(super) async fn step(
+    fleet: &Fleet,
+    ca: Option<&DemoCa>,
+    nginx: Option<&DemoNginx>,
+) -> anyhow::Result<String> {
+    let (Some(ca), Some(nginx)) = (ca, nginx) else {
+        println!("  pebble (Debian's package) and nginx, where it validates names, are not both");
         println!(
-            "  pebble (Debian's package) is not installed: no ACME CA to ask; the certificate"
+            "  installed: no ACME CA to ask; the certificate steps above use the example handler."
         );
-        println!("  steps above use the example handler.");
-        return Ok("skipped: pebble is not installed".into());
+        return Ok("skipped: pebble or nginx is not installed".into());
     };
+    println!("  pebble, an ACME CA, runs at {};", ca.directory);
     println!(
-        "  pebble, an ACME CA, runs at {} (challenges not validated in the demo);",
-        ca.directory
+        "  {PROVIDER} serves tls with fort-handler acme, which puts HTTP-01 challenges where its"
     );
-    println!("  forge serves tls with fort-handler acme. app declares {NEED} with a key its agent");
     println!(
-        "  makes: the request carries {{\"$fort_key\": \"key\", \"as\": \"csr\"}}, only a CSR."
+        "  nginx ({}) serves them. app declares {NEED} with a key its agent makes:",
+        nginx.addr
     );
-    fleet.write_needs("app", |n| {
-        n.key != "proxy/wiki" && n.key != super::oidc::NEED && n.key != super::proxy::NEED
-    })?;
+    println!("  the request carries {{\"$fort_key\": \"key\", \"as\": \"csr\"}}, only a CSR.");
+    fleet.declare_at("app", STEP)?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await
@@ -260,20 +275,30 @@ pub(super) async fn step(fleet: &Fleet, ca: Option<&DemoCa>) -> anyhow::Result<S
         &[&root, Path::new("-untrusted"), &chain, &cert],
     )
     .context("the certificate does not verify against pebble's root")?;
-    // The private key is in its file only: not in app's state, nor forge's.
+    // Pebble fetched the challenge from nginx: its validation is in nginx's access log.
+    let fetched = nginx
+        .access_log()
+        .lines()
+        .filter(|l| l.contains("/.well-known/acme-challenge/") && l.contains("\" 200 "))
+        .count();
+    if fetched == 0 {
+        bail!("nginx served no ACME challenge: pebble did not validate through it");
+    }
+    // The private key is in its file only: not in app's state, nor the provider's.
     let pem = std::fs::read_to_string(&key)?;
     let secret = pem.lines().nth(1).unwrap_or_default().to_owned();
-    for host in ["app", "forge"] {
+    for host in ["app", PROVIDER] {
         for file in walk(&fleet.host(host).dir.join("state")) {
             if std::fs::read_to_string(&file).is_ok_and(|t| t.contains(&secret)) {
                 bail!("{} holds app's private key", file.display());
             }
         }
     }
+    println!("  pebble fetched the challenge for {WIKI_DOMAIN} from nginx: {fetched} GET .../acme-challenge/... 200 in its log");
     println!("  app/run/needs/{NEED}/key.pem    made by app's agent (ECDSA P-256, mode 0400)");
     println!("  app/run/needs/{NEED}/cert.pem   issued by pebble for that key: openssl verify OK");
-    println!("  the private key is in no state file of app or forge, and was in no request");
-    Ok("a certificate from pebble for a key app made, verified".into())
+    println!("  the private key is in no state file of app or {PROVIDER}, and was in no request");
+    Ok("a certificate from pebble, validated by HTTP-01 at nginx, for a key app made".into())
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {

@@ -1,16 +1,18 @@
 //! The demo fleet on disk and as processes: keys, `hosts.json`, per-host `needs.json`,
 //! `capabilities.json` (with `callers` computed from the needs, as the NixOS module does)
 //! and `agent.toml`, the example handlers written out, and one `fort-agent serve` child per
-//! host, killed when the fleet is dropped, so an error or a panic never leaves agents behind.
+//! host, each in a process group of its own, stopped when the fleet is dropped, so an
+//! error, a panic or Ctrl-C never leaves agents (or a handler they run) behind.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
+use fort_core::process::{Server, Stop};
 use fort_core::sign::Signer;
 use serde_json::{json, Map, Value};
 
@@ -30,8 +32,10 @@ pub struct NeedDecl {
     /// More needs.json fields as they are written (`restart_units`, `reload_units`,
     /// `renew_before_seconds`): a JSON object.
     pub more: Value,
-    /// Declared from the start, or only once a step adds it.
-    pub from_start: bool,
+    /// The walkthrough step that declares it; `None`: declared from the start.
+    pub added_in: Option<usize>,
+    /// The step that releases it, if one does.
+    pub released_in: Option<usize>,
 }
 
 /// One capability a demo host serves.
@@ -51,7 +55,7 @@ pub struct Host {
     pub addr: SocketAddr,
     pub dir: PathBuf,
     signer: Signer,
-    child: Option<Child>,
+    agent: Option<Server>,
 }
 
 pub struct Fleet {
@@ -137,7 +141,7 @@ impl Fleet {
                 addr: free_addr()?,
                 dir,
                 signer,
-                child: None,
+                agent: None,
             });
         }
         // The operator: its key is written so the printed `fort` commands work as is.
@@ -161,7 +165,7 @@ impl Fleet {
         };
         for h in &fleet.hosts {
             fleet.write_capabilities(h)?;
-            fleet.write_needs(h.name, |n| n.from_start)?;
+            fleet.declare_at(h.name, 0)?;
             let d = h.dir.display();
             let toml = format!(
                 "host = \"{name}\"\nlisten = \"{addr}\"\nhost_key = \"{d}/key\"\nhosts = \"{root}/hosts.json\"\nneeds = \"{d}/needs.json\"\ncapabilities = \"{d}/capabilities.json\"\nstate_dir = \"{d}/state\"\nadmin_socket = \"{d}/agent.sock\"\n# Handlers get a clean environment: what they need is passed explicitly.\nhandler_environment = {{ FORT_EXAMPLE_STATE = \"{d}/examples\" }}\nsystemctl = \"{recorder}\"\n{AGENT_TOML_EXTRA}",
@@ -208,8 +212,16 @@ impl Fleet {
         write_json(&h.dir.join("capabilities.json"), &Value::Object(out))
     }
 
+    /// Writes `host`'s `needs.json` as walkthrough step `step` has it: the needs declared
+    /// from the start or by a step up to it, less those a step up to it released.
+    pub fn declare_at(&self, host: &str, step: usize) -> anyhow::Result<()> {
+        self.write_needs(host, |n| {
+            n.added_in.is_none_or(|s| s <= step) && n.released_in.is_none_or(|s| s > step)
+        })
+    }
+
     /// Writes `host`'s `needs.json` with the declared needs `keep` accepts.
-    pub fn write_needs(&self, host: &str, keep: impl Fn(&NeedDecl) -> bool) -> anyhow::Result<()> {
+    fn write_needs(&self, host: &str, keep: impl Fn(&NeedDecl) -> bool) -> anyhow::Result<()> {
         use std::os::unix::fs::MetadataExt;
         // The files go to whoever runs the demo: as root or not, the agent can chown to it.
         let me = std::fs::metadata(&self.root)?;
@@ -293,20 +305,29 @@ impl Fleet {
             .create(true)
             .append(true)
             .open(h.dir.join("agent.log"))?;
-        let child = Command::new(&exe)
-            .arg("serve")
-            .arg("--config")
-            .arg(h.dir.join("agent.toml"))
-            .env("FORT_LOG", "info")
-            // The log is a file, not a terminal: no colour escapes in it.
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot start {}", exe.display()))?;
-        let pid = child.id();
-        h.child = Some(child);
+        // SIGTERM first: the agent stops its handler runs (each in a group of its own)
+        // before it exits, which SIGKILL would leave running; it waits up to 10 s for its
+        // tasks to end.
+        let stop = Stop {
+            grace: Duration::from_secs(15),
+            ..Stop::TERM
+        };
+        let agent = Server::spawn(
+            Command::new(&exe)
+                .arg("serve")
+                .arg("--config")
+                .arg(h.dir.join("agent.toml"))
+                .env("FORT_LOG", "info")
+                // The log is a file, not a terminal: no colour escapes in it.
+                .env("NO_COLOR", "1")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log),
+            stop,
+        )
+        .with_context(|| format!("cannot start {}", exe.display()))?;
+        let pid = agent.id();
+        h.agent = Some(agent);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if self
@@ -317,8 +338,8 @@ impl Fleet {
                 return Ok(pid);
             }
             let h = self.host_mut(name);
-            if let Some(status) = h.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                h.child = None;
+            if let Some(status) = h.agent.as_mut().and_then(Server::exited) {
+                h.agent = None;
                 bail!(
                     "agent {name} exited at start with {status}; see {}/agent.log",
                     h.dir.display()
@@ -333,9 +354,8 @@ impl Fleet {
 
     /// `kill -9`: no shutdown, no flush; only what the agent made durable survives.
     pub fn kill(&mut self, name: &str) {
-        if let Some(mut c) = self.host_mut(name).child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(mut agent) = self.host_mut(name).agent.take() {
+            agent.kill();
         }
     }
 
@@ -372,10 +392,17 @@ impl Fleet {
 }
 
 impl Drop for Fleet {
+    /// Every agent is stopped at once (each may take a moment to stop its handlers), and
+    /// then reaped.
     fn drop(&mut self) {
-        let names: Vec<&'static str> = self.hosts.iter().map(|h| h.name).collect();
-        for n in names {
-            self.kill(n);
+        std::thread::scope(|s| {
+            for handle in self.hosts.iter().filter_map(|h| h.agent.as_ref()) {
+                let handle = handle.handle();
+                s.spawn(move || handle.stop());
+            }
+        });
+        for h in &mut self.hosts {
+            h.agent = None;
         }
     }
 }

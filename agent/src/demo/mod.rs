@@ -3,12 +3,15 @@
 //! through a certificate rotation, a released need, a provider killed with `kill -9` and
 //! a certificate renewed before it expires. Every step checks its claim against the agents' state
 //! and the files the example handlers write, and fails the demo when it does not hold, so
-//! the demo doubles as an end-to-end test in CI.
+//! the demo doubles as an end-to-end test in CI. Whatever way it ends (done, failed,
+//! Ctrl-C), it stops everything it started: agents, servers and their children.
 
 mod acme;
+mod dns;
 mod examples;
 mod fleet;
 mod oidc;
+mod postgres;
 mod proxy;
 mod steps;
 
@@ -38,6 +41,34 @@ const SHORT_DOMAIN: &str = "short.demo.test";
 /// The short-lived certificate lives this long and is renewed this long before it ends.
 const SHORT_LIFETIME: u64 = 15;
 const SHORT_RENEW_BEFORE: u64 = 10;
+
+/// The walkthrough's steps once the fleet has converged, numbered from 1: (short name,
+/// title). A need that a step adds or releases names the step's number.
+const STEPS: [(&str, &str); 9] = [
+    ("rotation", "certificate rotation reaches only its consumer"),
+    (
+        "reference",
+        "a request built from another need's response follows it",
+    ),
+    ("release", "a removed need is released and cleaned up"),
+    ("kill -9", "the provider killed and restarted loses nothing"),
+    (
+        "renewal",
+        "a certificate living seconds is renewed before it expires",
+    ),
+    (
+        "acme",
+        "a certificate from an ACME CA, validated at nginx, for a key app made itself",
+    ),
+    (
+        "oidc",
+        "an OIDC client registered at a real OpenID provider",
+    ),
+    ("nginx", "a virtual host at a real nginx forwards to app"),
+    ("postgres", "a database at a real PostgreSQL for app"),
+];
+const RELEASE_STEP: usize = 3;
+const RENEWAL_STEP: usize = 5;
 
 fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
     let cap = |host, name, handler, cache_response, description| CapDecl {
@@ -79,7 +110,8 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
         handler: None,
         files: Vec::new(),
         more: json!({}),
-        from_start: true,
+        added_in: None,
+        released_in: None,
     };
     let needs = vec![
         // Delivered the NixOS way: two files cut from the JSON payload, and the service
@@ -109,21 +141,24 @@ fn declarations() -> (Vec<CapDecl>, Vec<NeedDecl>) {
         // Built from another need's response: users sign in through the wiki's own OIDC
         // client, whatever id forge issued it. Sent once oidc/wiki is satisfied, and again
         // whenever its client_id changes.
-        need(
-            "proxy/wiki",
-            "beacon",
-            json!({
-                "server_names": [WIKI_DOMAIN],
-                "port": 3000,
-                "sign_in_client": {"$fort_ref": "oidc/wiki#/client_id"},
-            }),
-        ),
+        NeedDecl {
+            released_in: Some(RELEASE_STEP),
+            ..need(
+                "proxy/wiki",
+                "beacon",
+                json!({
+                    "server_names": [WIKI_DOMAIN],
+                    "port": 3000,
+                    "sign_in_client": {"$fort_ref": "oidc/wiki#/client_id"},
+                }),
+            )
+        },
         // Added by the renewal step: a certificate that lives seconds, renewed before it
         // expires.
         NeedDecl {
             files: vec![("bundle.pem", "", "0400")],
             more: json!({"reload_units": ["nginx.service"], "renew_before_seconds": SHORT_RENEW_BEFORE}),
-            from_start: false,
+            added_in: Some(RENEWAL_STEP),
             ..need(
                 "ssl-cert/short",
                 "forge",
@@ -150,6 +185,9 @@ pub fn requests() -> Value {
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    // From here on a signal ends the demo through its normal path, which stops what it
+    // started: one arriving while the servers start is acted on once they are up.
+    let mut signals = Signals::new()?;
     for tool in ["jq", "openssl"] {
         if !on_path(tool) {
             bail!("the example handlers need `{tool}` on PATH");
@@ -173,63 +211,59 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
     };
     let (mut caps, mut needs) = declarations();
-    // The ACME step's CA, when Debian's pebble is installed.
-    let ca = match acme::DemoCa::start(&root).and_then(|ca| {
-        ca.map(|ca| ca.declarations(&root).map(|d| (ca, d)))
-            .transpose()
-    }) {
-        Ok(Some((ca, (cap, need)))) => {
-            caps.push(cap);
-            needs.push(need);
-            Some(ca)
-        }
-        Ok(None) => None,
-        Err(e) => {
-            println!("pebble could not be used ({e:#}); the ACME step is skipped");
-            None
-        }
+    let mut declare = |(cap, need)| {
+        caps.push(cap);
+        needs.push(need);
     };
-    // The OpenID step's provider, when node and npm's oidc-provider are installed.
-    let idp = match oidc::DemoIdp::start(&root).and_then(|idp| {
-        idp.map(|i| i.declarations(&root).map(|d| (i, d)))
-            .transpose()
-    }) {
-        Ok(Some((idp, (cap, need)))) => {
-            caps.push(cap);
-            needs.push(need);
-            Some(idp)
-        }
-        Ok(None) => None,
-        Err(e) => {
-            println!("the OpenID provider could not be used ({e:#}); the OpenID step is skipped");
-            None
-        }
+    // The servers of the last steps, where they are installed. Each is stopped when the
+    // demo ends, after the agents (declared later, dropped first).
+    let nginx = optional(
+        "nginx",
+        "the nginx and ACME steps are",
+        proxy::DemoNginx::start(&root),
+        |n| n.declarations(&root),
+        &mut declare,
+    );
+    // The ACME CA validates names at that nginx.
+    let ca = match &nginx {
+        Some(n) => optional(
+            "pebble",
+            "the ACME step is",
+            acme::DemoCa::start(&root, n),
+            |ca| ca.declarations(&root),
+            &mut declare,
+        ),
+        None => None,
     };
-    // The nginx step's web server, when nginx is installed.
-    let nginx = match proxy::DemoNginx::start(&root)
-        .and_then(|n| n.map(|n| n.declarations(&root).map(|d| (n, d))).transpose())
-    {
-        Ok(Some((nginx, (cap, need)))) => {
-            caps.push(cap);
-            needs.push(need);
-            Some(nginx)
-        }
-        Ok(None) => None,
-        Err(e) => {
-            println!("nginx could not be used ({e:#}); the nginx step is skipped");
-            None
-        }
+    let idp = optional(
+        "the OpenID provider",
+        "the OpenID step is",
+        oidc::DemoIdp::start(&root),
+        |i| i.declarations(&root),
+        &mut declare,
+    );
+    let pg = optional(
+        "PostgreSQL",
+        "the PostgreSQL step is",
+        postgres::DemoPostgres::start(),
+        |p| p.declarations(&root),
+        &mut declare,
+    );
+    let servers = Servers {
+        ca: ca.as_ref(),
+        idp: idp.as_ref(),
+        nginx: nginx.as_ref(),
+        pg: pg.as_ref(),
     };
     let mut fleet = Fleet::create(&root, &["forge", "beacon", "app"], caps, needs)?;
-    // Ctrl-C or SIGTERM ends the demo through the normal path, so the agents are killed.
     let outcome = tokio::select! {
-        r = walkthrough(&mut fleet, ca.as_ref(), idp.as_ref(), nginx.as_ref()) => r,
-        s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}")),
+        r = walkthrough(&mut fleet, &servers) => r,
+        s = signals.recv() => Err(anyhow::anyhow!("interrupted by {s}")),
     };
     match outcome {
         Ok(()) if args.keep => {
             print_commands(&fleet, temp.is_some());
-            let how = interrupted().await;
+            let how = signals.recv().await;
             println!("\n{how}: stopping the fleet.");
             Ok(())
         }
@@ -250,12 +284,65 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn interrupted() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => "Ctrl-C",
-        _ = term.recv() => "SIGTERM",
+/// The servers the demo started for its last steps (`None`: not installed or unusable).
+struct Servers<'a> {
+    ca: Option<&'a acme::DemoCa>,
+    idp: Option<&'a oidc::DemoIdp>,
+    nginx: Option<&'a proxy::DemoNginx>,
+    pg: Option<&'a postgres::DemoPostgres>,
+}
+
+/// A server of the last steps, started: its capability and need declared, or `None`
+/// (not installed; or failed, which is said) so that its step says it is skipped.
+fn optional<T>(
+    what: &str,
+    steps: &str,
+    started: anyhow::Result<Option<T>>,
+    declarations: impl FnOnce(&T) -> anyhow::Result<(CapDecl, NeedDecl)>,
+    declare: &mut impl FnMut((CapDecl, NeedDecl)),
+) -> Option<T> {
+    let server = match started {
+        Ok(server) => server?,
+        Err(e) => {
+            println!("{what} could not be started ({e:#}); {steps} skipped");
+            return None;
+        }
+    };
+    match declarations(&server) {
+        Ok(d) => {
+            declare(d);
+            Some(server)
+        }
+        Err(e) => {
+            println!("{what} could not be used ({e:#}); {steps} skipped");
+            None
+        }
+    }
+}
+
+/// Ctrl-C, SIGTERM and SIGHUP (a closed terminal), caught from the demo's start.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "Ctrl-C",
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.hup.recv() => "SIGHUP",
+        }
     }
 }
 
@@ -269,12 +356,7 @@ fn secs(since: Instant) -> String {
     format!("{:.2}s", since.elapsed().as_secs_f64())
 }
 
-async fn walkthrough(
-    fleet: &mut Fleet,
-    ca: Option<&acme::DemoCa>,
-    idp: Option<&oidc::DemoIdp>,
-    nginx: Option<&proxy::DemoNginx>,
-) -> anyhow::Result<()> {
+async fn walkthrough(fleet: &mut Fleet, servers: &Servers<'_>) -> anyhow::Result<()> {
     println!(
         "fort demo: three agents on loopback, files in {}",
         fleet.root.display()
@@ -295,16 +377,9 @@ async fn walkthrough(
             line(format!("serves {:<14} {}", c.name, c.description));
         }
         for n in fleet.needs.iter().filter(|n| n.consumer == h.name) {
-            let later = if n.from_start {
-                ""
-            } else if n.key == acme::NEED {
-                " (added in step 6)"
-            } else if n.key == oidc::NEED {
-                " (added in step 7)"
-            } else if n.key == proxy::NEED {
-                " (added in step 8)"
-            } else {
-                " (added in step 5)"
+            let later = match n.added_in {
+                Some(step) => format!(" (added in step {step})"),
+                None => String::new(),
             };
             line(format!("needs  {:<14} from {}{later}", n.key, n.from));
         }
@@ -423,47 +498,27 @@ async fn walkthrough(
         s["needs"]["total"],
         converged.as_secs_f64()
     )];
-    let steps: [(&str, &str); 8] = [
-        ("rotation", "certificate rotation reaches only its consumer"),
-        (
-            "reference",
-            "a request built from another need's response follows it",
-        ),
-        ("release", "a removed need is released and cleaned up"),
-        ("kill -9", "the provider killed and restarted loses nothing"),
-        (
-            "renewal",
-            "a certificate living seconds is renewed before it expires",
-        ),
-        (
-            "acme",
-            "a certificate from an ACME CA for a key app made itself",
-        ),
-        (
-            "oidc",
-            "an OIDC client registered at a real OpenID provider",
-        ),
-        ("nginx", "a virtual host at a real nginx forwards to app"),
-    ];
-    for (i, (short, title)) in steps.iter().enumerate() {
-        println!("Step {}/{}: {title}", i + 1, steps.len());
+    for (i, (short, title)) in STEPS.iter().enumerate() {
+        let step = i + 1;
+        println!("Step {step}/{}: {title}", STEPS.len());
         let started = Instant::now();
-        let detail = match i {
-            0 => steps::rotation(fleet).await,
-            1 => steps::reference(fleet).await,
-            2 => steps::release(fleet).await,
-            3 => steps::kill_and_restart(fleet).await,
-            4 => steps::renewal(fleet).await,
-            5 => acme::step(fleet, ca).await,
-            6 => oidc::step(fleet, idp).await,
-            _ => proxy::step(fleet, nginx).await,
+        let detail = match step {
+            1 => steps::rotation(fleet).await,
+            2 => steps::reference(fleet).await,
+            RELEASE_STEP => steps::release(fleet).await,
+            4 => steps::kill_and_restart(fleet).await,
+            RENEWAL_STEP => steps::renewal(fleet).await,
+            acme::STEP => acme::step(fleet, servers.ca, servers.nginx).await,
+            oidc::STEP => oidc::step(fleet, servers.idp).await,
+            proxy::STEP => proxy::step(fleet, servers.nginx).await,
+            _ => postgres::step(fleet, servers.pg).await,
         }
-        .with_context(|| format!("step {} ({title}) failed", i + 1))?;
+        .with_context(|| format!("step {step} ({title}) failed"))?;
         let took = secs(started);
         println!("  OK in {took}\n");
         results.push(format!(
             "{:<18} OK  {detail} ({took})",
-            format!("{} {short}", i + 1)
+            format!("{step} {short}")
         ));
     }
     println!("Summary");

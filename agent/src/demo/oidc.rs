@@ -7,10 +7,11 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use fort_core::process::{Server, Stop};
 use serde_json::json;
 
 use super::fleet::{CapDecl, Fleet, NeedDecl};
@@ -18,22 +19,17 @@ use super::steps::{need_row, Wait};
 use crate::admin::AdminRequest;
 
 pub(super) const NEED: &str = "idp/wiki";
+/// The walkthrough step that adds [`NEED`].
+pub(super) const STEP: usize = 7;
 
 /// The provider's server: the same script the oidc tests run, shipped in the binary.
 const SERVER: &str = include_str!("../../../tests/oidc/server.mjs");
 
 /// An OpenID provider the demo started; stopped when dropped.
 pub(super) struct DemoIdp {
-    child: Child,
+    node: Server,
     dir: PathBuf,
     issuer: String,
-}
-
-impl Drop for DemoIdp {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn package_dir() -> Option<PathBuf> {
@@ -64,25 +60,27 @@ impl DemoIdp {
         std::fs::write(dir.join("initial-access-token"), &token)?;
         let addr: SocketAddr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
         let log = std::fs::File::create(dir.join("idp.log"))?;
-        let child = Command::new(node)
-            .arg(dir.join("server.mjs"))
-            .env("FORT_OIDC_PROVIDER_DIR", &package)
-            .env("FORT_OIDC_PORT", addr.port().to_string())
-            .env("FORT_OIDC_TOKEN_FILE", dir.join("initial-access-token"))
-            .env("NODE_NO_WARNINGS", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("cannot start node")?;
+        let node = Server::spawn(
+            Command::new(node)
+                .arg(dir.join("server.mjs"))
+                .env("FORT_OIDC_PROVIDER_DIR", &package)
+                .env("FORT_OIDC_PORT", addr.port().to_string())
+                .env("FORT_OIDC_TOKEN_FILE", dir.join("initial-access-token"))
+                .env("NODE_NO_WARNINGS", "1")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log),
+            Stop::TERM,
+        )
+        .context("cannot start node")?;
         let mut idp = DemoIdp {
-            child,
+            node,
             dir,
             issuer: format!("http://{addr}"),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(addr).is_err() {
-            if let Ok(Some(status)) = idp.child.try_wait() {
+            if let Some(status) = idp.node.exited() {
                 bail!(
                     "the OpenID provider exited ({status}); see {}",
                     idp.dir.join("idp.log").display()
@@ -146,7 +144,8 @@ impl DemoIdp {
                 ("client_secret", "/client_secret", "0400"),
             ],
             more: json!({}),
-            from_start: false,
+            added_in: Some(STEP),
+            released_in: None,
         };
         Ok((cap, need))
     }
@@ -167,9 +166,7 @@ pub(super) async fn step(fleet: &Fleet, idp: Option<&DemoIdp>) -> anyhow::Result
         idp.issuer
     );
     println!("  forge serves idp with fort-handler oidc; app declares {NEED}.");
-    fleet.write_needs("app", |n| {
-        n.key != "proxy/wiki" && n.key != super::proxy::NEED
-    })?;
+    fleet.declare_at("app", STEP)?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await

@@ -2,15 +2,19 @@
 //! (unprivileged, in the foreground) and beacon also serves `vhost` with `fort-handler
 //! proxy`; app asks for a virtual host forwarding to a small web server of its own, and
 //! an HTTP request to nginx by the vhost's name reaches it. Without nginx the step says
-//! so and the vhost of the steps above is the example handler's text file.
+//! so and the vhost of the steps above is the example handler's text file. The same nginx
+//! answers the ACME CA's HTTP-01 challenges (acme.rs) from a webroot of its default
+//! server. It runs in a process group of its own and is stopped gracefully: the master
+//! waits for its workers, which a SIGKILL of the master would leave running.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use fort_core::process::{Server, Stop};
 use serde_json::json;
 
 use super::fleet::{CapDecl, Fleet, NeedDecl};
@@ -18,61 +22,72 @@ use super::steps::{need_row, Wait};
 use crate::admin::AdminRequest;
 
 pub(super) const NEED: &str = "vhost/wiki";
+/// The walkthrough step that adds [`NEED`].
+pub(super) const STEP: usize = 8;
 const NAME: &str = "www.demo.test";
 const GREETING: &str = "hello from app's own web server";
 
-/// An nginx the demo started; stopped when dropped.
+/// An nginx the demo started; stopped, workers and all, when dropped.
 pub(super) struct DemoNginx {
-    child: Child,
+    master: Server,
     program: PathBuf,
     dir: PathBuf,
-    addr: SocketAddr,
-}
-
-impl Drop for DemoNginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    pub(super) addr: SocketAddr,
+    /// What its default server serves under `/.well-known/acme-challenge/`: readable by
+    /// its workers (user `nobody` when the demo runs as root), so not under the demo's
+    /// private directory; removed with it.
+    webroot: tempfile::TempDir,
 }
 
 impl DemoNginx {
-    /// Starts nginx under `root/nginx` with a default server answering 404 and an include
-    /// directory for vhosts; `Ok(None)` when nginx is not installed.
+    /// Starts nginx under `root/nginx` with a default server answering ACME challenges
+    /// from its webroot and 404 to everything else, and an include directory for vhosts;
+    /// `Ok(None)` when nginx is not installed.
     pub(super) fn start(root: &Path) -> anyhow::Result<Option<DemoNginx>> {
         let Some(program) = super::acme::find("nginx") else {
             return Ok(None);
         };
         let dir = root.join("nginx");
         std::fs::create_dir_all(dir.join("vhosts"))?;
+        let webroot = tempfile::Builder::new()
+            .prefix("fort-demo-webroot-")
+            .tempdir()?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(webroot.path(), std::fs::Permissions::from_mode(0o755))?;
+        }
         let addr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
         let d = dir.display();
+        let w = webroot.path().display();
         std::fs::write(
             dir.join("nginx.conf"),
             format!(
                 "pid {d}/nginx.pid;\nerror_log {d}/error.log;\nworker_processes 1;\n\
                  events {{ worker_connections 64; }}\n\
                  http {{\n  access_log {d}/access.log;\n  client_body_temp_path {d}/t1;\n  proxy_temp_path {d}/t2;\n  fastcgi_temp_path {d}/t3;\n  uwsgi_temp_path {d}/t4;\n  scgi_temp_path {d}/t5;\n\
-                 server {{ listen {addr} default_server; return 404; }}\n\
+                 server {{\n    listen {addr} default_server;\n    location /.well-known/acme-challenge/ {{ root {w}; }}\n    location / {{ return 404; }}\n  }}\n\
                  include {d}/vhosts/*.conf;\n}}\n"
             ),
         )?;
         let mut me = DemoNginx {
-            child: Command::new(&program)
-                .args(base_args(&dir))
-                .args(["-g", "daemon off;"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("cannot start nginx")?,
+            master: Server::spawn(
+                Command::new(&program)
+                    .args(base_args(&dir))
+                    .args(["-g", "daemon off;"])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+                Stop::QUIT,
+            )
+            .context("cannot start nginx")?,
             program,
             dir,
             addr,
+            webroot,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(addr).is_err() {
-            if let Ok(Some(status)) = me.child.try_wait() {
+            if let Some(status) = me.master.exited() {
                 bail!(
                     "nginx exited ({status}); see {}",
                     me.dir.join("error.log").display()
@@ -84,6 +99,16 @@ impl DemoNginx {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(Some(me))
+    }
+
+    /// What nginx served so far (its access log).
+    pub(super) fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("access.log")).unwrap_or_default()
+    }
+
+    /// The webroot whose `.well-known/acme-challenge/` the default server serves.
+    pub(super) fn webroot(&self) -> &Path {
+        self.webroot.path()
     }
 
     fn command(&self, tail: &[&str]) -> Vec<String> {
@@ -137,7 +162,8 @@ impl DemoNginx {
             handler: None,
             files: vec![("vhost.json", "", "0444")],
             more: json!({}),
-            from_start: false,
+            added_in: Some(STEP),
+            released_in: None,
         };
         Ok((cap, need))
     }
@@ -210,7 +236,7 @@ pub(super) async fn step(fleet: &mut Fleet, nginx: Option<&DemoNginx>) -> anyhow
     );
     println!("  fort-handler proxy. app runs a web server on its own address, port {port}, and");
     println!("  declares {NEED}: {{\"server_names\": [\"{NAME}\"], \"port\": {port}}}.");
-    fleet.write_needs("app", |n| n.key != "proxy/wiki")?;
+    fleet.declare_at("app", STEP)?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await

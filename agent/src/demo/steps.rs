@@ -311,7 +311,7 @@ pub(super) async fn release(fleet: &Fleet) -> anyhow::Result<String> {
     if before != 1 || !vhost.exists() {
         bail!("beacon should hold one proxy entry and its vhost before the release");
     }
-    fleet.write_needs("app", |n| n.from_start && n.key != "proxy/wiki")?;
+    fleet.declare_at("app", super::RELEASE_STEP)?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await
@@ -434,12 +434,7 @@ pub(super) async fn renewal(fleet: &Fleet) -> anyhow::Result<String> {
     println!("  app now also declares {NEED}: a certificate living {SHORT_LIFETIME}s, to be renewed {SHORT_RENEW_BEFORE}s");
     println!("  before it expires (renew_before_seconds). In the renewal window the need is `expiring` and");
     println!("  is asked for again with \"renew\": true, which forge's handler honours.");
-    fleet.write_needs("app", |n| {
-        n.key != "proxy/wiki"
-            && n.key != super::acme::NEED
-            && n.key != super::oidc::NEED
-            && n.key != super::proxy::NEED
-    })?;
+    fleet.declare_at("app", super::RENEWAL_STEP)?;
     fleet
         .admin("app", &AdminRequest::Reload)
         .await

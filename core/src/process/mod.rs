@@ -67,11 +67,13 @@
 //! that died unseen.
 
 mod reap;
+pub mod server;
 #[allow(unsafe_code)]
 mod sys;
 mod tree;
 
 pub use reap::{become_child_subreaper, reap_orphans};
+pub use server::{Server, ServerHandle, Stop};
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};

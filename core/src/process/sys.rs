@@ -48,6 +48,14 @@ pub fn kill(pid: i32) {
     }
 }
 
+/// Sends `signal` to `pid` (a negative `pid`: to that process group).
+pub fn send(pid: i32, signal: i32) {
+    // SAFETY: kill(2) touches no memory.
+    unsafe {
+        libc::kill(pid, signal);
+    }
+}
+
 pub fn kill_group(pgid: i32) {
     if pgid > 1 {
         // SAFETY: kill(2) with a negative pid signals a process group; no memory.

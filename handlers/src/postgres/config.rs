@@ -50,11 +50,16 @@ pub struct Config {
     /// and role are dropped). Unset: `disable`.
     #[serde(default)]
     pub on_release: OnRelease,
-    /// `CONNECTION LIMIT` of every role made. Unset: 20. Connections are the server's,
-    /// shared by every caller: a role without a limit could take all of them, and every
-    /// other caller's (and this handler's, unless its role is a superuser) with them.
+    /// The most `CONNECTION LIMIT` of any one role. Unset: none beyond the caller's share.
     #[serde(default)]
     pub connection_limit: Option<u32>,
+    /// Connections each caller's roles may hold together: split between them (each gets
+    /// at least one), and kept so as roles come and go. Unset: 20. Connections are the
+    /// server's, shared by every caller: a caller with many databases, each with its own
+    /// limit, could take all of them, and every other caller's (and this handler's,
+    /// unless its role is a superuser) with them.
+    #[serde(default = "default_connections_per_caller")]
+    pub connections_per_caller: u32,
     /// Names a caller may ask for by itself (`"name"` in the request) instead of the
     /// derived one, per caller and `"*"`; `{origin}` is the caller. Unset: none, every
     /// entry gets its derived name.
@@ -75,8 +80,12 @@ pub enum OnRelease {
     Drop,
 }
 
-/// Connections one role may hold when the config sets no limit.
-const DEFAULT_CONNECTION_LIMIT: u32 = 20;
+/// Connections one caller's roles may hold together when the config does not say.
+const DEFAULT_CONNECTIONS_PER_CALLER: u32 = 20;
+
+fn default_connections_per_caller() -> u32 {
+    DEFAULT_CONNECTIONS_PER_CALLER
+}
 
 fn default_socket_dir() -> PathBuf {
     PathBuf::from("/run/postgresql")
@@ -153,6 +162,11 @@ impl Config {
                 "connection_limit: 1 to {MAX_CONNECTION_LIMIT}, or leave it out"
             ));
         }
+        if !(1..=MAX_CONNECTION_LIMIT).contains(&self.connections_per_caller) {
+            return Err(format!(
+                "connections_per_caller: 1 to {MAX_CONNECTION_LIMIT}"
+            ));
+        }
         if self.run_budget.is_zero() || self.run_budget > Duration::from_secs(3600) {
             return Err("run_budget: more than 0 s, at most an hour".into());
         }
@@ -165,9 +179,19 @@ impl Config {
         self.public_port.unwrap_or(self.port)
     }
 
-    /// `CONNECTION LIMIT` as the server writes it (−1: none).
-    pub fn connection_limit(&self) -> i32 {
-        i32::try_from(self.connection_limit.unwrap_or(DEFAULT_CONNECTION_LIMIT)).unwrap_or(i32::MAX)
+    /// The `CONNECTION LIMIT` of each of one caller's `roles` roles, in the order of
+    /// their names: the caller's share split between them (the first ones get what does
+    /// not divide evenly), at least one each, at most `connection_limit`.
+    pub fn connection_limits(&self, roles: usize) -> Vec<i32> {
+        let share = self.connections_per_caller as usize;
+        let cap = self.connection_limit.unwrap_or(u32::MAX) as usize;
+        let (each, rest) = (share / roles.max(1), share % roles.max(1));
+        (0..roles)
+            .map(|i| {
+                let n = (each + usize::from(i < rest)).clamp(1, cap);
+                i32::try_from(n).unwrap_or(i32::MAX)
+            })
+            .collect()
     }
 }
 
@@ -204,11 +228,19 @@ mod tests {
         assert_eq!(c.public_port(), 5432);
         assert_eq!(c.admin_role, "postgres");
         assert_eq!(c.on_release, OnRelease::Disable);
-        assert_eq!(c.connection_limit(), 20);
+        assert_eq!(c.connection_limits(1), [20]);
+        assert_eq!(c.connection_limits(3), [7, 7, 6]);
+        assert_eq!(c.connection_limits(25), [1; 25]);
+        assert!(c.connection_limits(0).is_empty());
+        let capped =
+            parse(r#"{"state_file": "/x", "host": "db.lan", "connection_limit": 5}"#).unwrap();
+        assert_eq!(capped.connection_limits(2), [5, 5]);
+        assert_eq!(capped.connection_limits(8), [3, 3, 3, 3, 2, 2, 2, 2]);
         for bad in [
             r#"{"state_file": "/x", "host": "db lan"}"#,
             r#"{"state_file": "/x", "host": "db.lan", "name_prefix": "a_b"}"#,
             r#"{"state_file": "/x", "host": "db.lan", "connection_limit": 0}"#,
+            r#"{"state_file": "/x", "host": "db.lan", "connections_per_caller": 0}"#,
             r#"{"state_file": "/x", "host": "db.lan", "socket_dir": "run"}"#,
             r#"{"state_file": "/x", "host": "db.lan", "on_release": "delete"}"#,
             r#"{"state_file": "/x", "host": "db.lan", "colour": 1}"#,

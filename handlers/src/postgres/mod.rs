@@ -55,11 +55,12 @@ fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
         }
         let c = &done.counts;
         tracing::info!(
-            "{} entries: {} kept, {} created, {} rotated, {} refused, {} pending; {} released",
+            "{} entries: {} kept, {} created, {} rotated, {} new connection limits, {} refused, {} pending; {} released",
             entries.len(),
             c.kept,
             c.created,
             c.rotated,
+            c.limited,
             c.refused,
             c.pending,
             c.released

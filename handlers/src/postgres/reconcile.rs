@@ -2,7 +2,7 @@
 //! word to the server, which need server work (new, rotated, back from release, drifted),
 //! and which roles this handler made are no longer wanted.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Instant;
 
 use fort_core::names::{is_host_name, is_principal_name};
@@ -53,7 +53,8 @@ pub enum Why {
     Rotate,
     /// Released before and asked for again: `LOGIN` again, with a new password.
     Reactivate,
-    /// The configured connection limit changed.
+    /// Its connection limit changed: the operator's setting, or its caller's roles came
+    /// or went.
     Limit,
     /// The server no longer holds what the state says (found on a reconciling run).
     Repair,
@@ -65,6 +66,9 @@ struct Work {
     name: String,
     rotate: u64,
     why: Why,
+    /// The entry was refused this run and its role stays in service: only its limit is
+    /// brought in line, and the refusal stays its answer.
+    refused: bool,
 }
 
 /// The decisions that need no server.
@@ -74,6 +78,10 @@ struct Plan {
     work: Vec<Work>,
     /// Roles of the state that no entry wants.
     release: Vec<String>,
+    /// Role → its `CONNECTION LIMIT`, for every role in service after this run.
+    limits: HashMap<String, i32>,
+    /// Callers with a role in service after this run.
+    callers: usize,
 }
 
 /// What a run did, for its notes on stderr (names and counts, never a password).
@@ -82,6 +90,8 @@ pub struct Counts {
     pub kept: usize,
     pub created: usize,
     pub rotated: usize,
+    /// Roles given a new connection limit (their passwords unchanged).
+    pub limited: usize,
     pub refused: usize,
     pub pending: usize,
     pub released: usize,
@@ -126,8 +136,9 @@ pub async fn reconcile(
             return out;
         }
     };
+    note_capacity(config, &server, &plan).await;
     if reconciling {
-        if let Err(e) = find_drift(config, provider, state, entries, &server, &mut plan).await {
+        if let Err(e) = find_drift(provider, state, entries, &server, &mut plan).await {
             out.failure = Some(e);
             return out;
         }
@@ -142,6 +153,10 @@ pub async fn reconcile(
     let mut deferred = 0usize;
     for work in &work {
         let entry = &entries[work.entry];
+        if work.refused && (slow.contains(&entry.origin) || started.elapsed() >= budget) {
+            // Its limit comes in a later run; the entry's answer is its refusal.
+            continue;
+        }
         if slow.contains(&entry.origin) {
             out.output.pending(
                 entry,
@@ -168,8 +183,36 @@ pub async fn reconcile(
             _ => names::new_password(),
         };
         let marker = names::marker(provider, &entry.key);
-        let limit = config.connection_limit();
-        match server.ensure(&work.name, &marker, &password, limit).await {
+        let limit = plan.limits.get(&work.name).copied().unwrap_or(1);
+        let outcome = server.ensure(&work.name, &marker, &password, limit).await;
+        if work.refused {
+            match outcome {
+                Ok(()) => {
+                    if let Some(m) = state.roles.get_mut(&work.name) {
+                        m.connection_limit = limit;
+                        out.counts.limited += 1;
+                        out.changed = true;
+                    }
+                }
+                Err(Failure::Down(e)) if !server.alive().await => {
+                    out.failure = Some(e);
+                    return out;
+                }
+                Err(Failure::Waited(why)) => {
+                    tracing::warn!("{}: its limit is set in a later run: {why}", work.name);
+                    slow.insert(entry.origin.clone());
+                    out.output.rerun_within(DEFERRED_RERUN_SECONDS);
+                }
+                Err(Failure::Refused(why)) => {
+                    tracing::warn!("{}: its limit is set in a later run: {why}", work.name);
+                }
+                Err(Failure::Down(e)) => {
+                    tracing::warn!("{}: its limit is set in a later run: {e:#}", work.name);
+                }
+            }
+            continue;
+        }
+        match outcome {
             Ok(()) => {
                 let response = response(config, &work.name, &password);
                 state.roles.insert(
@@ -185,7 +228,8 @@ pub async fn reconcile(
                 out.changed = true;
                 match work.why {
                     Why::New | Why::Reactivate => out.counts.created += 1,
-                    _ => out.counts.rotated += 1,
+                    Why::Limit => out.counts.limited += 1,
+                    Why::Rotate | Why::Repair => out.counts.rotated += 1,
                 }
                 out.output.respond(entry, response);
             }
@@ -307,6 +351,25 @@ pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
         .collect()
 }
 
+/// Says in the run's notes when the callers' roles may together hold more connections
+/// than the server leaves them.
+async fn note_capacity(config: &Config, server: &Server, plan: &Plan) {
+    let total: i64 = plan.limits.values().map(|n| i64::from(*n)).sum();
+    match server.capacity().await {
+        Ok(capacity) => {
+            if let Some(note) = capacity.shortfall(config, total, plan.callers) {
+                tracing::warn!("{note}");
+            }
+        }
+        Err(Failure::Refused(why) | Failure::Waited(why)) => {
+            tracing::warn!("cannot read the server's connection settings: {why}");
+        }
+        Err(Failure::Down(e)) => {
+            tracing::warn!("cannot read the server's connection settings: {e:#}");
+        }
+    }
+}
+
 /// How soon to run again when a caller's entries waited for a lock of its own.
 const DEFERRED_RERUN_SECONDS: u64 = 30;
 
@@ -351,9 +414,12 @@ fn by_turns<'a, T>(items: Vec<T>, key: impl Fn(&T) -> &'a str) -> Vec<T> {
 /// entry wants.
 fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled) -> Plan {
     let mut plan = Plan::default();
-    let limit = config.connection_limit();
     // Name → the entry that has it in this run.
     let mut wanted: HashMap<String, &str> = HashMap::with_capacity(entries.len());
+    // Caller → the names of its roles in service after this run.
+    let mut by_caller: HashMap<&str, BTreeSet<String>> = HashMap::new();
+    // Entries refused this run whose role stays in service.
+    let mut stays: Vec<(usize, String)> = Vec::new();
     for (i, entry) in entries.iter().enumerate() {
         let decided = decide(config, state, entry, &wanted);
         let (name, rotate) = match decided {
@@ -361,15 +427,20 @@ fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled)
             Err(reason) => {
                 // A refused change leaves the database it had in service (its role keeps
                 // its password), while the provider still allows that name.
-                let stays = state.roles.iter().find(|(name, m)| {
+                let stays_in_service = state.roles.iter().find(|(name, m)| {
                     m.entry == entry.key
                         && m.password.is_some()
                         && !wanted.contains_key(*name)
                         && permitted(config, entry, name)
                 });
-                let reason = match stays {
+                let reason = match stays_in_service {
                     Some((name, _)) => {
                         wanted.insert(name.clone(), &entry.key);
+                        by_caller
+                            .entry(entry.origin.as_str())
+                            .or_default()
+                            .insert(name.clone());
+                        stays.push((i, name.clone()));
                         format!("{reason}; the database it had stays in service")
                     }
                     None => reason,
@@ -385,20 +456,61 @@ fn plan(config: &Config, state: &State, entries: &[Entry], out: &mut Reconciled)
             Some(m) if entry.response.is_none() || entry.renew || m.rotate != rotate || m.owed => {
                 Some(Why::Rotate)
             }
-            Some(m) if m.connection_limit != limit => Some(Why::Limit),
             Some(_) => None,
         };
         wanted.insert(name.clone(), &entry.key);
+        by_caller
+            .entry(entry.origin.as_str())
+            .or_default()
+            .insert(name.clone());
         match why {
             Some(why) => plan.work.push(Work {
                 entry: i,
                 name,
                 rotate,
                 why,
+                refused: false,
             }),
             None => plan.keep.push((i, name)),
         }
     }
+    // Each caller's share split between its roles: one caller's databases together hold
+    // no more of the server's connections, however many it asks for.
+    for names in by_caller.values() {
+        let limits = config.connection_limits(names.len());
+        plan.limits.extend(names.iter().cloned().zip(limits));
+    }
+    plan.callers = by_caller.len();
+    let drifted = |name: &str| {
+        state
+            .roles
+            .get(name)
+            .is_some_and(|m| Some(&m.connection_limit) != plan.limits.get(name))
+    };
+    let (relimit, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut plan.keep)
+        .into_iter()
+        .partition(|(_, name)| drifted(name));
+    plan.keep = keep;
+    // Before any other work: a caller's roles in service give up their part of its share
+    // before a new role of its takes one.
+    let relimit: Vec<Work> = relimit
+        .into_iter()
+        .map(|k| (false, k))
+        .chain(
+            stays
+                .into_iter()
+                .filter(|(_, n)| drifted(n))
+                .map(|k| (true, k)),
+        )
+        .map(|(refused, (i, name))| Work {
+            entry: i,
+            rotate: state.roles.get(&name).map_or(0, |m| m.rotate),
+            name,
+            why: Why::Limit,
+            refused,
+        })
+        .collect();
+    plan.work.splice(0..0, relimit);
     let drop = config.on_release == OnRelease::Drop;
     plan.release = state
         .roles
@@ -451,7 +563,6 @@ fn permitted(config: &Config, entry: &Entry, name: &str) -> bool {
 /// One query over the kept entries' roles; whatever the server no longer holds as the
 /// state says is redone with the same password.
 async fn find_drift(
-    config: &Config,
     provider: &str,
     state: &State,
     entries: &[Entry],
@@ -466,14 +577,13 @@ async fn find_drift(
         }
         Err(Failure::Down(e)) => return Err(e),
     };
-    let limit = config.connection_limit();
     let mut keep = Vec::with_capacity(plan.keep.len());
     for (i, name) in std::mem::take(&mut plan.keep) {
         let marker = names::marker(provider, &entries[i].key);
         let intact = seen.get(&name).is_some_and(|s| {
             s.can_login
                 && s.database
-                && s.connection_limit == limit
+                && Some(&s.connection_limit) == plan.limits.get(&name)
                 && s.comment.as_deref() == Some(marker.as_str())
         });
         if intact {
@@ -486,6 +596,7 @@ async fn find_drift(
                 name,
                 rotate,
                 why: Why::Repair,
+                refused: false,
             });
         }
     }
@@ -525,105 +636,5 @@ pub fn response(config: &Config, name: &str, password: &str) -> Value {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::common::parse_input;
-
-    fn config() -> Config {
-        serde_json::from_value(
-            json!({"state_file": "/x", "host": "db.lan", "allow": {"app": ["gitea"]}}),
-        )
-        .unwrap()
-    }
-
-    fn made(config: &Config, entry: &str, password: Option<&str>, rotate: u64) -> Made {
-        Made {
-            entry: entry.into(),
-            password: password.map(str::to_owned),
-            rotate,
-            connection_limit: config.connection_limit(),
-            owed: false,
-        }
-    }
-
-    #[test]
-    fn decisions_without_a_server() {
-        let c = config();
-        let mut state = State::default();
-        state.roles.insert(
-            "fort_app_kept".into(),
-            made(&c, "app:postgres/kept", Some("pw"), 0),
-        );
-        state.roles.insert(
-            "fort_app_forced".into(),
-            made(&c, "app:postgres/forced", Some("pw"), 0),
-        );
-        state.roles.insert(
-            "fort_app_rot".into(),
-            made(&c, "app:postgres/rot", Some("pw"), 0),
-        );
-        state.roles.insert(
-            "fort_app_back".into(),
-            made(&c, "app:postgres/back", None, 0),
-        );
-        state.roles.insert(
-            "fort_app_gone".into(),
-            made(&c, "app:postgres/gone", Some("pw"), 0),
-        );
-        state
-            .roles
-            .insert("fort_app_old".into(), made(&c, "app:postgres/old", None, 0));
-        let mut owed = made(&c, "app:postgres/owed", Some("pw"), 0);
-        owed.owed = true;
-        state.roles.insert("fort_app_owed".into(), owed);
-        let kept = response(&c, "fort_app_kept", "pw");
-        let input = json!({
-            "app:postgres/kept": {"request": {}, "response": kept},
-            "app:postgres/forced": {"request": {}, "response": null},
-            "app:postgres/rot": {"request": {"rotate": 2}, "response": kept},
-            "app:postgres/back": {"request": {}, "response": null},
-            "app:postgres/owed": {"request": {}, "response": kept},
-            "app:postgres/new": {"request": {"name": "gitea"}, "response": null},
-            "web:postgres/new": {"request": {"name": "gitea"}, "response": null},
-        });
-        let entries = parse_input(input.to_string().as_bytes()).unwrap();
-        let mut out = Reconciled {
-            output: Output::default(),
-            changed: false,
-            counts: Counts::default(),
-            failure: None,
-        };
-        let p = plan(&c, &state, &entries, &mut out);
-        let whys: Vec<(&str, Why)> = p
-            .work
-            .iter()
-            .map(|w| (entries[w.entry].key.as_str(), w.why))
-            .collect();
-        assert_eq!(
-            whys,
-            [
-                ("app:postgres/back", Why::Reactivate),
-                ("app:postgres/forced", Why::Rotate),
-                ("app:postgres/new", Why::New),
-                ("app:postgres/owed", Why::Rotate),
-                ("app:postgres/rot", Why::Rotate),
-            ]
-        );
-        assert_eq!(p.keep, [(2, "fort_app_kept".to_owned())]);
-        // Only the role still able to log in is released; one released before stays so.
-        assert_eq!(p.release, ["fort_app_gone"]);
-        assert_eq!(out.counts.refused, 1);
-        assert!(out.output.to_json()["web:postgres/new"]["$fort_refused"]
-            .as_str()
-            .unwrap()
-            .contains("web may not have the database gitea"));
-    }
-
-    #[test]
-    fn work_goes_by_turns_of_callers() {
-        let items = vec!["a1", "a2", "a3", "b1", "c1", "c2"];
-        let turns = by_turns(items, |s| &s[..1]);
-        assert_eq!(turns, ["a1", "b1", "c1", "a2", "c2", "a3"]);
-        assert!(by_turns(Vec::<&str>::new(), |s| s).is_empty());
-    }
-}
+#[path = "reconcile_tests.rs"]
+mod tests;

@@ -70,6 +70,63 @@ pub struct Server {
     client: Client,
 }
 
+/// How many connections the server has, and how many of them the callers' roles share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    pub max_connections: i64,
+    /// Kept for superusers (`superuser_reserved_connections`).
+    pub superuser_reserved: i64,
+    /// Kept for roles of `pg_use_reserved_connections` (`reserved_connections`, from
+    /// PostgreSQL 16; 0 before).
+    pub reserved: i64,
+    /// Whether the admin role is a superuser: if not, its own connection is one of those
+    /// the callers' roles use too.
+    pub admin_is_superuser: bool,
+}
+
+impl Capacity {
+    /// Connections left for the callers' roles.
+    pub fn for_callers(&self) -> i64 {
+        self.max_connections
+            .saturating_sub(self.superuser_reserved)
+            .saturating_sub(self.reserved)
+            .saturating_sub(i64::from(!self.admin_is_superuser))
+    }
+
+    /// What to tell the operator when the `callers`' roles, whose limits add up to
+    /// `total`, may together hold more connections than the server leaves them: then
+    /// callers using their whole share can leave another (and this handler, unless its
+    /// role is a superuser) without one. Other users of the server are not known here;
+    /// what they need comes on top.
+    pub fn shortfall(&self, config: &Config, total: i64, callers: usize) -> Option<String> {
+        let left = self.for_callers();
+        if total <= left {
+            return None;
+        }
+        let reserved = if self.reserved > 0 {
+            format!(" − reserved_connections {}", self.reserved)
+        } else {
+            String::new()
+        };
+        let (admin, and_this_handler) = if self.admin_is_superuser {
+            (String::new(), "")
+        } else {
+            (
+                format!(" − 1 for {}, not a superuser", config.admin_role),
+                ", and this handler,",
+            )
+        };
+        Some(format!(
+            "the connection limits of {callers} callers' roles add up to {total} \
+             (connections_per_caller {}), more than the {left} the server leaves them \
+             (max_connections {} − superuser_reserved_connections {}{reserved}{admin}): \
+             callers using their whole share can leave others{and_this_handler} without a \
+             connection; raise max_connections or lower connections_per_caller",
+            config.connections_per_caller, self.max_connections, self.superuser_reserved,
+        ))
+    }
+}
+
 impl Server {
     /// Connects as the admin role over the socket; failing to is the run's failure.
     pub async fn connect(config: &Config) -> anyhow::Result<Server> {
@@ -110,6 +167,27 @@ impl Server {
     /// fails) from a failure that was that entry's alone.
     pub async fn alive(&self) -> bool {
         self.client.simple_query("SELECT 1").await.is_ok()
+    }
+
+    /// The server's connection settings and whether the admin role is a superuser.
+    pub async fn capacity(&self) -> Result<Capacity, Failure> {
+        let row = self
+            .client
+            .query_one(
+                "SELECT current_setting('max_connections')::bigint, \
+                        current_setting('superuser_reserved_connections')::bigint, \
+                        coalesce(current_setting('reserved_connections', true), '0')::bigint, \
+                        (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)",
+                &[],
+            )
+            .await
+            .map_err(|e| Failure::from_pg("reading max_connections", e))?;
+        Ok(Capacity {
+            max_connections: row.get(0),
+            superuser_reserved: row.get(1),
+            reserved: row.get(2),
+            admin_is_superuser: row.get::<_, Option<bool>>(3).unwrap_or(false),
+        })
     }
 
     /// What exists under `names` (roles, with their database), in one query.
@@ -309,4 +387,40 @@ fn ident(name: &str) -> Result<String, Failure> {
 
 fn literal(text: &str) -> Result<String, Failure> {
     quote_literal(text).ok_or_else(|| Failure::Refused("a text with NUL cannot be sent".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shortfall_counts_what_the_server_keeps_back() {
+        let config: Config =
+            serde_json::from_value(serde_json::json!({"state_file": "/x", "host": "db.lan"}))
+                .unwrap();
+        let mut c = Capacity {
+            max_connections: 100,
+            superuser_reserved: 3,
+            reserved: 0,
+            admin_is_superuser: false,
+        };
+        assert_eq!(c.for_callers(), 96);
+        assert!(c.shortfall(&config, 96, 5).is_none());
+        let note = c.shortfall(&config, 100, 5).unwrap();
+        assert!(
+            note.contains("add up to 100")
+                && note.contains("the 96 the server leaves them")
+                && note.contains("1 for postgres, not a superuser")
+                && note.contains("and this handler"),
+            "{note}"
+        );
+        c.admin_is_superuser = true;
+        c.reserved = 5;
+        assert_eq!(c.for_callers(), 92);
+        let note = c.shortfall(&config, 100, 5).unwrap();
+        assert!(
+            note.contains("reserved_connections 5") && !note.contains("this handler"),
+            "{note}"
+        );
+    }
 }

@@ -9,6 +9,7 @@
 //! rest is kept, and nginx is reloaded once. Unchanged entries cost no write and no
 //! command; a run with nothing to change runs neither.
 
+mod bisect;
 pub mod config;
 pub mod nginx;
 pub mod reconcile;
@@ -39,7 +40,7 @@ pub const CAPABILITY: Capability = Capability {
 };
 
 /// Past this, no further test is started: the agent kills a run at 60 s.
-const BUDGET: Duration = Duration::from_secs(40);
+pub(super) const BUDGET: Duration = Duration::from_secs(40);
 
 fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
@@ -69,7 +70,7 @@ fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
 
 /// Counts for the run's notes (stderr).
 #[derive(Default)]
-struct Notes {
+pub(super) struct Notes {
     written: usize,
     removed: usize,
     tests: usize,
@@ -78,7 +79,7 @@ struct Notes {
 }
 
 /// The test command, counted.
-async fn test(config: &Config, notes: &mut Notes) -> anyhow::Result<Ran> {
+pub(super) async fn test(config: &Config, notes: &mut Notes) -> anyhow::Result<Ran> {
     notes.tests += 1;
     nginx::run(&config.test_command, timeout(config)).await
 }
@@ -296,7 +297,7 @@ pub async fn reconcile_all(
                     }
                 }
                 let held_files: Vec<String> = state.held.values().map(|h| h.file.clone()).collect();
-                let found = bisect(
+                let found = bisect::bisect(
                     config,
                     &mut dir,
                     &wanted,
@@ -488,133 +489,6 @@ fn orphans(
         }
     }
     Ok(out)
-}
-
-/// What bisection found.
-struct Found {
-    accepted: Vec<String>,
-    /// Entries that fail on their own: refused, and remembered until they change.
-    culprits: Vec<(String, String)>,
-    /// Entries that pass without any other vhost of this provider but fail beside them:
-    /// not their fault alone, so held (not refused, not remembered) and tried again.
-    conflicts: Vec<(String, String)>,
-    /// Not tested within the budget: taken back, tried next run.
-    untested: BTreeSet<String>,
-}
-
-/// Finds the changed entries that make the test fail (`first_failure`: how the test with
-/// all of them failed, if that was on the configuration they are now added to). The
-/// directory holds the run's removals and none of `changes`; groups are added on top of
-/// what passed so far and halved while they fail, so the directory always ends holding a
-/// tested configuration.
-/// An entry that fails alone on top of that is tested once more with no other vhost of
-/// this provider (`held` files and this run's accepted ones), to tell a vhost nginx
-/// refuses from one that only clashes with another: the first is refused, the second
-/// held, so a caller whose vhost breaks the set can never have an innocent one refused.
-#[allow(clippy::too_many_arguments)]
-async fn bisect(
-    config: &Config,
-    dir: &mut Dir,
-    wanted: &BTreeMap<String, Want>,
-    changes: &[String],
-    previous: &BTreeMap<String, Option<String>>,
-    held: &[String],
-    first_failure: Option<String>,
-    started: Instant,
-    notes: &mut Notes,
-) -> anyhow::Result<Found> {
-    let mut found = Found {
-        accepted: Vec::new(),
-        culprits: Vec::new(),
-        conflicts: Vec::new(),
-        untested: BTreeSet::new(),
-    };
-    let (mut stack, mut single) = match first_failure {
-        // The configuration under the changes is not the one that failed (vhosts were
-        // taken out since): all of them are tested again first.
-        None => (vec![changes.to_vec()], None),
-        Some(failure) if changes.len() == 1 => (Vec::new(), Some((changes[0].clone(), failure))),
-        Some(_) => {
-            let half = changes.len() / 2;
-            (
-                vec![changes[half..].to_vec(), changes[..half].to_vec()],
-                None,
-            )
-        }
-    };
-    loop {
-        if let Some((key, failure)) = single.take() {
-            let others: Vec<String> = held
-                .iter()
-                .chain(found.accepted.iter().map(|k| &wanted[k].file))
-                .filter(|f| **f != wanted[&key].file)
-                .cloned()
-                .collect();
-            match alone(config, dir, &wanted[&key], &others, notes).await? {
-                Ran::Passed => found.conflicts.push((
-                    key,
-                    format!(
-                        "it clashes with another vhost of this provider, so it waits: {}",
-                        nginx::reason(&failure)
-                    ),
-                )),
-                Ran::Failed(_) => found.culprits.push((key, nginx::reason(&failure))),
-            }
-            continue;
-        }
-        let Some(group) = stack.pop() else { break };
-        if started.elapsed() >= BUDGET {
-            found.untested.extend(group);
-            continue;
-        }
-        for key in &group {
-            dir.set(&wanted[key].file, Some(&wanted[key].text))?;
-        }
-        let ran = test(config, notes).await?;
-        let Ran::Failed(out) = ran else {
-            found.accepted.extend(group);
-            continue;
-        };
-        for key in &group {
-            dir.set(&wanted[key].file, previous[&wanted[key].file].as_deref())?;
-        }
-        if group.len() == 1 {
-            single = Some((group[0].clone(), out));
-        } else {
-            let half = group.len() / 2;
-            stack.push(group[half..].to_vec());
-            stack.push(group[..half].to_vec());
-        }
-    }
-    Ok(found)
-}
-
-/// Tests `want` with none of `others` (files of this provider's other vhosts) in the
-/// directory, then puts them back as they were, whatever the test did.
-async fn alone(
-    config: &Config,
-    dir: &mut Dir,
-    want: &Want,
-    others: &[String],
-    notes: &mut Notes,
-) -> anyhow::Result<Ran> {
-    let mut aside: Vec<(String, Option<String>)> = Vec::with_capacity(others.len());
-    for f in others {
-        aside.push((f.clone(), dir.read(f)?));
-    }
-    let tested = async {
-        for (f, _) in &aside {
-            dir.set(f, None)?;
-        }
-        dir.set(&want.file, Some(&want.text))?;
-        test(config, notes).await
-    }
-    .await;
-    for (f, text) in &aside {
-        dir.set(f, text.as_deref())?;
-    }
-    dir.set(&want.file, None)?;
-    tested
 }
 
 /// Entries left waiting by this run, and why.

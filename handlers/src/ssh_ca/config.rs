@@ -63,6 +63,13 @@ pub struct Config {
     /// clocks are behind. Unset: 5 minutes.
     #[serde(default = "default_backdate", with = "humantime_serde")]
     pub backdate: Duration,
+    /// Certificates for new or changed requests (a new entry, another key, validity or
+    /// principals) per caller in any hour; past it the entry keeps what it has and waits.
+    /// Each such certificate revokes the one it replaces, or is revoked when its entry is
+    /// released, and the KRL is in every consumer's payload: without a bound one caller
+    /// could change every other consumer's payload on every run. Unset: 10.
+    #[serde(default = "default_max_new_per_caller")]
+    pub max_new_certificates_per_caller_per_hour: u32,
 }
 
 fn default_hosts_file() -> PathBuf {
@@ -96,6 +103,9 @@ fn default_first_serial() -> u64 {
 }
 fn default_backdate() -> Duration {
     Duration::from_secs(300)
+}
+fn default_max_new_per_caller() -> u32 {
+    10
 }
 
 /// Longest validity the config may give: ten years (OpenSSH's time fields are 64-bit,
@@ -149,6 +159,9 @@ impl Config {
                 return Err(format!("known_hosts_patterns: {p:?} is not a host pattern"));
             }
         }
+        if !(1..=100_000).contains(&self.max_new_certificates_per_caller_per_hour) {
+            return Err("max_new_certificates_per_caller_per_hour must be 1 to 100000".into());
+        }
         if self.first_serial == 0 {
             return Err("first_serial must be at least 1 (serial 0 cannot be revoked)".into());
         }
@@ -171,6 +184,7 @@ mod tests {
         let c = parse(r#"{"ca_key_file": "/k", "state_file": "/s"}"#).unwrap();
         assert_eq!(c.user_validity, Duration::from_secs(8 * 3600));
         assert_eq!(c.known_hosts_patterns, ["*"]);
+        assert_eq!(c.max_new_certificates_per_caller_per_hour, 10);
         assert!(c.user_principals.0.is_empty());
         for bad in [
             r#"{"ca_key_file": "/k", "state_file": "/s", "colour": 1}"#,
@@ -178,6 +192,7 @@ mod tests {
             r#"{"ca_key_file": "/k", "state_file": "/s", "user_validity": "1s"}"#,
             r#"{"ca_key_file": "/k", "state_file": "/s", "renew_fraction": 1.5}"#,
             r#"{"ca_key_file": "/k", "state_file": "/s", "first_serial": 0}"#,
+            r#"{"ca_key_file": "/k", "state_file": "/s", "max_new_certificates_per_caller_per_hour": 0}"#,
             r#"{"ca_key_file": "/k", "state_file": "/s", "known_hosts_patterns": ["a b"]}"#,
             r#"{"ca_key_file": "/k", "state_file": "/s", "user_principals": {"app": ["a*b"]}}"#,
         ] {

@@ -7,6 +7,7 @@
 pub mod ca;
 pub mod config;
 pub mod install;
+pub mod issue_log;
 pub mod krl;
 pub mod reconcile;
 pub mod request;
@@ -82,16 +83,20 @@ pub fn run_now(path: &Path, entries: Vec<Entry>, now: u64) -> anyhow::Result<Out
     let ca = ca::Ca::load(&config.ca_key_file, config.generate_ca_key, &comment)?;
     let file = StateFile::new(&config.state_file);
     let mut state: state::State = file.load(state::VERSION)?;
+    let mut log = issue_log::IssueLog::load(&config.state_file, now);
     let total = entries.len();
-    let (output, counts) = reconcile::reconcile(&config, &ca, &hosts, &mut state, entries, now)?;
+    let (output, counts) =
+        reconcile::reconcile(&config, &ca, &hosts, &mut state, &mut log, entries, now)?;
     if counts.changed {
         file.save(state::VERSION, &state)?;
     }
+    log.save();
     tracing::info!(
         entries = total,
         kept = counts.kept,
         issued = counts.issued,
         refused = counts.refused,
+        held = counts.held,
         released = counts.released,
         revoked = counts.revoked,
         krl_version = state.krl_version,

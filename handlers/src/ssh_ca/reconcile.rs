@@ -12,6 +12,7 @@ use ssh_key::certificate::CertType;
 
 use super::ca::{Ca, CertSpec};
 use super::config::Config;
+use super::issue_log::IssueLog;
 use super::request::{self, Kind, Request, MAX_PRINCIPALS, MIN_VALIDITY};
 use super::state::{Issued, State};
 use crate::common::{Allowances, Entry, Output};
@@ -39,6 +40,8 @@ pub struct Counts {
     pub kept: usize,
     pub issued: usize,
     pub refused: usize,
+    /// New or changed requests held back: their caller had its certificates for the hour.
+    pub held: usize,
     pub released: usize,
     pub revoked: usize,
     /// The state must be saved.
@@ -51,6 +54,8 @@ enum Decision {
     Keep(Value),
     Issue(IssueSpec),
     Refuse(String),
+    /// The entry keeps what it has and waits (`$fort_pending`), for this reason.
+    Hold(String),
 }
 
 struct IssueSpec {
@@ -96,13 +101,15 @@ pub fn vet(config: &Config, hosts: &dyn Hosts, entries: &[Entry], now: u64) -> c
         .collect()
 }
 
-/// Decides every entry, signs what must be signed, and changes `state` accordingly.
-/// The caller saves the state before printing the output.
+/// Decides every entry, signs what must be signed, and changes `state` accordingly;
+/// certificates for callers' new or changed requests are counted in `log`, and held back
+/// past its limit. The caller saves the state, then the log, before printing the output.
 pub fn reconcile(
     config: &Config,
     ca: &Ca,
     hosts: &dyn Hosts,
     state: &mut State,
+    log: &mut IssueLog,
     entries: Vec<Entry>,
     now: u64,
 ) -> anyhow::Result<(Output, Counts)> {
@@ -110,6 +117,8 @@ pub fn reconcile(
     let mut krl_changed = state.prune(now);
     // Certificates of another CA key are never kept: every entry gets one of this key.
     let ca_changed = state.ca != ca.fingerprint;
+    // Another key than the one that signed before (not the first run's).
+    let ca_replaced = ca_changed && !state.ca.is_empty();
     if ca_changed {
         if !state.ca.is_empty() {
             tracing::warn!(
@@ -147,6 +156,8 @@ pub fn reconcile(
 
     // First pass: decide and sign.
     let mut certified: Vec<(Entry, Decision)> = Vec::with_capacity(entries.len());
+    // Seconds until the first held entry may have its certificate.
+    let mut held_for: Option<u64> = None;
     for mut entry in entries {
         let is_host = hosts.is_host(&entry.origin);
         let allow = |kind: Kind| match kind {
@@ -154,16 +165,44 @@ pub fn reconcile(
             Kind::Host => &host_principals_named,
             Kind::User => &config.user_principals,
         };
+        // Whether the certificate the entry holds is one the provider still gives it
+        // (`None`: the response it holds does not say), read before `decide` takes it.
+        let still = state
+            .entries
+            .get(&entry.key)
+            .and_then(|old| still_certified(&entry, old, &allow));
         let decision = match decide(config, state, ca_changed, &mut entry, allow, now) {
             Ok(d) => d,
             Err(reason) => Decision::Refuse(reason),
         };
         let decision = match decision {
             Decision::Issue(spec) => {
-                let superseded = state
-                    .entries
-                    .get(&entry.key)
-                    .is_some_and(|old| old.request != spec.hash);
+                let old = state.entries.get(&entry.key);
+                let superseded = old.is_some_and(|old| old.request != spec.hash);
+                // A new entry or a changed request is the caller's doing, and counts
+                // against its hour; a new CA key, or an allowance narrowed under the
+                // certificate it holds, is the provider's, and is never held back.
+                let callers_change =
+                    (old.is_none() || superseded) && !ca_replaced && still != Some(false);
+                let limit = config.max_new_certificates_per_caller_per_hour;
+                let held = callers_change
+                    .then(|| log.held_back(&entry.origin, limit, now))
+                    .flatten();
+                if let Some((why, wait)) = held {
+                    let minutes = wait.div_ceil(60);
+                    let reason = match old {
+                        Some(old) if old.valid_before > now => format!(
+                            "{why}; the change is made in {minutes} min, and the certificate it has stays valid until {}",
+                            rfc3339(old.valid_before)
+                        ),
+                        _ => format!("{why}; its certificate comes in {minutes} min"),
+                    };
+                    held_for = Some(held_for.map_or(wait, |w| w.min(wait)));
+                    counts.held += 1;
+                    tracing::info!(entry = %entry.key, %reason, "held");
+                    certified.push((entry, Decision::Hold(reason)));
+                    continue;
+                }
                 let serial = state.take_serial(config.first_serial)?;
                 let backdate = config.backdate.as_secs();
                 let valid_after = now.saturating_sub(backdate);
@@ -218,6 +257,9 @@ pub fn reconcile(
                         older,
                     },
                 );
+                if callers_change {
+                    log.record(&entry.origin, now);
+                }
                 counts.issued += 1;
                 tracing::info!(entry = %entry.key, serial, kind = spec.kind.name(), principals = spec.principals.len(), "issued");
                 Decision::Keep(json!({
@@ -237,14 +279,12 @@ pub fn reconcile(
                 let stays = state
                     .entries
                     .get(&entry.key)
-                    .filter(|old| !ca_changed && still_certified(&entry, old, &allow))
+                    .filter(|_| !ca_changed && still == Some(true))
                     .map(|old| old.valid_before);
                 let reason = match stays {
                     Some(until) => format!(
                         "{reason}; the certificate it had stays valid until {}",
-                        humantime::format_rfc3339_seconds(
-                            std::time::UNIX_EPOCH + std::time::Duration::from_secs(until)
-                        )
+                        rfc3339(until)
                     ),
                     None => {
                         if let Some(old) = state.entries.remove(&entry.key) {
@@ -302,8 +342,12 @@ pub fn reconcile(
                 output.respond(&entry, response);
             }
             Decision::Refuse(reason) => output.refuse(&entry, reason),
+            Decision::Hold(reason) => output.pending(&entry, reason),
             Decision::Issue(_) => unreachable!("issued in the first pass"),
         }
+    }
+    if let Some(wait) = held_for {
+        output.rerun_within(wait);
     }
     // Run again when the first certificate is due for renewal, so none lapses while
     // nothing else happens (at most an hour away: the agent clamps it).
@@ -318,37 +362,42 @@ pub fn reconcile(
     Ok((output, counts))
 }
 
-/// Keep, issue or refuse one entry. Cheap when the entry is unchanged: the request is
-/// read and its principals checked against the allowances (which may have changed), but
-/// its key is parsed and a certificate signed only when one must be issued.
+fn rfc3339(unix: u64) -> humantime::Rfc3339Timestamp {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix))
+}
+
 /// Whether the certificate `entry` holds (its cached response, of the serial `issued`
 /// records) is one the provider would still give it: every principal still allowed for
-/// its kind.
+/// its kind. `None` when the response does not tell (there is none, it is of another
+/// serial, or it names no kind or principals).
 fn still_certified<'c>(
     entry: &Entry,
     issued: &Issued,
     allow: &impl Fn(Kind) -> &'c Allowances,
-) -> bool {
-    let Some(r) = &entry.response else {
-        return false;
-    };
+) -> Option<bool> {
+    let r = entry.response.as_ref()?;
+    if r.get("serial").and_then(Value::as_u64) != Some(issued.serial) {
+        return None;
+    }
     let kind = match r.get("kind").and_then(Value::as_str) {
         Some("host") => Kind::Host,
         Some("user") => Kind::User,
-        _ => return false,
+        _ => return None,
     };
     let patterns = allow(kind).patterns(&entry.origin);
-    let principals = r.get("principals").and_then(Value::as_array);
-    r.get("serial").and_then(Value::as_u64) == Some(issued.serial)
-        && principals.is_some_and(|list| {
-            !list.is_empty()
-                && list.iter().all(|p| {
-                    p.as_str()
-                        .is_some_and(|p| Allowances::any_permits(&patterns, p))
-                })
-        })
+    let list = r
+        .get("principals")
+        .and_then(Value::as_array)
+        .filter(|l| !l.is_empty())?;
+    Some(list.iter().all(|p| {
+        p.as_str()
+            .is_some_and(|p| Allowances::any_permits(&patterns, p))
+    }))
 }
 
+/// Keep, issue or refuse one entry. Cheap when the entry is unchanged: the request is
+/// read and its principals checked against the allowances (which may have changed), but
+/// its key is parsed and a certificate signed only when one must be issued.
 fn decide<'c>(
     config: &'c Config,
     state: &State,
