@@ -135,3 +135,67 @@ fn the_readme_test_command_is_what_ci_runs_and_it_lists_what_was_skipped() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// The lines of the first fenced block of `lang` after `heading` in `text`.
+fn block_after(text: &str, heading: &str, lang: &str) -> String {
+    let from = text
+        .find(heading)
+        .unwrap_or_else(|| panic!("no {heading:?}"));
+    let rest = &text[from..];
+    let open = format!("```{lang}\n");
+    let start = rest.find(&open).expect("a fenced block") + open.len();
+    let end = rest[start..].find("```").expect("the block's end") + start;
+    rest[start..end].to_owned()
+}
+
+/// docs/protocol.md §12.4: the example trail verifies with fort's verifier and, through
+/// scripts/audit-checkpoint.sh, with `ssh-keygen -Y verify` alone; with one record
+/// changed, both refuse it, and fort names that record.
+#[test]
+fn the_audit_example_verifies_with_openssh_and_fort() {
+    let root = repo();
+    let doc = read(&root.join("docs/protocol.md"));
+    let example = block_after(&doc, "### 12.4 Example", "jsonl");
+    let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1AF8PoQ4lakrcKp00bfrycmCzPLsSWjMDNVfEq9GYM";
+    assert!(doc.contains(key), "the example's key is not forge's of §3");
+    let keys = vec![fort_core::sign::parse_public_key(key).unwrap()];
+    let ssh_keygen = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("ssh-keygen").is_file()));
+    if !ssh_keygen {
+        fort_tests::skip(
+            "the_audit_example_verifies_with_openssh_and_fort",
+            "ssh-keygen is not installed; fort's own verifier is checked only",
+        );
+    }
+    let check = |text: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("0000000000000001.jsonl");
+        std::fs::write(&file, text).unwrap();
+        let fort = fort_core::audit::verify(dir.path(), "forge", &keys).unwrap();
+        let openssh = ssh_keygen.then(|| {
+            std::process::Command::new("sh")
+                .arg(root.join("scripts/audit-checkpoint.sh"))
+                .arg(&file)
+                .arg("4")
+                .arg("forge")
+                .arg(key)
+                .output()
+                .unwrap()
+                .status
+                .success()
+        });
+        (fort, openssh)
+    };
+    let (fort, openssh) = check(&example);
+    assert!(fort.problems.is_empty(), "{:?}", fort.problems);
+    assert_eq!((fort.records, fort.checkpoints), (4, 1));
+    assert_eq!(fort.signed_through, Some(3));
+    assert_ne!(openssh, Some(false), "ssh-keygen refuses the example");
+
+    let changed = example.replacen("\"expires_at\":1769817601", "\"expires_at\":1799817601", 1);
+    assert_ne!(changed, example);
+    let (fort, openssh) = check(&changed);
+    assert_ne!(openssh, Some(true), "ssh-keygen accepts a changed record");
+    let first = fort.problems.first().expect("a problem");
+    assert_eq!((first.line, first.seq), (3, Some(3)), "{first}");
+}

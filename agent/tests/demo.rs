@@ -2,7 +2,8 @@
 //! then every command it prints works exactly as printed. And whichever way the demo
 //! ends (done, failed, Ctrl-C), nothing it started is left running: this test process is
 //! the reaper of whatever the demo leaves (PR_SET_CHILD_SUBREAPER), so a server, an
-//! nginx worker or an agent that outlives it shows up here as a child.
+//! nginx worker or an agent that outlives it shows up here as a child. The audit trails
+//! its hosts wrote name what was issued and delivered without any secret of the fleet.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
@@ -257,6 +258,91 @@ fn the_demo_leaves_nothing_running_when_it_finishes() {
         skip(T, &format!("demo step {}", l.trim()));
     }
     assert_nothing_left(&demo, "a finished walkthrough");
+    no_secret_in_any_audit_file(&dir.path().join("fleet"));
+}
+
+/// Every file under `dir`, recursively.
+fn walk(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => walk(&path, out),
+            Ok(t) if t.is_file() => out.push(path),
+            _ => {}
+        }
+    }
+}
+
+/// What a delivered credential or a private key holds: every run of at least 20
+/// characters of a secret's alphabet (base64, hex, URL-safe tokens) with a letter and
+/// a digit in it, from every file delivered to a need and every key file.
+fn secrets_of(files: &[std::path::PathBuf]) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    for file in files {
+        let text = file.to_string_lossy();
+        let delivered = text.contains("/run/needs/");
+        let key = file
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(".key") || n.ends_with("_key"));
+        if !delivered && !key {
+            continue;
+        }
+        let bytes = std::fs::read(file).unwrap_or_default();
+        for token in String::from_utf8_lossy(&bytes)
+            .split(|c: char| !(c.is_ascii_alphanumeric() || "+/=_-".contains(c)))
+            .filter(|t| t.len() >= 20)
+            .filter(|t| t.bytes().any(|b| b.is_ascii_digit()))
+            .filter(|t| t.bytes().any(|b| b.is_ascii_alphabetic()))
+        {
+            out.insert(token.to_owned());
+        }
+    }
+    out
+}
+
+fn no_secret_in_any_audit_file(fleet: &Path) {
+    let mut files = Vec::new();
+    walk(fleet, &mut files);
+    let trails: Vec<_> = files
+        .iter()
+        .filter(|f| {
+            f.extension().is_some_and(|e| e == "jsonl")
+                && f.parent()
+                    .and_then(|d| d.file_name())
+                    .is_some_and(|d| d == "audit")
+        })
+        .collect();
+    let written: Vec<String> = trails
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect();
+    for host in ["forge", "beacon", "app"] {
+        assert!(
+            trails
+                .iter()
+                .any(|f| f.components().any(|c| c.as_os_str() == host)),
+            "{host} wrote no audit trail: {trails:?}"
+        );
+    }
+    assert!(
+        written.iter().any(|t| t.contains("\"event\":\"applied\"")),
+        "no delivery in the demo's audit trails"
+    );
+    let secrets = secrets_of(&files);
+    assert!(
+        secrets.len() >= 5,
+        "the demo delivered no secrets to look for: {secrets:?}"
+    );
+    for (file, text) in trails.iter().zip(&written) {
+        for secret in &secrets {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{} holds {secret:?}, which the fleet keeps secret",
+                file.display()
+            );
+        }
+    }
 }
 
 #[test]

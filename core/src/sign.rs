@@ -173,20 +173,12 @@ impl Signer {
             .to_string()
     }
 
-    /// Signs, under `namespace`, a message of which only its SHA-512 is at hand (a
-    /// message too long to keep, hashed as it was written); the same SSHSIG blob
-    /// `ssh-keygen -Y sign -n NAMESPACE` makes of the whole message. One-line base64.
-    pub fn sign_sha512_digest(&self, namespace: &str, digest: &[u8; 64]) -> String {
-        use ed25519_dalek::ed25519::signature::Signer as _;
-        let signed = signed_data(namespace, digest);
-        let signature = self.expanded.sign(&signed);
-        let sig = SshSig::new(
-            self.expanded.public.clone(),
-            namespace,
-            HashAlg::Sha512,
-            signature,
-        )
-        .expect("a non-empty namespace");
+    /// Signs `msg` under `namespace` (another use of the host key than requests, such
+    /// as the audit trail's checkpoints): the SSHSIG blob `ssh-keygen -Y sign -n
+    /// NAMESPACE` makes, as one-line base64.
+    pub fn sign_in(&self, namespace: &str, msg: &[u8]) -> String {
+        let sig = SshSig::sign(&*self.expanded, namespace, HashAlg::Sha512, msg)
+            .expect("ed25519 signing under a non-empty namespace cannot fail");
         let mut blob = Vec::with_capacity(sig.encoded_len().unwrap_or(128));
         sig.encode(&mut blob).expect("SSHSIG encodes");
         STANDARD.encode(blob)
@@ -194,11 +186,7 @@ impl Signer {
 
     /// Signs `msg` and returns the one-line base64 of the binary SSHSIG blob.
     pub fn sign(&self, msg: &[u8]) -> String {
-        let sig = SshSig::sign(&*self.expanded, NAMESPACE, HashAlg::Sha512, msg)
-            .expect("ed25519 signing cannot fail");
-        let mut blob = Vec::with_capacity(sig.encoded_len().unwrap_or(128));
-        sig.encode(&mut blob).expect("SSHSIG encodes");
-        STANDARD.encode(blob)
+        self.sign_in(NAMESPACE, msg)
     }
 }
 
@@ -227,70 +215,22 @@ pub fn verify_with_key<'k>(
     keys: &'k [PublicKey],
     msg: &[u8],
 ) -> Result<&'k PublicKey, VerifyError> {
+    verify_in(NAMESPACE, signature_b64, keys, msg)
+}
+
+/// As [`verify_with_key`], for a signature made under `namespace` (see
+/// [`Signer::sign_in`]).
+pub fn verify_in<'k>(
+    namespace: &str,
+    signature_b64: &str,
+    keys: &'k [PublicKey],
+    msg: &[u8],
+) -> Result<&'k PublicKey, VerifyError> {
     if signature_b64.len() > MAX_SIGNATURE_LEN {
         return Err(VerifyError::Base64);
     }
     let blob = STANDARD
         .decode(signature_b64)
-        .map_err(|_| VerifyError::Base64)?;
-    let mut reader: &[u8] = &blob;
-    let sig = SshSig::decode(&mut reader).map_err(|_| VerifyError::Decode)?;
-    if !reader.is_finished() {
-        return Err(VerifyError::TrailingBytes);
-    }
-    if sig.version() != 1 {
-        return Err(VerifyError::Version(sig.version()));
-    }
-    if sig.namespace() != NAMESPACE {
-        return Err(VerifyError::Namespace(sig.namespace().to_owned()));
-    }
-    if sig.hash_alg() != HashAlg::Sha512 {
-        return Err(VerifyError::Hash(sig.hash_alg().to_string()));
-    }
-    if sig.algorithm() != Algorithm::Ed25519 || sig.public_key().algorithm() != Algorithm::Ed25519 {
-        return Err(VerifyError::KeyType(sig.algorithm().to_string()));
-    }
-    let key = keys
-        .iter()
-        .find(|k| k.key_data() == sig.public_key())
-        .ok_or(VerifyError::UnknownKey)?;
-    // What ssh-key's `PublicKey::verify` does, with the decompressed key kept: the signed
-    // data is SSHSIG's, the check ed25519-dalek's.
-    let raw = key.key_data().ed25519().ok_or(VerifyError::Invalid)?.0;
-    let verifying = verifying_key(raw).ok_or(VerifyError::Invalid)?;
-    let signed =
-        SshSig::signed_data(NAMESPACE, HashAlg::Sha512, msg).map_err(|_| VerifyError::Invalid)?;
-    let signature = ed25519_dalek::Signature::try_from(sig.signature().as_bytes())
-        .map_err(|_| VerifyError::Invalid)?;
-    use ed25519_dalek::Verifier as _;
-    verifying
-        .verify(&signed, &signature)
-        .map_err(|_| VerifyError::Invalid)?;
-    Ok(key)
-}
-
-/// What the ed25519 signature of an SSHSIG covers (PROTOCOL.sshsig): the magic, the
-/// namespace, no reserved bytes, the hash's name and the message's SHA-512.
-fn signed_data(namespace: &str, digest: &[u8; 64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(6 + 4 + namespace.len() + 4 + 4 + 6 + 4 + 64);
-    out.extend_from_slice(b"SSHSIG");
-    for field in [namespace.as_bytes(), b"", b"sha512", digest] {
-        out.extend_from_slice(&(field.len() as u32).to_be_bytes());
-        out.extend_from_slice(field);
-    }
-    out
-}
-
-/// Verifies a base64 SSHSIG under `namespace` (hash `sha512`, an ed25519 key among
-/// `keys`) over a message of which `digest` is the SHA-512; returns the key that made it.
-pub fn verify_sha512_digest<'k>(
-    namespace: &str,
-    signature_b64: &str,
-    keys: &'k [PublicKey],
-    digest: &[u8; 64],
-) -> Result<&'k PublicKey, VerifyError> {
-    let blob = STANDARD
-        .decode(signature_b64.trim())
         .map_err(|_| VerifyError::Base64)?;
     let mut reader: &[u8] = &blob;
     let sig = SshSig::decode(&mut reader).map_err(|_| VerifyError::Decode)?;
@@ -313,13 +253,17 @@ pub fn verify_sha512_digest<'k>(
         .iter()
         .find(|k| k.key_data() == sig.public_key())
         .ok_or(VerifyError::UnknownKey)?;
+    // What ssh-key's `PublicKey::verify` does, with the decompressed key kept: the signed
+    // data is SSHSIG's, the check ed25519-dalek's.
     let raw = key.key_data().ed25519().ok_or(VerifyError::Invalid)?.0;
     let verifying = verifying_key(raw).ok_or(VerifyError::Invalid)?;
+    let signed =
+        SshSig::signed_data(namespace, HashAlg::Sha512, msg).map_err(|_| VerifyError::Invalid)?;
     let signature = ed25519_dalek::Signature::try_from(sig.signature().as_bytes())
         .map_err(|_| VerifyError::Invalid)?;
     use ed25519_dalek::Verifier as _;
     verifying
-        .verify(&signed_data(namespace, digest), &signature)
+        .verify(&signed, &signature)
         .map_err(|_| VerifyError::Invalid)?;
     Ok(key)
 }
@@ -373,26 +317,23 @@ mod tests {
     }
 
     #[test]
-    fn a_signature_over_a_digest_is_the_one_over_the_message() {
-        use sha2::{Digest, Sha512};
+    fn a_signature_in_another_namespace_is_ssh_keys_and_only_good_there() {
         let a = Signer::generate();
         let keys = vec![a.public_key().clone()];
         let msg = b"many records\n";
-        let digest: [u8; 64] = Sha512::digest(msg).into();
-        let sig = a.sign_sha512_digest("fort-audit", &digest);
-        // ed25519 is deterministic: ssh-key's own SSHSIG over the whole message is the same.
+        let sig = a.sign_in("fort-audit", msg);
+        // ed25519 is deterministic: ssh-key's own SSHSIG over the message is the same.
         let whole = a.key.sign("fort-audit", HashAlg::Sha512, msg).unwrap();
         let mut blob = Vec::new();
         whole.encode(&mut blob).unwrap();
         assert_eq!(sig, STANDARD.encode(blob));
-        assert!(verify_sha512_digest("fort-audit", &sig, &keys, &digest).is_ok());
+        assert!(verify_in("fort-audit", &sig, &keys, msg).is_ok());
         assert_eq!(
-            verify_sha512_digest("fort-agent", &sig, &keys, &digest).err(),
+            verify(&sig, &keys, msg).err(),
             Some(VerifyError::Namespace("fort-audit".into()))
         );
-        let other: [u8; 64] = Sha512::digest(b"other").into();
         assert_eq!(
-            verify_sha512_digest("fort-audit", &sig, &keys, &other).err(),
+            verify_in("fort-audit", &sig, &keys, b"other").err(),
             Some(VerifyError::Invalid)
         );
     }

@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use sha2::{Digest, Sha512};
 use ssh_key::PublicKey;
 
 use super::{checkpoint_trailer, GENESIS, NAMESPACE};
@@ -122,13 +121,14 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
     let mut v = Verified::default();
     let mut seen: Vec<Seen> = Vec::with_capacity(lines.len());
     let mut problems: Vec<(usize, Problem)> = Vec::new();
-    let mut prefix = Sha512::new();
+    // This file's lines so far: what a checkpoint in it signs, before its own line.
+    let mut prefix: Vec<u8> = Vec::new();
     let mut file: Option<&Path> = None;
     let last_file = lines.last().map(|l| l.file.clone());
     for (i, l) in lines.iter().enumerate() {
         if file != Some(l.file.as_path()) {
             file = Some(&l.file);
-            prefix = Sha512::new();
+            prefix.clear();
         }
         let seq = l.record.as_ref().and_then(|r| r["seq"].as_u64());
         let problem = |what: String| Problem {
@@ -160,8 +160,8 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
                 file: l.file.clone(),
                 line: l.line,
             });
-            prefix.update(&l.bytes);
-            prefix.update(b"\n");
+            prefix.extend_from_slice(&l.bytes);
+            prefix.push(b'\n');
             continue;
         };
         v.records += 1;
@@ -178,9 +178,8 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
             let before = seen.last();
             let bad = match (count, head, at, record["signature"].as_str()) {
                 (Some(count), Some(head), Some(at), Some(sig)) => {
-                    let mut h = prefix.clone();
-                    h.update(checkpoint_trailer(host, count, head, at).as_bytes());
-                    let digest: [u8; 64] = h.finalize().into();
+                    let trailer = checkpoint_trailer(host, count, head, at);
+                    let signed = [&prefix[..], trailer.as_bytes()].concat();
                     if let Some(b) = before.filter(|b| b.seq.is_some()) {
                         if b.seq != Some(count) || b.hash != head {
                             Some(format!(
@@ -190,10 +189,10 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
                                 short(&b.hash)
                             ))
                         } else {
-                            signature_problem(sig, keys, &digest)
+                            signature_problem(sig, keys, &signed)
                         }
                     } else {
-                        signature_problem(sig, keys, &digest)
+                        signature_problem(sig, keys, &signed)
                     }
                 }
                 _ => Some("a checkpoint without count, head, at or signature".into()),
@@ -210,8 +209,8 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
             file: l.file.clone(),
             line: l.line,
         });
-        prefix.update(&l.bytes);
-        prefix.update(b"\n");
+        prefix.extend_from_slice(&l.bytes);
+        prefix.push(b'\n');
     }
     chain_problems(&seen, &mut problems, &mut v.notes);
     problems.sort_by_key(|(i, _)| *i);
@@ -219,8 +218,8 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
     Ok(v)
 }
 
-fn signature_problem(sig: &str, keys: &[PublicKey], digest: &[u8; 64]) -> Option<String> {
-    crate::sign::verify_sha512_digest(NAMESPACE, sig, keys, digest)
+fn signature_problem(sig: &str, keys: &[PublicKey], signed: &[u8]) -> Option<String> {
+    crate::sign::verify_in(NAMESPACE, sig, keys, signed)
         .err()
         .map(|e| {
             format!("the checkpoint's signature does not verify over the records before it: {e}")

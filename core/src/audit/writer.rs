@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use sha2::{Digest, Sha512};
 
 use super::{checkpoint_trailer, Event, Options, Shared, GENESIS, NAMESPACE};
 use crate::canonical::sha256_hex;
@@ -34,8 +33,6 @@ struct Current {
     path: PathBuf,
     /// Bytes written and confirmed: what the file must hold before the next write.
     len: u64,
-    /// SHA-512 of those bytes, for the next checkpoint's signature.
-    hasher: Sha512,
 }
 
 pub(super) struct Writer {
@@ -128,12 +125,9 @@ impl Writer {
             if path == files.last().expect("non-empty")
                 && (bytes.len() as u64) < self.options.max_file_bytes
             {
-                let mut hasher = Sha512::new();
-                hasher.update(&bytes);
                 self.current = Some(Current {
                     path: path.clone(),
                     len: bytes.len() as u64,
-                    hasher,
                 });
             }
             self.unsaved_first = self.seq + 1;
@@ -265,14 +259,8 @@ impl Writer {
         let current = match self.current.take() {
             Some(c) => self.current.insert(c),
             None => {
-                let existing = std::fs::read(&path)?;
-                let mut hasher = Sha512::new();
-                hasher.update(&existing);
-                self.current.insert(Current {
-                    path,
-                    len: existing.len() as u64,
-                    hasher,
-                })
+                let len = std::fs::metadata(&path)?.len();
+                self.current.insert(Current { path, len })
             }
         };
         // What a failed write left of itself is cut off before the records go again.
@@ -281,11 +269,12 @@ impl Writer {
         }
         f.write_all(&self.unsaved)?;
         current.len += self.unsaved.len() as u64;
-        current.hasher.update(&self.unsaved);
         Ok(())
     }
 
-    /// Signs the head: this file's bytes so far followed by the checkpoint line (§12).
+    /// Signs the head: this file's bytes so far followed by the checkpoint line (§12),
+    /// read back from the file (bounded by `max_file_bytes`), so that what is signed is
+    /// what a verifier will read.
     fn checkpoint(&mut self) {
         self.last_checkpoint = Instant::now();
         if self.since_checkpoint == 0 || !self.flush() {
@@ -294,13 +283,19 @@ impl Writer {
         let Some(current) = &self.current else { return };
         let at = crate::wire::unix_now();
         let trailer = checkpoint_trailer(&self.options.host, self.seq, &self.head, at);
-        let mut hasher = current.hasher.clone();
-        hasher.update(trailer.as_bytes());
-        let digest: [u8; 64] = hasher.finalize().into();
+        let mut signed = match read_prefix(&current.path, current.len) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                self.complain(&format!("cannot read the audit trail back to sign it: {e}"));
+                return;
+            }
+        };
+        signed.extend_from_slice(trailer.as_bytes());
         let mut event = Event::new("checkpoint");
         event.count = Some(self.seq);
         event.head = Some(self.head.clone());
-        event.signature = Some(self.signer.sign_sha512_digest(NAMESPACE, &digest));
+        event.signature = Some(self.signer.sign_in(NAMESPACE, &signed));
+        drop(signed);
         self.chain(at, event);
         if self.flush() {
             self.since_checkpoint = 0;
@@ -363,6 +358,22 @@ impl Writer {
             tracing::info!(dir = %self.options.dir.display(), "the audit trail is written again");
         }
     }
+}
+
+/// The first `len` bytes of `path`: what this writer wrote there.
+fn read_prefix(path: &Path, len: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0) + 256);
+    std::fs::File::open(path)?
+        .take(len)
+        .read_to_end(&mut bytes)?;
+    if (bytes.len() as u64) < len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the file is shorter than what was written to it",
+        ));
+    }
+    Ok(bytes)
 }
 
 fn sync_dir(dir: &Path) {
