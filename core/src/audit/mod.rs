@@ -322,3 +322,6 @@ pub fn keyed_hash(key: &[u8; 32], bytes: &[u8]) -> String {
 pub fn fingerprint(key: &ssh_key::PublicKey) -> String {
     key.fingerprint(ssh_key::HashAlg::Sha256).to_string()
 }
+
+#[cfg(test)]
+mod tests;

@@ -183,10 +183,11 @@ impl Writer {
 
     /// Chains one record, beginning a new file first when the current one is full.
     fn append(&mut self, at: u64, event: Event) {
-        let full = self
-            .current
-            .as_ref()
-            .is_some_and(|c| c.len + self.unsaved.len() as u64 >= self.options.max_file_bytes);
+        // What is chained but not yet written counts too: a burst queued at once, or
+        // while the disk was away, must not make one file of any size.
+        let written = self.current.as_ref().map_or(0, |c| c.len);
+        let begun = self.current.is_some() || !self.unsaved.is_empty();
+        let full = begun && written + self.unsaved.len() as u64 >= self.options.max_file_bytes;
         if full {
             self.rotate(at);
         }

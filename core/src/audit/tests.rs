@@ -1,0 +1,178 @@
+//! The writer and the verifier together, on a directory of their own: rotation keeps the
+//! chain across files, a restart continues it, a torn last line is cut off, and a
+//! changed, removed or moved record is named.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::*;
+use crate::sign::Signer;
+
+fn options(dir: &Path, max_file_bytes: u64, max_files: usize) -> Options {
+    Options {
+        dir: dir.to_path_buf(),
+        host: "forge".into(),
+        max_file_bytes,
+        max_files,
+        // Checkpoints only when a file is full and at close: the test decides when.
+        checkpoint_interval: Duration::from_secs(3600),
+        queue: 100_000,
+        journal: false,
+    }
+}
+
+fn write(dir: &Path, signer: &Signer, opts: Options, n: usize, from: usize) {
+    let _ = dir;
+    let audit = Audit::open(opts, signer.clone());
+    for i in from..from + n {
+        audit.record(
+            Event::new("issued")
+                .consumer("app")
+                .need(format!("cred/{i}"))
+                .response(Some(format!("{i:064x}"))),
+        );
+    }
+    audit.close();
+}
+
+fn records(dir: &Path) -> Vec<Value> {
+    read_lines(dir)
+        .unwrap()
+        .into_iter()
+        .filter_map(|l| l.record)
+        .collect()
+}
+
+#[test]
+fn rotation_keeps_the_chain_across_files_and_removes_the_oldest() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    write(dir.path(), &signer, options(dir.path(), 4096, 3), 200, 0);
+    let names = files(dir.path()).unwrap();
+    assert_eq!(names.len(), 3, "{names:?}");
+    for name in &names {
+        let len = std::fs::metadata(name).unwrap().len();
+        // A file is closed once it reaches the bound: by at most one record and its
+        // checkpoint more.
+        assert!(len < 4096 + 1024, "{} is {len} bytes", name.display());
+        let text = std::fs::read_to_string(name).unwrap();
+        let last = text.lines().last().unwrap();
+        assert!(last.contains("\"event\":\"checkpoint\""), "{last}");
+    }
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert!(v.first_seq.unwrap() > 1);
+    assert!(v
+        .notes
+        .iter()
+        .any(|n| n.contains("older files were removed")));
+    assert_eq!(v.signed_through, v.last_seq.map(|s| s - 1));
+    assert!(v.checkpoints >= 3);
+    // Each file's name is the seq of its first record.
+    for name in &names {
+        let first = read_lines(dir.path())
+            .unwrap()
+            .into_iter()
+            .find(|l| &l.file == name)
+            .unwrap();
+        let seq = first.record.unwrap()["seq"].as_u64().unwrap();
+        assert_eq!(
+            name.file_name().unwrap().to_str().unwrap(),
+            format!("{seq:016}.jsonl")
+        );
+    }
+    // Another key did not sign it.
+    let other = vec![Signer::generate().public_key().clone()];
+    let v = verify(dir.path(), "forge", &other).unwrap();
+    assert!(v.problems[0].what.contains("signature"), "{:?}", v.problems);
+}
+
+#[test]
+fn a_restart_continues_the_chain_and_cuts_a_torn_last_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    let opts = options(dir.path(), 1 << 20, 4);
+    write(dir.path(), &signer, opts.clone(), 5, 0);
+    let file = files(dir.path()).unwrap()[0].clone();
+    // A crash in the middle of a line.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&file)
+        .unwrap();
+    let torn = b"{\"seq\":7,\"at\":1,\"pr";
+    std::io::Write::write_all(&mut f, torn).unwrap();
+    drop(f);
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert!(
+        v.notes.iter().any(|n| n.contains("cut short")),
+        "{:?}",
+        v.notes
+    );
+
+    write(dir.path(), &signer, opts, 5, 5);
+    let all = records(dir.path());
+    let seqs: Vec<u64> = all.iter().map(|r| r["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(all[6]["event"], "torn_tail", "{all:#?}");
+    assert_eq!(all[6]["detail"]["bytes"], torn.len());
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert_eq!(v.checkpoints, 2);
+}
+
+#[test]
+fn the_first_bad_record_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    write(dir.path(), &signer, options(dir.path(), 1 << 20, 4), 10, 0);
+    let file = files(dir.path()).unwrap()[0].clone();
+    let lines: Vec<String> = std::fs::read_to_string(&file)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let check = |edit: &dyn Fn(&mut Vec<String>)| {
+        let copy = tempfile::tempdir().unwrap();
+        let mut l = lines.clone();
+        edit(&mut l);
+        std::fs::write(
+            copy.path().join(file.file_name().unwrap()),
+            l.join("\n") + "\n",
+        )
+        .unwrap();
+        verify(copy.path(), "forge", &keys).unwrap().problems
+    };
+    let changed = check(&|l| l[3] = l[3].replace("cred/3", "cred/X"));
+    assert_eq!(
+        (changed[0].line, changed[0].seq),
+        (4, Some(4)),
+        "{changed:?}"
+    );
+    assert!(changed[0].what.contains("changed"), "{changed:?}");
+    let removed = check(&|l| {
+        l.remove(3);
+    });
+    assert_eq!(removed[0].seq, Some(5), "{removed:?}");
+    assert!(
+        removed[0].what.contains("record 4 is missing"),
+        "{removed:?}"
+    );
+    let moved = check(&|l| l.swap(3, 4));
+    assert_eq!(moved[0].line, 4, "{moved:?}");
+    assert!(moved[0].what.contains("out of order"), "{moved:?}");
+    let garbage = check(&|l| l[2] = "not json".into());
+    assert_eq!(garbage[0].line, 3, "{garbage:?}");
+}
+
+#[test]
+fn a_disabled_trail_records_nothing_and_is_never_unwritable() {
+    let audit = Audit::disabled();
+    audit.record(Event::new("start"));
+    assert!(audit.writable());
+    assert!(audit.stats().is_none());
+    audit.close();
+}
