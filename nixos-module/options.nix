@@ -184,6 +184,39 @@ in
       };
     };
 
+    audit = {
+      enable = mkOption {
+        type = types.bool;
+        default = true;
+        description = ''
+          Keep the signed audit trail in `/var/lib/fort/audit`: what this host accepted,
+          issued, refused, released and collected, what it applied, and every operator
+          call, as hash-chained JSON lines whose checkpoints the host key signs
+          (`ssh-keygen -Y verify`, namespace `fort-audit`; docs/protocol.md §12).
+          `fort-agent audit show` and `fort-agent audit verify` read it. Sizes and the
+          checkpoint interval are `settings.audit.*`.
+        '';
+      };
+      journal = mkOption {
+        type = types.bool;
+        default = false;
+        description = ''
+          Also send each record to the journal (one line of JSON, target `fort_audit`),
+          from where journald's forwarding or a syslog daemon can ship it to a remote
+          log host, out of reach of this host's root.
+        '';
+      };
+      refuseWhenUnwritable = mkOption {
+        type = types.bool;
+        default = false;
+        description = ''
+          While the audit trail cannot be written (disk full, directory gone), issue
+          nothing: requests are answered 503 with Retry-After and handler runs wait.
+          Off: the host keeps issuing and logs that the trail is not written.
+        '';
+      };
+    };
+
     settings = mkOption {
       type = types.submodule {
         freeformType = settingsFormat.type;

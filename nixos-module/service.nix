@@ -58,6 +58,13 @@ let
 
   # The installed config names /etc/fort/*.json, so a switch that changes only those
   # files is a SIGHUP (reloadTriggers), not a restart.
+  # Only what differs from the agent's defaults, so that agent.toml stays as it was on
+  # hosts that leave the trail as it comes.
+  auditSettings =
+    lib.optionalAttrs (!cfg.audit.enable) { enable = false; }
+    // lib.optionalAttrs cfg.audit.journal { journal = true; }
+    // lib.optionalAttrs cfg.audit.refuseWhenUnwritable { required = true; };
+
   configFile = settingsFormat.generate "fort-agent.toml" cfg.settings;
   # The same config naming the store copies, which exist inside the build sandbox.
   checkConfigFile = settingsFormat.generate "fort-agent-check.toml" (
@@ -129,6 +136,12 @@ in
 {
   config = lib.mkIf cfg.enable (
     lib.mkMerge [
+      {
+        # Each key a default of its own: settings.audit.max_files set by hand keeps them.
+        services.fort-agent.settings.audit = lib.mkIf (auditSettings != { }) (
+          lib.mapAttrs (_: lib.mkDefault) auditSettings
+        );
+      }
       {
         services.fort-agent.settings = lib.mapAttrs (_: lib.mkDefault) (
           {

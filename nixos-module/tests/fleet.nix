@@ -170,7 +170,10 @@ in
             user = "fort";
             strictSandbox = true;
             readWritePaths = [ "/var/lib/nginx/vhosts" ];
+            # The audit trail also goes to the journal; a key set by hand keeps it.
+            audit.journal = true;
             settings = {
+              audit.max_files = 4;
               access.journal = [ "ops" ];
               gc.interval = "30m";
               handler_timeout = "120s";
