@@ -40,12 +40,146 @@ pub struct BurstArgs {
     /// 1.1) instead of in batches.
     #[arg(long)]
     one_by_one: bool,
+    /// Every agent keeps no audit trail (`[audit] enable = false`).
+    #[arg(long, conflicts_with = "compare_audit")]
+    audit_off: bool,
+    /// Run the burst twice, side by side in one run: first with every agent's audit
+    /// trail off, then on; report each and their ratios.
+    #[arg(long)]
+    compare_audit: bool,
+}
+
+/// What one burst measured.
+struct Measured {
+    elapsed: Duration,
+    polls: u64,
+    all_entries: Option<(Duration, u64, u64)>,
+    runs: u64,
+    writes: u64,
+    cpu: Duration,
+    consumer_cpu: Duration,
+    hwm: u64,
+    last_run: serde_json::Value,
+    timeline: Vec<(Duration, u64, u64, u64, u64)>,
 }
 
 const CAP: &str = "burst";
 
 pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
     util::require_jq()?;
+    if args.compare_audit {
+        return compare_audit(&args, json_out).await;
+    }
+    let m = measure(&args, !args.audit_off).await?;
+    let total = (args.consumers * args.needs) as u64;
+    let mut r = Report::new("burst", json_out);
+    r.line("consumers", args.consumers, args.consumers);
+    r.batches(args.one_by_one);
+    r.line(
+        "audit",
+        !args.audit_off,
+        if args.audit_off { "off" } else { "on" },
+    );
+    r.line("needs_per_consumer", args.needs, args.needs);
+    r.line("needs_total", total, total);
+    r.line("all_called_back_ms", ms(m.elapsed), format!("{:.1} ms (SIGHUP of all consumers → every consumer satisfied; polled every {:?}, {} polls)", ms(m.elapsed), args.poll, m.polls));
+    if let Some((at, runs, writes)) = m.all_entries {
+        r.line("all_entries_stored_ms", ms(at), format!("{:.1} ms (first poll showing all {total} entries; {runs} handler runs and {writes} state writes by then)", ms(at)));
+    }
+    r.line("handler_runs", m.runs, m.runs);
+    r.line(
+        "state_writes",
+        m.writes,
+        format!("{} (provider-state.json)", m.writes),
+    );
+    r.line(
+        "provider_cpu_ms",
+        ms(m.cpu),
+        format!(
+            "{:.0} ms (utime+stime during the burst, 10 ms ticks)",
+            ms(m.cpu)
+        ),
+    );
+    r.line(
+        "provider_peak_rss_kb",
+        m.hwm,
+        format!("{:.1} MiB (VmHWM)", m.hwm as f64 / 1024.0),
+    );
+    r.line(
+        "consumers_cpu_ms",
+        ms(m.consumer_cpu),
+        format!("{:.0} ms (all consumers together)", ms(m.consumer_cpu)),
+    );
+    r.line("last_handler_run", m.last_run.clone(), &m.last_run);
+    if args.timeline {
+        for (at, entries, undelivered, runs, writes) in &m.timeline {
+            r.note(&format!("t={:>7.1} ms entries={entries:>5} undelivered={undelivered:>5} handler_runs={runs:>3} state_writes={writes:>4}", ms(*at)));
+        }
+    }
+    r.target("all called back < 3 s", m.elapsed < Duration::from_secs(3));
+    r.target("< 50 handler runs", m.runs < 50);
+    r.target("< 100 state writes", m.writes < 100);
+    r.finish();
+    Ok(())
+}
+
+/// The same burst with every agent's audit trail off, then on, in one run: each side's
+/// time and CPU, and on/off as ratios.
+async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
+    let off = measure(args, false).await?;
+    let on = measure(args, true).await?;
+    let total = (args.consumers * args.needs) as u64;
+    let mut r = Report::new("burst --compare-audit", json_out);
+    r.line("consumers", args.consumers, args.consumers);
+    r.batches(args.one_by_one);
+    r.line("needs_total", total, total);
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
+    for (key, what, off_v, on_v) in [
+        (
+            "all_called_back_ms",
+            "SIGHUP → every consumer satisfied",
+            off.elapsed,
+            on.elapsed,
+        ),
+        ("provider_cpu_ms", "provider utime+stime", off.cpu, on.cpu),
+        (
+            "consumers_cpu_ms",
+            "all consumers' utime+stime",
+            off.consumer_cpu,
+            on.consumer_cpu,
+        ),
+    ] {
+        r.line(
+            &format!("{key}_audit_off"),
+            ms(off_v),
+            format!("{:.0} ms ({what}, audit off)", ms(off_v)),
+        );
+        r.line(
+            &format!("{key}_audit_on"),
+            ms(on_v),
+            format!("{:.0} ms ({what}, audit on)", ms(on_v)),
+        );
+        let x = ratio(on_v, off_v);
+        r.line(&format!("{key}_ratio"), x, format!("{x:.3}× (on / off)"));
+    }
+    r.line(
+        "provider_peak_rss_kb_audit_off_on",
+        json!([off.hwm, on.hwm]),
+        format!("{} / {} KiB (VmHWM, off / on)", off.hwm, on.hwm),
+    );
+    r.target(
+        "audit on ≤ 1.15× off (time)",
+        ratio(on.elapsed, off.elapsed) <= 1.15,
+    );
+    r.target(
+        "audit on ≤ 1.15× off (provider CPU)",
+        ratio(on.cpu, off.cpu) <= 1.15,
+    );
+    r.finish();
+    Ok(())
+}
+
+async fn measure(args: &BurstArgs, audit: bool) -> Result<Measured> {
     let mut fleet = util::new_fleet();
     let handler = util::ok_handler(&fleet, None);
     let sink = fleet.script("sink", "cat >/dev/null");
@@ -60,10 +194,15 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
             fleet.need(c, &format!("{CAP}/n{n:04}"), "forge", spec);
         }
     }
-    if args.one_by_one {
-        for name in std::iter::once("forge".to_owned()).chain(consumers.iter().cloned()) {
-            fleet.host(&name).extra_toml = "batches = false\n".into();
+    for name in std::iter::once("forge".to_owned()).chain(consumers.iter().cloned()) {
+        let mut toml = String::new();
+        if args.one_by_one {
+            toml.push_str("batches = false\n");
         }
+        if !audit {
+            toml.push_str("[audit]\nenable = false\n");
+        }
+        fleet.host(&name).extra_toml = toml;
     }
     fleet.write_files();
     for c in &consumers {
@@ -168,52 +307,19 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
     let (_, _, runs1, writes1) = util::provider_counts(&last, CAP);
     let runs = runs1 - runs0;
     let writes = writes1 - writes0;
-    let last_run = &last["provider"]["capabilities"][CAP]["last_run"];
-
-    let mut r = Report::new("burst", json_out);
-    r.line("consumers", args.consumers, args.consumers);
-    r.batches(args.one_by_one);
-    r.line("needs_per_consumer", args.needs, args.needs);
-    r.line("needs_total", total, total);
-    r.line("all_called_back_ms", ms(elapsed), format!("{:.1} ms (SIGHUP of all consumers → every consumer satisfied; polled every {:?}, {polls} polls)", ms(elapsed), args.poll));
-    if let Some((at, runs, writes)) = all_entries {
-        r.line("all_entries_stored_ms", ms(at), format!("{:.1} ms (first poll showing all {total} entries; {runs} handler runs and {writes} state writes by then)", ms(at)));
-    }
-    r.line("handler_runs", runs, runs);
-    r.line(
-        "state_writes",
-        writes,
-        format!("{writes} (provider-state.json)"),
-    );
-    r.line(
-        "provider_cpu_ms",
-        ms(cpu),
-        format!(
-            "{:.0} ms (utime+stime during the burst, 10 ms ticks)",
-            ms(cpu)
-        ),
-    );
-    r.line(
-        "provider_peak_rss_kb",
-        hwm,
-        format!("{:.1} MiB (VmHWM)", hwm as f64 / 1024.0),
-    );
-    r.line(
-        "consumers_cpu_ms",
-        ms(consumer_cpu),
-        format!("{:.0} ms (all consumers together)", ms(consumer_cpu)),
-    );
-    r.line("last_handler_run", last_run.clone(), last_run);
-    if args.timeline {
-        for (at, entries, undelivered, runs, writes) in &timeline {
-            r.note(&format!("t={:>7.1} ms entries={entries:>5} undelivered={undelivered:>5} handler_runs={runs:>3} state_writes={writes:>4}", ms(*at)));
-        }
-    }
-    r.target("all called back < 3 s", elapsed < Duration::from_secs(3));
-    r.target("< 50 handler runs", runs < 50);
-    r.target("< 100 state writes", writes < 100);
-    r.finish();
+    let last_run = last["provider"]["capabilities"][CAP]["last_run"].clone();
     drop(agents);
     drop(provider);
-    Ok(())
+    Ok(Measured {
+        elapsed,
+        polls,
+        all_entries,
+        runs,
+        writes,
+        cpu,
+        consumer_cpu,
+        hwm,
+        last_run,
+        timeline,
+    })
 }
