@@ -114,8 +114,12 @@ impl Filter {
 
 /// Prints the records that match; `--json` prints them as they are in the files.
 pub fn show(source: &Source, filter: &Filter, json_out: bool) -> Result<(), String> {
-    let r = resolve(source)?;
-    let lines = audit::read_lines(&r.dir).map_err(|e| format!("{}: {e}", r.dir.display()))?;
+    show_dir(&resolve(source)?.dir, filter, json_out)
+}
+
+/// [`show`] of the trail in `dir` (a copy taken from its host, say).
+pub fn show_dir(dir: &Path, filter: &Filter, json_out: bool) -> Result<(), String> {
+    let lines = audit::read_lines(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = String::new();
     for l in &lines {
         let Some(record) = &l.record else {
@@ -182,24 +186,33 @@ pub fn human(r: &Value) -> String {
 /// holds.
 pub fn verify(source: &Source, json_out: bool) -> Result<bool, String> {
     let r = resolve(source)?;
-    let keys = match &r.hosts {
+    verify_dir(&r.dir, &r.host, r.hosts.as_deref(), json_out)
+}
+
+/// [`verify`] of the trail in `dir`, written by `host`, whose keys `hosts` lists.
+pub fn verify_dir(
+    dir: &Path,
+    host: &str,
+    hosts: Option<&Path>,
+    json_out: bool,
+) -> Result<bool, String> {
+    let keys = match hosts {
         Some(file) => {
             let registry = Registry::load(file).map_err(|e| e.to_string())?;
             registry
-                .get(&r.host)
+                .get(host)
                 .map(|p| p.keys.clone())
-                .ok_or_else(|| format!("{} lists no host {}", file.display(), r.host))?
+                .ok_or_else(|| format!("{} lists no host {host}", file.display()))?
         }
         None => Vec::new(),
     };
-    let v =
-        audit::verify(&r.dir, &r.host, &keys).map_err(|e| format!("{}: {e}", r.dir.display()))?;
+    let v = audit::verify(dir, host, &keys).map_err(|e| format!("{}: {e}", dir.display()))?;
     let ok = v.problems.is_empty();
     if json_out {
         let doc = json!({
             "ok": ok,
-            "dir": r.dir,
-            "host": r.host,
+            "dir": dir,
+            "host": host,
             "records": v.records,
             "checkpoints": v.checkpoints,
             "first_seq": v.first_seq,
@@ -230,7 +243,7 @@ pub fn verify(source: &Source, json_out: bool) -> Result<bool, String> {
             v.first_seq.map_or("-".into(), |s| s.to_string()),
             v.last_seq.map_or("-".into(), |s| s.to_string()),
             v.checkpoints,
-            r.host,
+            host,
             v.signed_through.map_or("-".into(), |s| s.to_string()),
         );
         if v.signed_through < v.last_seq {

@@ -2,7 +2,7 @@
 //! forced rotation each leave their records on the provider and on the consumer, linked
 //! by the response hash; the provider's checkpoints verify with `ssh-keygen -Y verify`
 //! and stop verifying when a record is changed, removed or moved, and
-//! `fort-agent audit verify` names that record; a provider told the trail is required
+//! `fort audit verify` names that record; a provider told the trail is required
 //! issues nothing while it cannot be written.
 
 use std::path::{Path, PathBuf};
@@ -252,8 +252,7 @@ fn ssh_keygen_accepts(file: &Path, line: usize, key: &str) -> bool {
 }
 
 /// A copy of the trail with its lines changed by `edit`, verified by ssh-keygen (the
-/// last checkpoint) and by `fort-agent audit verify`: (ssh-keygen accepted, verify's
-/// JSON).
+/// last checkpoint) and by `fort audit verify`: (ssh-keygen accepted, verify's JSON).
 fn tampered(
     f: &Fleet,
     file: &Path,
@@ -273,8 +272,9 @@ fn tampered(
     std::fs::write(&copy, lines.join("\n") + "\n").unwrap();
     let last = *checkpoint_lines(&copy).last().unwrap();
     let accepted = ssh_keygen_accepts(&copy, last, key);
-    let out = Command::new(bin("fort-agent"))
-        .args(["audit", "verify", "--json", "--signer", "p", "--dir"])
+    // As an operator checks a copy with nothing but the fleet's hosts.json.
+    let out = Command::new(bin("fort"))
+        .args(["audit", "verify", "--json", "--signer", "p"])
         .arg(&dir)
         .arg("--hosts")
         .arg(f.host_dir("p").join("hosts.json"))

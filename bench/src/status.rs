@@ -60,6 +60,12 @@ pub struct StatusArgs {
     /// true`), and report TLS throughput as a ratio of it.
     #[arg(long)]
     compare_plaintext: bool,
+    /// Ask for the status with entries (an operator call, which the audit trail records)
+    /// and run the same load against a second agent whose trail is off; report the
+    /// cost of the trail as a ratio (same run). The started agents let `bench` see
+    /// entries (`[access] trigger`), so --agent-toml must not have an `[access]` table.
+    #[arg(long)]
+    compare_audit: bool,
     /// Length of the handshake phase: fresh connections, each a full TLS 1.3 handshake
     /// and one signed request; `0s` skips it.
     #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
@@ -89,7 +95,13 @@ struct Endpoint {
     host: String,
     address: String,
     keys: Vec<PublicKey>,
+    /// The status request's body.
+    body: &'static [u8],
 }
+
+/// The body of a status call that shows the provider's entries, which the audit trail
+/// records as an operator call.
+const WITH_ENTRIES: &[u8] = br#"{"entries":true}"#;
 
 async fn worker(
     client: SignedClient,
@@ -107,7 +119,7 @@ async fn worker(
     while Instant::now() < end && out.latencies_us.len() < 20_000_000 {
         let t = Instant::now();
         let r = client
-            .post(&target, "/agent/capabilities/status", b"{}".to_vec())
+            .post(&target, "/agent/capabilities/status", ep.body.to_vec())
             .await;
         let took = t.elapsed();
         if t < measure_from {
@@ -298,8 +310,19 @@ async fn handshakes(
 }
 
 /// Starts one agent named `forge` in `fleet` (plain HTTP when the fleet is plaintext).
-fn start_agent(fleet: &mut fort_tests::Fleet, args: &StatusArgs) -> Result<(AgentProc, Endpoint)> {
-    fleet.host("forge").extra_toml = args.agent_toml.clone();
+fn start_agent(
+    fleet: &mut fort_tests::Fleet,
+    args: &StatusArgs,
+    audit: bool,
+) -> Result<(AgentProc, Endpoint)> {
+    let mut toml = args.agent_toml.clone();
+    if args.compare_audit {
+        toml.push_str("\n[access]\ntrigger = [\"bench\"]\n");
+    }
+    if !audit {
+        toml.push_str("\n[audit]\nenable = false\n");
+    }
+    fleet.host("forge").extra_toml = toml;
     if args.agent_needs > 0 {
         // A provider that never runs: the needs stay unsatisfied and are listed.
         fleet.capability(
@@ -324,6 +347,11 @@ fn start_agent(fleet: &mut fort_tests::Fleet, args: &StatusArgs) -> Result<(Agen
         host: "forge".into(),
         address: fleet.address_of("forge"),
         keys: vec![fleet.hosts["forge"].signer.public_key().clone()],
+        body: if args.compare_audit {
+            WITH_ENTRIES
+        } else {
+            b"{}"
+        },
     };
     Ok((a, ep))
 }
@@ -402,12 +430,17 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
                 host,
                 address: url.clone(),
                 keys: peer.keys.clone(),
+                body: if args.compare_audit {
+                    WITH_ENTRIES
+                } else {
+                    b"{}"
+                },
             };
             (ep, signer, args.origin.clone().expect("clap"), args.pid)
         }
         None => {
             let signer = fleet.principal("bench");
-            let (a, ep) = start_agent(&mut fleet, &args)?;
+            let (a, ep) = start_agent(&mut fleet, &args, true)?;
             let pid = a.pid();
             agent = Some(a);
             (ep, signer, "bench".to_owned(), Some(pid))
@@ -470,11 +503,23 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
         let mut plain_fleet = util::new_fleet();
         plain_fleet.plaintext = true;
         let signer = plain_fleet.principal("bench");
-        let (a, ep) = start_agent(&mut plain_fleet, &args)?;
+        let (a, ep) = start_agent(&mut plain_fleet, &args, true)?;
         let opts = ClientOptions {
             allow_plaintext: true,
             ..opts.clone()
         };
+        let m = measure(Arc::new(ep), "bench", &signer, &opts, &args, Some(a.pid())).await?;
+        drop(a);
+        Some(m)
+    } else {
+        None
+    };
+
+    // The agent without an audit trail, after the others, as the plain-HTTP one.
+    let audit_off = if args.compare_audit && args.target.is_none() {
+        let mut off_fleet = util::new_fleet();
+        let signer = off_fleet.principal("bench");
+        let (a, ep) = start_agent(&mut off_fleet, &args, false)?;
         let m = measure(Arc::new(ep), "bench", &signer, &opts, &args, Some(a.pid())).await?;
         drop(a);
         Some(m)
@@ -566,6 +611,17 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
             (ratio * 1000.0).round() / 1000.0,
             format!("{ratio:.3} (TLS keep-alive req/s ÷ plain HTTP req/s, same run)"),
         );
+    }
+    if let Some(off) = &audit_off {
+        report_load(&mut r, "audit_off_", off);
+        // Time per verified request with the trail on, over the time without it.
+        let cost = off.rps() / tls.rps().max(1e-9);
+        r.line(
+            "audit_on_over_off_ratio",
+            (cost * 1000.0).round() / 1000.0,
+            format!("{cost:.3}× (status with entries, req/s off ÷ req/s on, same run)"),
+        );
+        r.target("audit on ≤ 1.15× off", cost <= 1.15);
     }
     if let Some((m, held_before, held_after, opened, shed)) = &stalled {
         report_load(&mut r, "stalled_", m);

@@ -17,7 +17,7 @@ use fort_agent::cli::{
     about = "Operator CLI for a fort fleet: signed calls to any host"
 )]
 #[command(
-    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort resend app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
+    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort resend app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n  fort audit verify ./forge-audit --signer forge\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
 )]
 struct Cli {
     /// Private key to sign with (unencrypted OpenSSH ed25519). Default:
@@ -119,6 +119,10 @@ enum Command {
         /// A host in hosts.json.
         host: String,
     },
+    /// Read a copy of a host's audit trail (its `audit.dir`), trusting only its key in
+    /// hosts.json: the records, or the check of its chain and signed checkpoints.
+    #[command(subcommand)]
+    Audit(AuditCommand),
     /// Every host's status in one table, asked concurrently. Exits 1 when a host does
     /// not answer or, with --expect, does not run what was built.
     Fleet {
@@ -138,6 +142,52 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Print the records, oldest first, filtered by need, host, event or time.
+    Show {
+        /// The trail's directory.
+        dir: PathBuf,
+        #[command(flatten)]
+        filter: fort_agent::audit_cli::Filter,
+        /// Print the records as they are in the files (JSON lines).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check the chain of records and every checkpoint's signature with the writer's
+    /// keys in hosts.json; exit 1 naming the first bad record.
+    Verify {
+        /// The trail's directory.
+        dir: PathBuf,
+        /// The host that wrote it (its name in hosts.json).
+        #[arg(long, value_name = "HOST")]
+        signer: String,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `fort audit`: local files only, no call and no key of the operator's.
+fn audit(command: &AuditCommand, hosts: &std::path::Path) -> ExitCode {
+    let outcome = match command {
+        AuditCommand::Show { dir, filter, json } => {
+            fort_agent::audit_cli::show_dir(dir, filter, *json).map(|()| true)
+        }
+        AuditCommand::Verify { dir, signer, json } => {
+            fort_agent::audit_cli::verify_dir(dir, signer, Some(hosts), *json)
+        }
+    };
+    match outcome {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("fort audit: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn default_key() -> PathBuf {
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
@@ -152,6 +202,9 @@ fn default_origin() -> String {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Audit(command) = &cli.command {
+        return audit(command, &cli.hosts);
+    }
     if let Command::Pin { host } = &cli.command {
         return match pins(&cli.hosts, host) {
             Ok(lines) => {
@@ -182,7 +235,7 @@ async fn main() -> ExitCode {
     let pretty = std::io::stdout().is_terminal();
     // What to call, and how to show a verified reply when not as JSON.
     let (host, capability, body, render): (String, String, String, Render) = match cli.command {
-        Command::Pin { .. } => unreachable!("answered above"),
+        Command::Pin { .. } | Command::Audit(_) => unreachable!("answered above"),
         Command::Fleet {
             json,
             graph,
