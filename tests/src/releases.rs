@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 pub struct Release {
     pub version: String,
     pub commit: String,
+    /// The protocol it speaks, as RELEASES records it (`1.1` before `X-Fort-Protocol`).
+    pub protocol: String,
     pub dir: PathBuf,
 }
 
@@ -27,14 +29,26 @@ fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// `(version, commit)` of each release in RELEASES, oldest first.
-pub fn recorded() -> Vec<(String, String)> {
+/// A release as RELEASES lists it: version, commit, protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    pub version: String,
+    pub commit: String,
+    pub protocol: String,
+}
+
+/// Each release in RELEASES, oldest first.
+pub fn recorded() -> Vec<Recorded> {
     let text = std::fs::read_to_string(workspace().join("RELEASES")).expect("RELEASES");
     text.lines()
         .filter(|l| !l.trim_start().starts_with('#'))
         .filter_map(|l| {
-            let mut parts = l.split_whitespace();
-            Some((parts.next()?.to_owned(), parts.next()?.to_owned()))
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            Some(Recorded {
+                version: parts.first()?.to_string(),
+                commit: parts.get(1)?.to_string(),
+                protocol: parts.get(3)?.to_string(),
+            })
         })
         .collect()
 }
@@ -42,29 +56,28 @@ pub fn recorded() -> Vec<(String, String)> {
 /// The release before the tree, built: `Err` says why it is not (the lane's tests then
 /// SKIP with it). `FORT_PREVIOUS_RELEASE` names a directory of its binaries instead.
 pub fn previous() -> Result<Release, String> {
-    let (version, commit) = recorded()
+    let last = recorded()
         .pop()
         .ok_or_else(|| "RELEASES lists no release".to_owned())?;
-    built(version, commit, std::env::var_os("FORT_PREVIOUS_RELEASE"))
+    built(last, std::env::var_os("FORT_PREVIOUS_RELEASE"))
 }
 
-/// An older release of RELEASES (`back` lines before the last), if it was built
+/// The release of RELEASES made from the commit starting with `commit`, if it was built
 /// (`scripts/previous-release.sh COMMIT`; CI builds only the last).
-pub fn older(back: usize) -> Result<Release, String> {
-    let all = recorded();
-    let (version, commit) = all
-        .len()
-        .checked_sub(back + 1)
-        .and_then(|i| all.get(i).cloned())
-        .ok_or_else(|| format!("RELEASES lists fewer than {} releases", back + 1))?;
-    built(version, commit, None)
+pub fn made_from(commit: &str) -> Result<Release, String> {
+    let release = recorded()
+        .into_iter()
+        .find(|r| r.commit.starts_with(commit))
+        .ok_or_else(|| format!("RELEASES lists no release made from {commit}"))?;
+    built(release, None)
 }
 
-fn built(
-    version: String,
-    commit: String,
-    dir: Option<std::ffi::OsString>,
-) -> Result<Release, String> {
+fn built(recorded: Recorded, dir: Option<std::ffi::OsString>) -> Result<Release, String> {
+    let Recorded {
+        version,
+        commit,
+        protocol,
+    } = recorded;
     let dir = match dir {
         Some(d) => PathBuf::from(d),
         None => {
@@ -87,6 +100,7 @@ fn built(
     let release = Release {
         version,
         commit: commit.clone(),
+        protocol,
         dir,
     };
     // fort-handler only from 3833b22 on: the tests that run it check for it.

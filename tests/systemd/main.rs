@@ -11,5 +11,6 @@ mod databases;
 mod delivery;
 mod fleet;
 mod records;
+mod releases;
 mod ssh;
 mod units;

@@ -185,6 +185,17 @@ impl Output {
         self.rerun_after = Some(self.rerun_after.map_or(s, |t| t.min(s)));
     }
 
+    /// The refusals among the answers: what a capability's `vet` reports.
+    pub fn into_refusals(self) -> crate::Refusals {
+        self.answers
+            .into_iter()
+            .filter_map(|(key, answer)| match answer {
+                Answer::Refused(why) => Some((key, why)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The JSON the agent reads (docs/protocol.md §9), without copying the responses
     /// (10,000 certificates are megabytes).
     pub fn into_json(self) -> Value {

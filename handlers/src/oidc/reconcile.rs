@@ -351,14 +351,7 @@ pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
         failure: None,
     };
     plan(config, &State::default(), entries, &mut out);
-    out.output
-        .answers
-        .into_iter()
-        .filter_map(|(key, answer)| match answer {
-            crate::Answer::Refused(why) => Some((key, why)),
-            _ => None,
-        })
-        .collect()
+    out.output.into_refusals()
 }
 
 /// Sorts every entry into kept, refused (answered here) and work, and lists the clients

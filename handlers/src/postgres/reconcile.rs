@@ -341,14 +341,7 @@ pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
         failure: None,
     };
     plan(config, &State::default(), entries, &mut out);
-    out.output
-        .answers
-        .into_iter()
-        .filter_map(|(key, answer)| match answer {
-            crate::Answer::Refused(why) => Some((key, why)),
-            _ => None,
-        })
-        .collect()
+    out.output.into_refusals()
 }
 
 /// Says in the run's notes when the callers' roles may together hold more connections
