@@ -16,7 +16,7 @@ use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use crate::sign::Signer;
 
@@ -301,15 +301,21 @@ impl Audit {
     }
 }
 
-/// The key of the keyed hashes in records: derived from the host key, so it needs no
-/// file of its own and only who holds the host key can test a guess.
+/// The key of the keyed hashes in records: derived from the host key (HKDF-SHA-256 of
+/// its ed25519 seed), so it needs no file of its own and only who holds the host key can
+/// test a guess.
 pub fn hash_key(signer: &Signer) -> [u8; 32] {
     let seed = signer.ed25519_seed().unwrap_or_default();
-    let mut h = Sha256::new();
-    h.update(b"fort-audit keyed hash\n");
-    h.update(seed);
-    h.finalize().into()
+    let mut key = [0u8; 32];
+    hkdf::Hkdf::<Sha256>::new(Some(HASH_KEY_SALT), &seed)
+        .expand(HASH_KEY_INFO, &mut key)
+        .expect("32 bytes is a valid HKDF-SHA-256 output length");
+    key
 }
+
+/// HKDF's salt and info for [`hash_key`] (docs/protocol.md §12.2).
+const HASH_KEY_SALT: &[u8] = b"fort-audit";
+const HASH_KEY_INFO: &[u8] = b"fort-audit keyed hash";
 
 /// HMAC-SHA-256 of `bytes` under `key`, lower-case hex.
 pub fn keyed_hash(key: &[u8; 32], bytes: &[u8]) -> String {
