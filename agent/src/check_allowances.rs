@@ -63,10 +63,14 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
         let Ok(needs) = load_needs(consumer.needs, &registry) else {
             continue;
         };
-        for (key, spec) in &needs {
-            let Some(provider) = hosts.iter().find(|h| h.name == spec.from) else {
-                continue;
-            };
+        // Every provider a need names must hold what it asks (§11.13).
+        let served_needs = needs.iter().flat_map(|(key, spec)| {
+            hosts
+                .iter()
+                .filter(|h| spec.from.names(h.name))
+                .map(move |provider| (key, spec, provider))
+        });
+        for (key, spec, provider) in served_needs {
             let Ok(caps) = load_capabilities(provider.capabilities, &registry) else {
                 continue;
             };
