@@ -129,6 +129,8 @@ async fn the_standby_serves_a_due_need_once_the_home_is_dead_and_the_home_back_r
     let why = st["moved_because"].as_str().unwrap_or_default();
     assert!(why.starts_with("e1 failing since"), "{st}");
     assert!(has_entry(&f, "e2"));
+    let (_, table) = f.admin("app", &["status"]);
+    assert!(table.contains("e2 (moved "), "{table}");
     let list = needs_list(&f, "e2").await;
     assert_eq!(list["served_by"], json!({ NEED: "e2" }), "{list}");
 
