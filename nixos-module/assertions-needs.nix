@@ -59,18 +59,33 @@ let
     n:
     let
       where = optionOf n.key;
-      served = servedBy n.from;
     in
     [
       (check (matches grammar.capability n.type && matches grammar.capability n.id)
         "${where}: need type and id must match ^${grammar.capability}$ (docs/protocol.md §1)."
       )
-      (check (isHost n.from)
-        "${where}.from = ${quote n.from}, which is not a host in fort.cluster.hosts (hosts: ${concatStringsSep ", " hostNames}).${fortLib.didYouMean n.from hostNames}"
+      (check (length n.providers <= 8 && length (lib.unique n.providers) == length n.providers)
+        "${where}.from names ${toString (length n.providers)} providers: at most 8, each once (docs/protocol.md §11.13)."
       )
-      (check (!(isHost n.from) || served == null || served ? ${n.type})
-        "${where}: nobody serves this need: host ${quote n.from} declares no capability ${quote n.type} (fort.host.capabilities.${n.type} on ${n.from}, with services.fort-agent.enable)."
+      (check (n.failoverAfter == null || fortLib.durationSeconds n.failoverAfter > 0)
+        "${where}.failoverAfter must be longer than 0s (or null)."
       )
+    ]
+    # Every provider listed must exist and serve the need: the need may move to any.
+    ++ each n.providers (
+      p:
+      check (isHost p)
+        "${where}.from = ${quote p}, which is not a host in fort.cluster.hosts (hosts: ${concatStringsSep ", " hostNames}).${fortLib.didYouMean p hostNames}"
+    )
+    ++ each n.providers (
+      p:
+      let
+        served = servedBy p;
+      in
+      check (!(isHost p) || served == null || served ? ${n.type})
+        "${where}: nobody serves this need: host ${quote p} declares no capability ${quote n.type} (fort.host.capabilities.${n.type} on ${p}, with services.fort-agent.enable)."
+    )
+    ++ [
       # A need may be served by an rpc capability too: the provider answers at once and
       # the consumer feeds the verified reply to its handler (no callback, no GC).
       (check (fortLib.durationSeconds n.nag > 0) "${where}.nag must be longer than 0s.")

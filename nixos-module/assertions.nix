@@ -134,7 +134,7 @@ in
     assertions = clusterAssertions ++ instanceAssertions ++ capabilityAssertions;
 
     warnings =
-      lib.optional (!haveFleet && (capabilities != { } || lib.any (n: n.from != self) (needList needs)))
+      lib.optional (!haveFleet && (capabilities != { } || lib.any (n: lib.any (p: p != self) n.providers) (needList needs)))
         "fort: fort.cluster.fleet is empty, so capabilities.json lists as callers only this host's and fort.cluster.instances' consumers, and needs from other hosts are not checked against what those hosts serve. Build the hosts with fort's lib.mkFleet."
       ++ facts.warnings;
   };

@@ -131,6 +131,11 @@ rec {
           // {
             inherit type id;
             key = "${type}/${id}";
+            # `from` as declared (a host or a list of them, §11.13) is what needs.json
+            # ships; `from` here is the host a need starts at, `providers` all of them.
+            declaredFrom = need.from;
+            providers = lib.toList need.from;
+            from = builtins.head (lib.toList need.from);
           }
         ) ids
       ) needs
@@ -439,7 +444,7 @@ rec {
       needs =
         if enable then
           listToAttrs (
-            map (n: nameValuePair n.key { inherit (n) type id from; }) (needList needs)
+            map (n: nameValuePair n.key { inherit (n) type id from providers; }) (needList needs)
           )
         else
           { };
@@ -487,10 +492,15 @@ rec {
         let
           needs = concatMap (
             e:
-            map (n: {
-              inherit (n) from type id;
-              inherit (e) host;
-            }) (attrValues e.needs)
+            # Every provider a need lists hears of its consumer (§11.13).
+            concatMap (
+              n:
+              map (from: {
+                inherit from;
+                inherit (n) type id;
+                inherit (e) host;
+              }) (n.providers or [ n.from ])
+            ) (attrValues e.needs)
           ) (attrValues byHost);
           ids = ns: map (n: n.id) ns;
         in
@@ -559,7 +569,7 @@ rec {
     }:
     capability:
     let
-      idsFrom = ns: map (n: n.id) (filter (n: n.type == capability && n.from == self) ns);
+      idsFrom = ns: map (n: n.id) (filter (n: n.type == capability && lib.elem self n.providers) ns);
       entry = host: ids: optionals (ids != [ ]) [ { ${host} = ids; } ];
       fromFleet =
         if fleet == null || fleet.callersFromInventory then
@@ -597,7 +607,7 @@ rec {
         n:
         nameValuePair n.key (
           {
-            inherit (n) from;
+            from = n.declaredFrom;
             request = requestOf n;
             nag_seconds = durationSeconds n.nag;
             handler = storeString n.handler;
@@ -621,6 +631,11 @@ rec {
             reload_units = unique n.reloadUnits;
             renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;
             after = unique n.after;
+          }
+          # Written only with several providers: a need with one reads as it always did.
+          // lib.optionalAttrs (builtins.isList n.declaredFrom) {
+            failover_after_seconds =
+              if n.failoverAfter == null then null else durationSeconds n.failoverAfter;
           }
           # Written only when the need has keys, as the agent hashes its declaration.
           // lib.optionalAttrs (n.keys != { }) {

@@ -189,9 +189,28 @@ let
     {
       options = {
         from = mkOption {
-          type = types.str;
-          example = "forge";
-          description = "The host (a name in `fort.cluster.hosts`) whose capability of this need's type serves it.";
+          type = types.either types.str (types.nonEmptyListOf types.str);
+          example = [
+            "edge1"
+            "edge2"
+          ];
+          description = ''
+            The host (a name in `fort.cluster.hosts`) whose capability of this need's
+            type serves it, or several in order of preference: the need is served by
+            one of them at a time (its home), and moves to the next only when it is due
+            and its home has failed for `failoverAfter` (docs/protocol.md §11.13). Each
+            host listed accepts this host as a caller.
+          '';
+        };
+        failoverAfter = mkOption {
+          type = types.nullOr fortLib.durationType;
+          default = null;
+          example = "1h";
+          description = ''
+            With several providers in `from`: how long the home must have failed before
+            a due need moves to the next one (shipped as `failover_after_seconds`).
+            `null`: twice `nag`.
+          '';
         };
         request = mkOption {
           type = jsonObject;

@@ -55,6 +55,7 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
     let mut held = Held::default();
     let mut asked: BTreeMap<Served, serde_json::Map<String, Value>> = BTreeMap::new();
     let mut answers: BTreeMap<(PathBuf, String), Result<Vec<String>, String>> = BTreeMap::new();
+    let mut failovers: BTreeMap<(PathBuf, String), Result<(), String>> = BTreeMap::new();
     let mut later = 0usize;
     for consumer in hosts {
         let Ok(registry) = Registry::load(consumer.hosts) else {
@@ -63,10 +64,14 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
         let Ok(needs) = load_needs(consumer.needs, &registry) else {
             continue;
         };
-        for (key, spec) in &needs {
-            let Some(provider) = hosts.iter().find(|h| h.name == spec.from) else {
-                continue;
-            };
+        // Every provider a need names must hold what it asks (§11.13).
+        let served_needs = needs.iter().flat_map(|(key, spec)| {
+            hosts
+                .iter()
+                .filter(|h| spec.from.names(h.name))
+                .map(move |provider| (key, spec, provider))
+        });
+        for (key, spec, provider) in served_needs {
             let Ok(caps) = load_capabilities(provider.capabilities, &registry) else {
                 continue;
             };
@@ -87,6 +92,21 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
                 }
                 _ => continue,
             };
+            // A need with several providers: the capability must be one that fails over.
+            if spec.from.several() && served.handler.is_file() {
+                let said = failovers
+                    .entry((served.handler.clone(), served.name.clone()))
+                    .or_insert_with(|| failover_of(&served));
+                if let Err(why) = &*said {
+                    held.problems.push(format!(
+                        "{} → {}: {key}: from names {} providers, but {} takes one: {why}",
+                        consumer.name,
+                        provider.name,
+                        spec.from.all().len(),
+                        key.kind()
+                    ));
+                }
+            }
             // Each file's pointer must start at a member the capability's answers have.
             if served.handler.is_file() {
                 let members = answers
@@ -185,6 +205,26 @@ fn members_of(served: &Served) -> Result<Vec<String>, String> {
         .output()
         .map_err(|e| format!("cannot run {}: {e}", served.handler.display()))?;
     serde_json::from_slice(&out.stdout).map_err(|e| format!("{} --answers: {e}", served.name))
+}
+
+/// `fort-handler <name> --failover`: `Err(why)` when a need may name only one provider
+/// of it (docs/protocol.md §11.13). A handler that cannot say is taken at its word that
+/// it fails over: releases before this one had no such flag.
+fn failover_of(served: &Served) -> Result<(), String> {
+    let Ok(out) = Command::new(&served.handler)
+        .arg(&served.name)
+        .arg("--failover")
+        .env_clear()
+        .output()
+    else {
+        return Ok(());
+    };
+    let said: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    if said["failover"] == "one-provider" {
+        let why = said["why"].as_str().unwrap_or("its handler says so");
+        return Err(fort_core::text::printable(why, 300));
+    }
+    Ok(())
 }
 
 /// `fort-handler <name> --config FILE --vet --hosts HOSTS` with `entries` on stdin: entry

@@ -111,12 +111,16 @@ pub fn check_fleet(dir: &Path, skip_handlers: bool) -> anyhow::Result<String> {
         let Ok(needs) = load_needs(&h.needs, &registry) else {
             continue;
         };
-        let providers: BTreeSet<&str> = needs.values().map(|n| n.from.as_str()).collect();
+        let providers: BTreeSet<&str> = needs
+            .values()
+            .flat_map(|n| n.from.all())
+            .map(String::as_str)
+            .collect();
         for provider in providers {
             let Some(p) = hosts.get(provider) else {
                 let what: Vec<String> = needs
                     .iter()
-                    .filter(|(_, n)| n.from == provider)
+                    .filter(|(_, n)| n.from.names(provider))
                     .map(|(k, _)| k.to_string())
                     .collect();
                 problems.push(format!(

@@ -62,7 +62,7 @@ pub fn check_requests(c: &RequestCheck) -> anyhow::Result<String> {
     let mut problems = Vec::new();
     let (mut checked, mut unchecked, mut with_refs) = (0, 0, 0);
     for (key, spec) in &needs {
-        if c.provider.as_ref().is_some_and(|p| *p != spec.from) {
+        if c.provider.as_ref().is_some_and(|p| !spec.from.names(p)) {
             continue;
         }
         let Some(cap) = caps.get(key.kind()) else {

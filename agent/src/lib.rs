@@ -184,6 +184,15 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
                             (format!("{{need=\"{need}\",from=\"{from}\"}}"), f64::from(n))
                         })
                         .collect();
+                    // Which provider serves each need, and how often it moved (§11.13).
+                    let homes = needs
+                        .iter()
+                        .map(|n| (format!("{{need=\"{}\",provider=\"{}\"}}", n.need, n.from), 1.0))
+                        .collect();
+                    let moves = needs
+                        .iter()
+                        .map(|n| (format!("{{need=\"{}\"}}", n.need), n.moves as f64))
+                        .collect();
                     let (entries, undelivered, last_run) = provider_gauges(&app);
                     let (restarts, reloads, _) = app.fulfiller.unit_counts();
                     let gauges = vec![
@@ -202,6 +211,16 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
                             "fort_need_request_failures",
                             "Requests in a row for each need that got no answer from its provider (no connection, TLS, a timeout, a server error); 0 once one is answered.",
                             failures,
+                        ),
+                        (
+                            "fort_need_home",
+                            "Each declared need, labelled with the provider serving it.",
+                            homes,
+                        ),
+                        (
+                            "fort_need_moves",
+                            "Moves of each need to another of its providers since the agent started.",
+                            moves,
                         ),
                         ("fort_entries", "Provider entries by capability.", entries),
                         (

@@ -171,3 +171,39 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
     );
     assert!(report.contains("7 problem(s)"), "{report}");
 }
+
+#[test]
+fn two_providers_for_a_capability_that_takes_one_fail_the_fleet_check() {
+    let mut f = Fleet::new();
+    let cfg = tempfile::tempdir().unwrap();
+    serve_everything(&mut f, cfg.path());
+    let caps = f.host("edge").capabilities.clone();
+    f.host("edge2").capabilities = caps;
+    let keys = tempfile::tempdir().unwrap();
+    // acme issues at each provider on its own account: two providers are fine.
+    f.need_from(
+        "web",
+        "ssl-cert/site",
+        &["edge", "edge2"],
+        csr_need(&["site.web.example.test"], keys.path()),
+    );
+    let (passed, report) = check(&f);
+    assert!(passed, "{report}");
+    // postgres roles live on one server that a standby does not adopt.
+    f.need_from(
+        "web",
+        "postgres/db",
+        &["edge", "edge2"],
+        json!({"request": {"name": "web_extra"}}),
+    );
+    let (passed, report) = check(&f);
+    assert!(!passed, "{report}");
+    for provider in ["edge", "edge2"] {
+        let line = format!(
+            "web → {provider}: postgres/db: from names 2 providers, but postgres takes one: its providers would share one PostgreSQL server"
+        );
+        assert!(report.contains(&line), "missing {line:?} in:\n{report}");
+    }
+    assert!(!report.contains("ssl-cert/site: from names"), "{report}");
+    assert!(report.contains("2 problem(s)"), "{report}");
+}

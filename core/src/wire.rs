@@ -153,6 +153,10 @@ pub struct ItemResult {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct NeedsList {
     pub needs: Vec<String>,
+    /// Per need that names several providers, the one serving it (§11.13). Left out when
+    /// empty: a host whose needs each name one provider answers as before.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub served_by: std::collections::BTreeMap<String, String>,
 }
 
 /// Callback reply (§7).

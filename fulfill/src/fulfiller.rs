@@ -97,6 +97,8 @@ pub(crate) struct View {
     pub referenced: HashSet<NeedKey>,
     /// Needs whose applier runs (`apply.rs`).
     pub(crate) applying: HashSet<NeedKey>,
+    /// Providers failing, and needs that moved (§11.13).
+    pub(crate) homes: crate::home::Homes,
 }
 
 pub(crate) struct Inner {
@@ -139,10 +141,12 @@ pub enum DeliverError {
 /// What identifies a need's declaration: a change means asking again from scratch.
 /// A file's `credential_for` names units to restart, as `restart_units` does: changed
 /// in place, without asking again (and without it, a declaration hashes as it did
-/// before files had the field).
-pub(crate) fn declaration_hash(spec: &NeedSpec) -> String {
+/// before files had the field). The provider is the need's home: a need with several
+/// providers hashes as it would with its home alone, so adding a standby, or turning a
+/// single provider into a list that starts with it, asks nothing again (§11.13).
+pub(crate) fn declaration_hash(spec: &NeedSpec, home: &str) -> String {
     let mut declared = serde_json::json!({
-        "from": spec.from,
+        "from": home,
         "request": spec.request,
         "files": declared_files(spec),
     });
@@ -302,9 +306,10 @@ impl Fulfiller {
                 }
             }
             for (key, spec) in &needs {
-                let hash = declaration_hash(spec);
                 let mut st = c.get(key.as_str()).cloned().unwrap_or_default();
-                if st.request_hash != hash || st.from != spec.from {
+                let home = crate::home::home_of(spec, &st).to_owned();
+                let hash = declaration_hash(spec, &home);
+                if st.request_hash != hash || st.from != home {
                     // Moving to another provider releases the entry at the old one;
                     // files the new declaration no longer names go with it.
                     let stale: Vec<String> = st
@@ -313,14 +318,14 @@ impl Fulfiller {
                         .filter(|p| !declares_path(spec, p))
                         .cloned()
                         .collect();
-                    if !st.from.is_empty() && st.from != spec.from {
+                    if !st.from.is_empty() && st.from != home {
                         removed.push((key.to_string(), st.from.clone(), stale));
                     } else {
                         stale_files.extend(stale);
                     }
                     fresh.push(key.clone());
                     st = NeedState {
-                        from: spec.from.clone(),
+                        from: home,
                         request_hash: hash,
                         since: now,
                         // Callbacks keep counting up: an applier still busy with a
@@ -400,7 +405,7 @@ impl Fulfiller {
             let me = self.clone();
             let registry = registry.clone();
             self.inner.tasks.spawn(async move {
-                me.release(&key, &from, &registry).await;
+                me.release(&key, &from, &registry, "need removed").await;
                 // Declared again meanwhile: the files are the new declaration's.
                 let again = NeedKey::parse(&key).is_some_and(|k| me.spec(&k).is_some());
                 if !again {
@@ -416,12 +421,14 @@ impl Fulfiller {
         Ok(())
     }
 
-    async fn release(&self, key: &str, from: &str, registry: &Registry) {
+    /// Releases `key` at `from`, which no longer serves it (`why`: the need was removed,
+    /// or moved to another provider).
+    pub(crate) async fn release(&self, key: &str, from: &str, registry: &Registry, why: &str) {
         let Some(need) = NeedKey::parse(key) else {
             return;
         };
         let Some(peer) = registry.get(from) else {
-            tracing::info!(need = %key, from, "need removed; its provider is gone too, nothing to release");
+            tracing::info!(need = %key, from, "{why}; its provider is gone too, nothing to release");
             return;
         };
         let Some(address) = peer.address.as_deref() else {
@@ -441,15 +448,15 @@ impl Fulfiller {
         };
         let path = format!("/agent/capabilities/{}", need.kind());
         for attempt in 1..=3u32 {
-            // Declared again at the same provider (a roll-back) since the removal: the
-            // entry is wanted, and a late release would delete it under the consumer.
-            if self.spec(&need).is_some_and(|s| s.from == from) {
-                tracing::info!(need = %key, from, "need declared again; release cancelled");
+            // Declared again at the same provider (a roll-back), or moved back to it, since:
+            // the entry is wanted, and a late release would delete it under the consumer.
+            if self.home(&need).as_deref() == Some(from) {
+                tracing::info!(need = %key, from, "{from} serves the need again; release cancelled");
                 return;
             }
             match self.inner.client.post(&target, &path, body.clone()).await {
                 Ok(r) if r.is_success() => {
-                    tracing::info!(need = %key, from, "need removed; released at its provider");
+                    tracing::info!(need = %key, from, "{why}; released at {from}");
                     self.inner.opts.audit.record(
                         fort_core::audit::Event::new("released")
                             .need(key)
@@ -467,7 +474,7 @@ impl Fulfiller {
                 _ = self.inner.shutdown.cancelled() => return,
             }
         }
-        tracing::warn!(need = %key, from, "release gave up; the provider's GC will collect the entry");
+        tracing::warn!(need = %key, from, "{why}; release gave up; the provider's GC will collect the entry");
     }
 
     /// Sorted keys of the needs declared now (`/agent/needs`).

@@ -10,6 +10,7 @@ mod deliver;
 pub mod expiry;
 pub mod files;
 mod fulfiller;
+mod home;
 pub mod keys;
 mod preview;
 mod request;
@@ -21,6 +22,7 @@ mod swap;
 mod units;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};
+pub use home::LastMove;
 pub use preview::{NeedChange, NeedFile, NeedsPreview};
 pub use state::Phase;
 pub use status::NeedStatus;

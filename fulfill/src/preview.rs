@@ -134,18 +134,21 @@ impl Fulfiller {
                     None => {
                         out.added.push(NeedChange {
                             need: need.clone(),
-                            from: spec.from.clone(),
+                            from: spec.from.to_string(),
                             ..Default::default()
                         });
                         true
                     }
                     Some(st)
-                        if st.request_hash != declaration_hash(spec) || st.from != spec.from =>
+                        if st.request_hash
+                            != declaration_hash(spec, crate::home::home_of(spec, st))
+                            || st.from != crate::home::home_of(spec, st) =>
                     {
+                        let home = crate::home::home_of(spec, st);
                         out.changed.push(NeedChange {
                             need: need.clone(),
-                            from: spec.from.clone(),
-                            was_from: (st.from != spec.from).then(|| st.from.clone()),
+                            from: home.to_owned(),
+                            was_from: (st.from != home).then(|| st.from.clone()),
                             fields: old.map_or_else(
                                 || vec!["declaration".to_owned()],
                                 |o| differing(o, spec),
@@ -167,7 +170,7 @@ impl Fulfiller {
                         if !fields.is_empty() {
                             out.updated.push(NeedChange {
                                 need: need.clone(),
-                                from: spec.from.clone(),
+                                from: spec.from.to_string(),
                                 fields,
                                 ..Default::default()
                             });
@@ -235,7 +238,10 @@ mod tests {
         // again from scratch when an agent that knows the field reads it.
         let before = spec(&[], &["wiki.service"]);
         let after = spec(&["wiki.service"], &[]);
-        assert_eq!(declaration_hash(&before), declaration_hash(&after));
+        assert_eq!(
+            declaration_hash(&before, "forge"),
+            declaration_hash(&after, "forge")
+        );
         assert!(!serde_json::to_string(&before.files)
             .unwrap()
             .contains("credential_for"));

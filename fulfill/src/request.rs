@@ -28,19 +28,21 @@ impl Fulfiller {
         let Some(spec) = self.spec(key) else { return };
         let spec = &spec;
         let registry = self.inner.view.lock().registry.clone();
-        let Some(peer) = registry.get(&spec.from) else {
+        // Only the home is ever asked (§11.13).
+        let home = crate::home::home_of(spec, &self.state(key)).to_owned();
+        let Some(peer) = registry.get(&home) else {
             return;
         };
         let Some(address) = peer.address.as_deref() else {
             return;
         };
         let batched =
-            self.inner.opts.batches && self.inner.batcher.takes_batches(&spec.from, key.kind());
+            self.inner.opts.batches && self.inner.batcher.takes_batches(&home, key.kind());
         // One of the provider's slots per request in flight: a batch takes it when it is
         // sent (batch.rs), a request going alone takes it here.
         let limit = {
             let mut p = self.inner.providers.lock();
-            p.entry(spec.from.clone())
+            p.entry(home.clone())
                 .or_insert_with(|| {
                     Arc::new(Semaphore::new(
                         self.inner.opts.per_provider_concurrency.max(1),
@@ -79,7 +81,7 @@ impl Fulfiller {
             true
         });
         let destination = Destination {
-            provider: spec.from.clone(),
+            provider: home.clone(),
             address: address.to_owned(),
             keys: peer.keys.clone(),
             capability: key.kind().to_owned(),
@@ -122,29 +124,24 @@ impl Fulfiller {
                 .map(|r| r.map_err(|e| e.to_string()))
             }
         };
-        let transport_failure = |me: &Self, error: String| {
-            let failures = {
-                let mut view = me.inner.view.lock();
-                let f = view.failures.entry(key.clone()).or_insert(0);
-                *f += 1;
-                *f
-            };
-            let delay = backoff(me.inner.opts.backoff, failures, nag(spec));
-            let error = printable(&error, 300);
-            tracing::info!(need = %key, from = %spec.from, error = %error, retry_in = ?delay, "request failed");
-            me.record_reason(key, error);
-            me.schedule(key, Some(delay));
-        };
         if self.superseded(key) {
             // Changed while in flight: this outcome is about the old request.
             self.schedule(key, Some(Duration::ZERO));
             return;
         }
         let reply = match outcome {
-            Err(_) => return transport_failure(self, "timeout".into()),
-            Ok(Err(e)) => return transport_failure(self, e),
+            Err(_) => {
+                return self
+                    .transport_failure(key, spec, &home, "timeout".into())
+                    .await
+            }
+            Ok(Err(e)) => return self.transport_failure(key, spec, &home, e).await,
             Ok(Ok(r)) => r,
         };
+        if reply.status < 500 || reply.retry_after.is_some() {
+            // Busy or refusing is answering: the home is up (§11.13).
+            self.provider_answered(&home);
+        }
         // Busy or over its share: it said when to come back; that is when it is asked,
         // with a little spread so a fleet does not come back in step.
         if matches!(reply.status, 429 | 503) {
@@ -152,7 +149,7 @@ impl Fulfiller {
                 let after = after.min(spec.nag_seconds).max(1);
                 let wait = Duration::from_secs(after)
                     + Duration::from_millis(rand::random::<u64>() % 1000);
-                tracing::debug!(need = %key, from = %spec.from, status = reply.status, retry_in = ?wait, "provider asked to come back later");
+                tracing::debug!(need = %key, from = %home, status = reply.status, retry_in = ?wait, "provider asked to come back later");
                 self.record_reason(
                     key,
                     format!("provider busy ({}); asking again in {after}s", reply.status),
@@ -162,12 +159,13 @@ impl Fulfiller {
             }
         }
         if reply.status >= 500 {
-            return transport_failure(self, format!("provider answered {}", reply.status));
+            let error = format!("provider answered {}", reply.status);
+            return self.transport_failure(key, spec, &home, error).await;
         }
         self.inner.view.lock().failures.remove(key);
         match reply.status {
             202 => {
-                tracing::debug!(need = %key, from = %spec.from, "request accepted");
+                tracing::debug!(need = %key, from = %home, "request accepted");
                 // The provider's handler already has a verdict on this very request
                 // (§11.9): it is what the callback would have said.
                 let accepted: fort_core::wire::Accepted =
@@ -190,7 +188,7 @@ impl Fulfiller {
                         st.sent_sha256 = Some(resolved_hash.clone());
                         true
                     });
-                    if let Err(e) = self.deliver(key, &spec.from, verdict).await {
+                    if let Err(e) = self.deliver(key, &home, verdict).await {
                         tracing::warn!(need = %key, error = %e, "verdict not recorded");
                     }
                     return;
@@ -215,7 +213,7 @@ impl Fulfiller {
                     true
                 });
                 if let Err(e) = self
-                    .deliver(key, &spec.from, Delivered::Payload(&reply.body))
+                    .deliver(key, &home, Delivered::Payload(&reply.body))
                     .await
                 {
                     tracing::warn!(need = %key, error = %e, "rpc reply not recorded; asking again");
@@ -246,11 +244,38 @@ impl Fulfiller {
                 if let Some(server) = reply.server_time {
                     error = format!("clock skew: provider time {server}, ours {}", unix_now());
                 }
-                tracing::warn!(need = %key, from = %spec.from, %error, "request refused");
+                tracing::warn!(need = %key, from = %home, %error, "request refused");
                 self.set_phase(key, Phase::Failed, Some(error));
                 self.schedule(key, Some(jittered(nag(spec))));
             }
         }
+    }
+
+    /// The home did not answer: back off, or move the need to another of its providers
+    /// once the home has failed long enough (§11.13), and ask the new home at once.
+    async fn transport_failure(
+        &self,
+        key: &NeedKey,
+        spec: &fort_core::schema::NeedSpec,
+        home: &str,
+        error: String,
+    ) {
+        let error = printable(&error, 300);
+        if let Some(next) = self.home_failed(key, spec, home, &error).await {
+            tracing::info!(need = %key, from = %next, "asking the new home");
+            self.schedule(key, Some(Duration::ZERO));
+            return;
+        }
+        let failures = {
+            let mut view = self.inner.view.lock();
+            let f = view.failures.entry(key.clone()).or_insert(0);
+            *f += 1;
+            *f
+        };
+        let delay = backoff(self.inner.opts.backoff, failures, nag(spec));
+        tracing::info!(need = %key, from = %home, error = %error, retry_in = ?delay, "request failed");
+        self.record_reason(key, error);
+        self.schedule(key, Some(delay));
     }
 
     /// Records why asking did not work, keeping the phase (a transport failure leaves a

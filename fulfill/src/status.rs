@@ -12,7 +12,16 @@ use crate::Fulfiller;
 #[derive(Debug, Clone, Serialize)]
 pub struct NeedStatus {
     pub need: String,
+    /// The provider serving the need: its home when it names several (§11.13).
     pub from: String,
+    /// The providers as declared, in order (one for a single `from`).
+    pub providers: Vec<String>,
+    /// Unix seconds of the need's last move to another provider since the agent
+    /// started, and why it moved; `None`: it has not moved.
+    pub home_since: Option<u64>,
+    pub moved_because: Option<String>,
+    /// Moves since the agent started.
+    pub moves: u64,
     /// `pending`, `waiting`, `satisfied`, `failed`, `expiring` or `expired`.
     pub state: Phase,
     /// Why it is in that state, in one line (never payload bytes); `None` when satisfied.
@@ -105,6 +114,10 @@ impl Fulfiller {
             let view = self.inner.view.lock();
             (view.needs.clone(), view.due.clone())
         };
+        let moves: std::collections::HashMap<NeedKey, crate::LastMove> = needs
+            .keys()
+            .filter_map(|k| self.last_move(k).map(|m| (k.clone(), m)))
+            .collect();
         let now = tokio::time::Instant::now();
         let wall = fort_core::wire::unix_now();
         self.inner.store.read(|states| {
@@ -114,9 +127,14 @@ impl Fulfiller {
                     let st = states.get(key.as_str()).cloned().unwrap_or_default();
                     // The clock decides expiry, not the last event the need saw.
                     let phase = effective_phase(spec, &st, wall);
+                    let moved = moves.get(key);
                     NeedStatus {
                         need: key.to_string(),
-                        from: spec.from.clone(),
+                        from: crate::home::home_of(spec, &st).to_owned(),
+                        providers: spec.from.all().to_vec(),
+                        home_since: moved.map(|m| m.at),
+                        moved_because: moved.map(|m| m.reason.clone()),
+                        moves: moved.map_or(0, |m| m.count),
                         state: phase,
                         // Between the clock crossing the line and the need being attended.
                         reason: clock_reason(phase, &st),
@@ -144,14 +162,22 @@ impl Fulfiller {
     /// no answer from that provider (no connection, TLS, a timeout, a server error); 0
     /// once one is answered.
     pub fn request_failures(&self) -> Vec<(String, String, u32)> {
-        let view = self.inner.view.lock();
-        view.needs
-            .iter()
-            .map(|(key, spec)| {
-                let failures = view.failures.get(key).copied().unwrap_or(0);
-                (key.to_string(), spec.from.clone(), failures)
-            })
-            .collect()
+        let (needs, failures) = {
+            let view = self.inner.view.lock();
+            (view.needs.clone(), view.failures.clone())
+        };
+        self.inner.store.read(|states| {
+            needs
+                .iter()
+                .map(|(key, spec)| {
+                    let n = failures.get(key).copied().unwrap_or(0);
+                    let home = states
+                        .get(key.as_str())
+                        .map_or(spec.from.first(), |st| crate::home::home_of(spec, st));
+                    (key.to_string(), home.to_owned(), n)
+                })
+                .collect()
+        })
     }
 
     pub fn counts(&self) -> [(Phase, usize); 6] {

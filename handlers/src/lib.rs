@@ -41,6 +41,19 @@ pub struct Capability {
     /// The members every response of it has: a consumer's file pointer must start with
     /// one of them (the fleet check holds it).
     pub answers: &'static [&'static str],
+    /// Whether a need may name several providers of it (docs/protocol.md §11.13).
+    pub failover: Failover,
+}
+
+/// How a capability serves a need that moved to it from another provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failover {
+    /// Each provider issues on its own (its own ACME account, its own SSH CA, its own
+    /// client at the OpenID provider): a standby serves a moved need by issuing anew, and
+    /// the old home's GC releases what it issued.
+    Independent,
+    /// A need names one provider of it: why a standby could not take over.
+    OneProvider(&'static str),
 }
 
 /// Entry key → why it is refused.

@@ -20,7 +20,7 @@ struct Cli {
     /// The capability this run serves (see the list below).
     capability: String,
     /// The capability's config (JSON; the NixOS module writes it).
-    #[arg(long, required_unless_present_any = ["schema", "answers"])]
+    #[arg(long, required_unless_present_any = ["schema", "answers", "failover"])]
     config: Option<PathBuf>,
     /// Validate the config and the files it names, then exit; nothing is contacted.
     #[arg(long)]
@@ -41,6 +41,11 @@ struct Cli {
     /// exit; the config is not read.
     #[arg(long)]
     answers: bool,
+    /// Print whether a need may name several providers of this capability (JSON:
+    /// `{"failover": "independent"}` or `{"failover": "one-provider", "why": …}`), then
+    /// exit; the config is not read.
+    #[arg(long)]
+    failover: bool,
 }
 
 fn after_help() -> String {
@@ -85,6 +90,16 @@ fn main() -> ExitCode {
     };
     if cli.answers {
         println!("{}", serde_json::json!(cap.answers));
+        return ExitCode::SUCCESS;
+    }
+    if cli.failover {
+        let said = match cap.failover {
+            fort_handlers::Failover::Independent => serde_json::json!({"failover": "independent"}),
+            fort_handlers::Failover::OneProvider(why) => {
+                serde_json::json!({"failover": "one-provider", "why": why})
+            }
+        };
+        println!("{said}");
         return ExitCode::SUCCESS;
     }
     if cli.schema {

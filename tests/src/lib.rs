@@ -211,6 +211,15 @@ impl Fleet {
         }
     }
 
+    /// Declares `consumer`'s need from several providers in order (docs/protocol.md
+    /// §11.13); each lists the consumer among the capability's callers.
+    pub fn need_from(&mut self, consumer: &str, key: &str, providers: &[&str], spec: Value) {
+        for p in providers {
+            self.need(consumer, key, p, spec.clone());
+        }
+        self.host(consumer).needs.get_mut(key).expect("declared")["from"] = json!(providers);
+    }
+
     pub fn capability(&mut self, host: &str, name: &str, spec: Value) {
         let mut spec = spec;
         if spec.get("callers").is_none() {

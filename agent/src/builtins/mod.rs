@@ -170,7 +170,10 @@ async fn serve(
         Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
         Builtin::Needs => Ok(Reply::json(
             StatusCode::OK,
-            &json!({"needs": app.fulfiller.declared()}),
+            &fort_core::wire::NeedsList {
+                needs: app.fulfiller.declared(),
+                served_by: app.fulfiller.served_by(),
+            },
         )),
         Builtin::Journal => {
             let spec = journal::command(&params, app.config.handler_timeout)

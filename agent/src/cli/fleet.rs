@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use fort_core::text::printable;
 
 use super::human::span;
-use super::table::{last_run, need_state, peer_text, Table, TEXT_CELL};
+use super::table::{from_text, last_run, need_state, peer_text, Table, TEXT_CELL};
 use super::Session;
 
 /// One host's row in `fort fleet`.
@@ -248,7 +248,7 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
                             "  {}:{} from {}: {}: {}",
                             r.host,
                             peer_text(&n["need"]),
-                            peer_text(&n["from"]),
+                            from_text(n, fort_core::wire::unix_now()),
                             printable(state, 20),
                             if reason.is_empty() {
                                 "no answer yet".to_owned()

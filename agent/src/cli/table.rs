@@ -18,6 +18,16 @@ pub(crate) fn peer_text(v: &Value) -> String {
         .unwrap_or_default()
 }
 
+/// A need's provider, and when it moved there from another of its providers
+/// (docs/protocol.md §11.13): `edge2 (moved 3m ago)`.
+pub(crate) fn from_text(need: &Value, now: u64) -> String {
+    let from = peer_text(&need["from"]);
+    match need["home_since"].as_u64() {
+        Some(at) => format!("{from} (moved {})", super::human::relative(Some(at), now)),
+        None => from,
+    }
+}
+
 /// Columns sized to their widest cell; numbers right-aligned; the last column is not
 /// padded, so a long reason does not push the others apart.
 pub(crate) struct Table {
@@ -190,7 +200,7 @@ pub fn status_table(status: &Value) -> String {
         for n in items.into_iter().flatten() {
             t.row(vec![
                 peer_text(&n["need"]),
-                peer_text(&n["from"]),
+                from_text(n, now),
                 printable(need_state(n), 20),
                 relative(n["since"].as_u64().or(n["satisfied_at"].as_u64()), now),
                 relative(n["expires_at"].as_u64(), now),

@@ -1,6 +1,7 @@
 //! GC sweeps (§8): an entry goes only on evidence. Hosts are asked once per sweep which
 //! needs they declare; only a verified `200` with a `needs` array that lacks the entry
-//! counts as absence, and absence must last the grace period. Hosts gone from hosts.json
+//! counts as absence, and absence must last the grace period. A need the list says
+//! another provider serves (`served_by`, §11.13) counts as absent here too. Hosts gone from hosts.json
 //! lose their entries at once; principals' entries expire after a TTL.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,8 +22,9 @@ use crate::app::App;
 /// What one enumeration proved.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Evidence {
-    /// A verified list of the needs the origin declares now.
-    Declares(BTreeSet<String>),
+    /// A verified list of the needs the origin declares now and has this host serve
+    /// (needs it declares but has another provider serve map to that provider).
+    Declares(BTreeSet<String>, BTreeMap<String, String>),
     /// No proof; the class of failure (`timeout`, `refused`, `401`, `bad_signature`, …).
     NoProof(String),
 }
@@ -80,7 +82,20 @@ pub async fn enumerate(app: &App, origin: &str, timeout: Duration) -> Evidence {
         return Evidence::NoProof("bad_signature".into());
     }
     match serde_json::from_slice::<NeedsList>(&reply.body) {
-        Ok(list) => Evidence::Declares(list.needs.into_iter().collect()),
+        Ok(list) => {
+            let me = app.config.host.as_str();
+            let elsewhere: BTreeMap<String, String> = list
+                .served_by
+                .into_iter()
+                .filter(|(_, home)| home != me)
+                .collect();
+            let here = list
+                .needs
+                .into_iter()
+                .filter(|n| !elsewhere.contains_key(n))
+                .collect();
+            Evidence::Declares(here, elsewhere)
+        }
         Err(_) => Evidence::NoProof("bad_json".into()),
     }
 }
@@ -163,21 +178,24 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
                     }
                 }
                 Some(PeerKind::Host) => match evidence.get(origin) {
-                    Some(Evidence::Declares(needs)) if needs.contains(need) => {
+                    Some(Evidence::Declares(needs, _)) if needs.contains(need) => {
                         if absent_since.is_some() {
                             clear_absent.push(key.clone());
                         }
                     }
-                    Some(Evidence::Declares(_)) => {
+                    Some(Evidence::Declares(_, elsewhere)) => {
                         let since = absent_since.unwrap_or(now);
                         if now.saturating_sub(since) >= grace && absent_since.is_some()
                             || grace == 0
                         {
                             remove.push((key.clone(), *requested_at));
-                            report.removed.push(decision(
-                                "remove",
-                                format!("{origin} no longer declares {need} (verified)"),
-                            ));
+                            let why = match elsewhere.get(need) {
+                                Some(home) => {
+                                    format!("{origin} has {home} serve {need} (verified)")
+                                }
+                                None => format!("{origin} no longer declares {need} (verified)"),
+                            };
+                            report.removed.push(decision("remove", why));
                         } else {
                             if absent_since.is_none() {
                                 mark_absent.push((key.clone(), *requested_at));

@@ -1,5 +1,6 @@
-//! `POST /agent/needs/<type>/<id>` — only the need's provider (`from`): deliver or revoke
+//! `POST /agent/needs/<type>/<id>` — only the need's providers (`from`): deliver or revoke
 //! a response (§7); also each item of a callback batch, which may carry a verdict (§11.9).
+//! Only the need's home is heard (§11.13); another of its providers is acknowledged.
 
 use std::sync::Arc;
 
@@ -33,11 +34,24 @@ pub(super) async fn deliver(
         .fulfiller
         .spec(need)
         .ok_or_else(|| ApiError::NotFound(format!("this host declares no need {need}")))?;
-    if spec.from != caller.origin {
+    if !spec.from.names(&caller.origin) {
         return Err(ApiError::Forbidden(format!(
             "{need} is provided by {}, not {}",
             spec.from, caller.origin
         )));
+    }
+    if app.fulfiller.home(need).as_deref() != Some(caller.origin.as_str()) {
+        // A provider the need moved away from (back after an outage, redelivering what it
+        // holds, or revoking it in its GC): acknowledged so it stops, and not applied.
+        tracing::info!(need = %need, from = %caller.origin, "callback from a provider that no longer serves the need; not applied");
+        return Ok(Reply::json(
+            StatusCode::OK,
+            &CallbackReply {
+                need: need.to_string(),
+                satisfied: app.fulfiller.is_satisfied(need),
+                applying: false,
+            },
+        ));
     }
     let outcome = app
         .fulfiller

@@ -18,6 +18,7 @@ pub async fn handle(app: &Arc<App>, _caller: &Caller, body: Bytes) -> Result<Rep
         StatusCode::OK,
         &NeedsList {
             needs: app.fulfiller.declared(),
+            served_by: app.fulfiller.served_by(),
         },
     ))
 }

@@ -19,7 +19,10 @@ pub use hosts::{
     is_address, is_plaintext_address, HostEntry, HostsFile, Peer, PeerKind, PrincipalEntry,
     Registry,
 };
-pub use needs::{load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs};
+pub use needs::{
+    load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs, Providers,
+    MAX_PROVIDERS,
+};
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
 pub const BUILTIN_CAPABILITIES: [&str; 7] = [

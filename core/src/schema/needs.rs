@@ -16,8 +16,8 @@ use crate::wire::{json_depth, MAX_REQUEST_DEPTH};
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct NeedSpec {
-    /// The provider host.
-    pub from: String,
+    /// The provider host, or several in order of preference (§11.13).
+    pub from: Providers,
     /// Sent as `request` in the async body; must be a JSON object. May hold references
     /// to other needs' payloads (§11.5).
     pub request: serde_json::Value,
@@ -52,6 +52,71 @@ pub struct NeedSpec {
     /// empty, so that declarations hashed before keys existed hash the same.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub keys: BTreeMap<String, KeySpec>,
+    /// How long the home must have failed before a due need moves to the next provider
+    /// (§11.13); `None`: twice `nag_seconds`. Not written when absent, so declarations
+    /// read before it existed read and hash the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failover_after_seconds: Option<u64>,
+}
+
+/// The most providers one need may name: each is a place a consumer may be moved to, and
+/// every one of them has to accept the consumer.
+pub const MAX_PROVIDERS: usize = 8;
+
+/// `from`: one provider, or several in order of preference (§11.13). Written back the
+/// way it was read, so that a single string serialises (and hashes) as it always did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Providers {
+    One(String),
+    Several(Vec<String>),
+}
+
+impl Providers {
+    /// Every provider, in order.
+    pub fn all(&self) -> &[String] {
+        match self {
+            Providers::One(p) => std::slice::from_ref(p),
+            Providers::Several(list) => list,
+        }
+    }
+
+    /// The provider a need starts at.
+    pub fn first(&self) -> &str {
+        self.all().first().map_or("", String::as_str)
+    }
+
+    /// Whether `host` is one of the providers.
+    pub fn names(&self, host: &str) -> bool {
+        self.all().iter().any(|p| p == host)
+    }
+
+    /// More than one provider: the need can move (§11.13).
+    pub fn several(&self) -> bool {
+        self.all().len() > 1
+    }
+}
+
+impl From<&str> for Providers {
+    fn from(host: &str) -> Providers {
+        Providers::One(host.to_owned())
+    }
+}
+
+impl std::fmt::Display for Providers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.all().join(", "))
+    }
+}
+
+impl NeedSpec {
+    /// How long the home must have failed before the need moves (§11.13).
+    pub fn failover_after(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(
+            self.failover_after_seconds
+                .unwrap_or(self.nag_seconds.saturating_mul(2)),
+        )
+    }
 }
 
 impl NeedSpec {
@@ -230,10 +295,26 @@ pub fn validate_needs(
         let bad = |message: String| invalid(file, format!("need {key:?}: {message}"));
         let need = NeedKey::parse(&key)
             .ok_or_else(|| invalid(file, format!("need key {key:?} is not <type>/<id>")))?;
-        if !registry.is_host(&spec.from) {
+        let providers = spec.from.all();
+        if providers.is_empty() || providers.len() > MAX_PROVIDERS {
             return Err(bad(format!(
-                "from {:?} is not a host in hosts.json",
-                spec.from
+                "from must name 1 to {MAX_PROVIDERS} providers"
+            )));
+        }
+        for (i, p) in providers.iter().enumerate() {
+            if !registry.is_host(p) {
+                return Err(bad(format!("from {p:?} is not a host in hosts.json")));
+            }
+            if providers[..i].contains(p) {
+                return Err(bad(format!("from names {p:?} twice")));
+            }
+        }
+        if spec
+            .failover_after_seconds
+            .is_some_and(|s| s == 0 || s > MAX_NAG_SECONDS)
+        {
+            return Err(bad(format!(
+                "failover_after_seconds must be 1 to {MAX_NAG_SECONDS} (a year), or null"
             )));
         }
         if !spec.request.is_object() {

@@ -43,6 +43,7 @@ pub const CAPABILITY: Capability = Capability {
         "not_after",
         "expires_at",
     ],
+    failover: crate::Failover::Independent,
 };
 
 /// Orders moved on at once: each step is a few requests to the CA.

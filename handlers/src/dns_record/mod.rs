@@ -32,6 +32,9 @@ pub const CAPABILITY: Capability = Capability {
     run,
     vet,
     answers: &["name", "type", "values", "ttl"],
+    failover: crate::Failover::OneProvider(
+        "its providers would share one DNS primary, and a standby does not adopt the records another provider made there",
+    ),
 };
 
 /// Updates in flight at once on the one connection: enough to hide the round trip, few

@@ -25,6 +25,7 @@ pub const CAPABILITY: Capability = Capability {
     run,
     vet,
     answers: &["client_id", "client_secret", "issuer"],
+    failover: crate::Failover::Independent,
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {

@@ -26,6 +26,9 @@ pub const CAPABILITY: Capability = Capability {
     run,
     vet,
     answers: &["host", "port", "dbname", "user", "password", "uri"],
+    failover: crate::Failover::OneProvider(
+        "its providers would share one PostgreSQL server, and a standby does not adopt the roles and databases another provider made there",
+    ),
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {

@@ -37,6 +37,9 @@ pub const CAPABILITY: Capability = Capability {
     run,
     vet,
     answers: &["server_names", "upstream", "tls"],
+    failover: crate::Failover::OneProvider(
+        "two edges serving the same names would each hold the vhost, and a standby does not adopt what another edge made",
+    ),
 };
 
 /// Past this, no further test is started: the agent kills a run at 60 s.

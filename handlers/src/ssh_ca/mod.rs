@@ -40,6 +40,7 @@ pub const CAPABILITY: Capability = Capability {
         "ca_public_key",
         "known_hosts_line",
     ],
+    failover: crate::Failover::Independent,
 };
 
 fn check(path: &Path) -> anyhow::Result<()> {
