@@ -319,39 +319,44 @@ pub fn write(path: &Path, plain: &[u8], key: Option<&StateKey>) -> std::io::Resu
     }
 }
 
-/// Every sealed file under `dir`, recursively; symbolic links are not followed, and files
-/// moved aside (`set-aside/`) are not the agent's any more.
+/// Every sealed file under `dir`, recursively, as written (the envelope's own prefix);
+/// symbolic links are not followed, and files moved aside (`set-aside/`) are not the
+/// agent's any more. What cannot be read below `dir` is passed over: the handler that
+/// owns it reports it when it loads it.
 pub fn sealed_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     use std::io::Read as _;
+    let head = |path: &Path| -> std::io::Result<bool> {
+        let mut head = [0u8; PREFIX.len()];
+        let mut f = std::fs::File::open(path)?;
+        let mut got = 0;
+        while got < head.len() {
+            match f.read(&mut head[got..])? {
+                0 => break,
+                n => got += n,
+            }
+        }
+        Ok(is_sealed(&head[..got]))
+    };
     let mut out = Vec::new();
     let mut todo = vec![dir.to_owned()];
     while let Some(d) = todo.pop() {
         let entries = match std::fs::read_dir(&d) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
+            Err(e) if d == dir => return Err(e),
+            Err(_) => continue,
         };
-        for entry in entries {
-            let entry = entry?;
-            let kind = entry.file_type()?;
+        for entry in entries.flatten() {
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
             let path = entry.path();
             if kind.is_dir() {
                 if entry.file_name() != "set-aside" {
                     todo.push(path);
                 }
-            } else if kind.is_file() {
-                let mut head = [0u8; PREFIX.len()];
-                let mut f = std::fs::File::open(&path)?;
-                let mut got = 0;
-                while got < head.len() {
-                    match f.read(&mut head[got..])? {
-                        0 => break,
-                        n => got += n,
-                    }
-                }
-                if is_sealed(&head[..got]) {
-                    out.push(path);
-                }
+            } else if kind.is_file() && head(&path).unwrap_or(false) {
+                out.push(path);
             }
         }
     }
