@@ -34,7 +34,7 @@ let
   isHost = n: facts.hosts ? ${n};
   isPrincipal = n: facts.principals ? ${n};
   quote = s: ''"${s}"'';
-  inherit (fortLib) credentialKeyPath;
+  inherit (fortLib) credentialKeyPath stateKeyPath;
   haveFleet = cluster.fleet != null;
 
   check = assertion: message: { inherit assertion message; };
@@ -104,6 +104,11 @@ let
     # systemd loads hostKeyFile as the credential host-key; a different settings.host_key
     # would make the agent read a file it may not be allowed to, and sign with a key
     # other than the one the fleet was told about.
+    # stateEncryption loads the credential state-key; the agent must read that one, or
+    # it would seal with a key systemd does not protect (or refuse to start).
+    (check (!cfg.stateEncryption.enable || (cfg.settings.state_key_file or null) == stateKeyPath)
+      "services.fort-agent.settings.state_key_file = ${quote (toString (cfg.settings.state_key_file or ""))}: with stateEncryption the agent reads its state key from the credential systemd decrypts from services.fort-agent.stateEncryption.credentialFile (${cfg.stateEncryption.credentialFile}); leave settings.state_key_file unset."
+    )
     (check (cfg.settings.host_key == credentialKeyPath)
       "services.fort-agent.settings.host_key = ${quote (toString cfg.settings.host_key)}: the agent reads its key from the credential systemd loads from services.fort-agent.hostKeyFile (${toString cfg.hostKeyFile}). Set hostKeyFile = ${quote (toString cfg.settings.host_key)} instead and leave settings.host_key unset."
     )

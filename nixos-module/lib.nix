@@ -114,6 +114,8 @@ rec {
   # LoadCredential= puts the key here, readable by the service user only, so the agent
   # need not run as root to sign and the key never passes through the store.
   credentialKeyPath = "/run/credentials/fort-agent.service/host-key";
+  # services.fort-agent.stateEncryption: the state key as systemd decrypts it.
+  stateKeyPath = "/run/credentials/fort-agent.service/state-key";
 
   # Interpolation, not toString: a handler given as a path literal (./callback.sh) is
   # copied into the store and so exists on the target; a derivation becomes its out path.

@@ -147,6 +147,51 @@ in
       description = "Packages on the PATH of handlers (systemd's `systemctl` is always there, for restarting units).";
     };
 
+    stateEncryption = {
+      enable = mkOption {
+        type = types.bool;
+        default = false;
+        description = ''
+          Seal the state that holds secrets (the SSH CA key, the ACME account key,
+          postgres passwords, OIDC registration tokens) with a state key, so that a copy of
+          `/var/lib/fort` (a backup, a snapshot) gives none of them away. The key is a
+          systemd encrypted credential (`credentialFile`), made on first start with
+          `systemd-creds encrypt` and given to the agent with `LoadCredentialEncrypted=`;
+          when it cannot be decrypted the agent does not start (never a fallback to
+          plaintext). What this protects and what not: docs/at-rest.md.
+        '';
+      };
+      credentialFile = mkOption {
+        type = types.addCheck types.str (
+          x: lib.hasPrefix "/" x && !lib.hasPrefix "${builtins.storeDir}/" x
+        ) // {
+          description = "absolute path not in the Nix store";
+        };
+        default = "/var/lib/fort-credentials/state-key.cred";
+        description = ''
+          The encrypted credential holding the state key (`systemd-creds encrypt
+          --name=state-key`). Made by `fort-state-key.service` when missing; outside
+          `/var/lib/fort`, so that a copy of the state directory alone never carries it.
+          Losing it loses the sealed state: the provider then issues again.
+        '';
+      };
+      withKey = mkOption {
+        type = types.enum [
+          "auto"
+          "host"
+          "tpm2"
+          "host+tpm2"
+        ];
+        default = "auto";
+        description = ''
+          What the credential is encrypted with when it is made (`systemd-creds encrypt
+          --with-key=`): `auto` is the host's credential secret and the TPM2 when the
+          machine has one, else the host's secret alone. With the host's secret alone, a
+          copy of the whole of `/var/lib` opens it; with a TPM2 only this machine can.
+        '';
+      };
+    };
+
     strictSandbox = mkOption {
       type = types.bool;
       default = false;

@@ -17,7 +17,7 @@ let
 
   etcDir = "/etc/fort";
   configPath = "${etcDir}/agent.toml";
-  inherit (fortLib) credentialKeyPath;
+  inherit (fortLib) credentialKeyPath stateKeyPath;
 
   callers = fortLib.callersOf {
     self = cfg.hostName;
@@ -157,6 +157,7 @@ in
           // lib.optionalAttrs cfg.metrics.enable { metrics_listen = cfg.metrics.listen; }
           # Only when on, so that a host without them ships the agent's defaults.
           // lib.optionalAttrs cfg.plaintext { plaintext = true; }
+          // lib.optionalAttrs cfg.stateEncryption.enable { state_key_file = stateKeyPath; }
           // lib.optionalAttrs (cfg.handlerEnvironment != { }) {
             handler_environment = cfg.handlerEnvironment;
           }
@@ -266,6 +267,11 @@ in
               "AF_NETLINK"
             ];
           }
+          // lib.optionalAttrs cfg.stateEncryption.enable {
+            # The state key, decrypted by systemd into the unit's private credentials
+            # directory only; a credential that cannot be decrypted fails the start.
+            LoadCredentialEncrypted = [ "state-key:${cfg.stateEncryption.credentialFile}" ];
+          }
           // lib.optionalAttrs cfg.strictSandbox {
             # Hardening that breaks handlers acting on the rest of the system; opt-in
             # (services.fort-agent.strictSandbox). The state and runtime directories stay
@@ -289,6 +295,37 @@ in
           };
         };
       }
+
+      (lib.mkIf cfg.stateEncryption.enable {
+        # The state key is made once, before the agent's first start with it: 32 random
+        # bytes straight into `systemd-creds encrypt`, never on disk in plaintext. An
+        # existing credential is never replaced (the sealed state needs it).
+        # Wants=, not Requires=: should making it fail, the agent's own start still fails
+        # (LoadCredentialEncrypted= of a missing file), with systemd saying which.
+        systemd.services.fort-agent = {
+          wants = [ "fort-state-key.service" ];
+          after = [ "fort-state-key.service" ];
+        };
+        systemd.services.fort-state-key = {
+          description = "fort agent state key";
+          unitConfig.ConditionPathExists = "!${cfg.stateEncryption.credentialFile}";
+          serviceConfig = {
+            Type = "oneshot";
+            UMask = "0077";
+          };
+          path = [
+            config.systemd.package
+            pkgs.coreutils
+          ];
+          script = ''
+            cred=${lib.escapeShellArg cfg.stateEncryption.credentialFile}
+            mkdir -p -m 0700 "$(dirname "$cred")"
+            head -c 32 /dev/urandom |
+              systemd-creds encrypt --name=state-key --with-key=${cfg.stateEncryption.withKey} - "$cred.new"
+            mv "$cred.new" "$cred"
+          '';
+        };
+      })
 
       {
         # triggers.systemd: one oneshot per capability, started by OnSuccess= of every

@@ -46,6 +46,9 @@ pub struct App {
     pub client: SignedClient,
     pub provider: Provider,
     pub fulfiller: Fulfiller,
+    /// Seals the handlers' state (they get its file in `FORT_STATE_KEY_FILE`); `None`:
+    /// state is kept in plaintext.
+    pub state_key: Option<Arc<fort_core::sealed::StateKey>>,
     pub metrics: Metrics,
     pub started: Instant,
     pub shutdown: CancellationToken,
@@ -272,6 +275,7 @@ impl App {
                 })
                 .map_err(|e| StartError::Io(format!("cannot create {}", dir.display()), e))?;
         }
+        let state_key = crate::state_key::load_and_check(&config).map_err(StartError::Invalid)?;
         let tasks = TaskTracker::new();
         let audit = open_audit(&config, &signer);
 
@@ -347,6 +351,7 @@ impl App {
             nonces,
             client,
             fulfiller: fulfiller.clone(),
+            state_key,
             metrics: Metrics::default(),
             started: Instant::now(),
             shutdown: shutdown.clone(),

@@ -107,6 +107,12 @@ pub struct Config {
     /// 413. Unset: 64 KiB.
     #[serde(default = "defaults::max_request_bytes")]
     pub max_request_bytes: usize,
+    /// The state key's file (docs/at-rest.md): handler state holding secrets is sealed
+    /// with it, and the agent does not start when it cannot be read. Unset: the
+    /// credential `state-key` in `$CREDENTIALS_DIRECTORY` when systemd gives one, else
+    /// state is kept in plaintext (and the log says so at start).
+    #[serde(default)]
+    pub state_key_file: Option<PathBuf>,
     /// Extra environment variables every handler gets, besides `PATH` and the `FORT_*`
     /// variables. Unset: none.
     #[serde(default)]
@@ -532,6 +538,7 @@ const RESERVED_ENVIRONMENT: &[&str] = &[
     "FORT_CAPABILITY",
     "FORT_TRIGGER",
     "FORT_RUN_ID",
+    fort_core::sealed::KEY_FILE_ENV,
 ];
 
 #[cfg(test)]

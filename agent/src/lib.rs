@@ -24,6 +24,7 @@ pub mod provider;
 pub mod rotate;
 pub mod routes;
 pub mod server;
+pub mod state_key;
 
 use std::sync::Arc;
 use std::time::Duration;

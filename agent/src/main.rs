@@ -205,6 +205,81 @@ enum Command {
     },
     /// Start a three-host demo fleet on loopback and walk through its lifecycle.
     Demo(fort_agent::demo::DemoArgs),
+    /// The key that seals state holding secrets (docs/at-rest.md).
+    #[command(subcommand)]
+    StateKey(StateKeyCommand),
+}
+
+#[derive(Subcommand)]
+enum StateKeyCommand {
+    /// Make a new random state key in FILE (mode 0400; an existing file is never
+    /// replaced). Under systemd, encrypt it with `systemd-creds encrypt --name=state-key`.
+    New {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Seal every sealed file under the state directory (and each --dir) again with the
+    /// key in --new-key, each atomically; files already under it are left alone, so an
+    /// interrupted rotation is finished by running it again. Refused while the agent
+    /// runs. Then install the new key as the agent's and start it.
+    Rotate {
+        /// The agent's config file (agent.toml): its state directory and its key.
+        #[arg(long, default_value = DEFAULT_CONFIG, value_name = "FILE")]
+        config: PathBuf,
+        /// The key the files are sealed with now. Unset: the agent's (`state_key_file`,
+        /// or the credential `state-key` in $CREDENTIALS_DIRECTORY).
+        #[arg(long, value_name = "FILE")]
+        old_key: Option<PathBuf>,
+        /// The key to seal them with.
+        #[arg(long, value_name = "FILE")]
+        new_key: PathBuf,
+        /// More directories holding handler state (a capability whose state file is
+        /// outside the state directory).
+        #[arg(long = "dir", value_name = "DIR")]
+        dirs: Vec<PathBuf>,
+    },
+}
+
+/// `fort-agent state-key`.
+async fn state_key(command: StateKeyCommand) -> ExitCode {
+    let done = match command {
+        StateKeyCommand::New { file } => fort_agent::state_key::new_key_file(&file),
+        StateKeyCommand::Rotate {
+            config,
+            old_key,
+            new_key,
+            dirs,
+        } => {
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("fort-agent state-key rotate: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            if admin::call(&cfg.admin_socket, &AdminRequest::Counts)
+                .await
+                .is_ok()
+            {
+                eprintln!(
+                    "fort-agent state-key rotate: the agent is running (it answers on {}); stop it first: it would write files under the old key meanwhile",
+                    cfg.admin_socket.display()
+                );
+                return ExitCode::FAILURE;
+            }
+            fort_agent::state_key::rotate(&cfg, old_key.as_deref(), &new_key, &dirs)
+        }
+    };
+    match done {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("fort-agent state-key: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// `fort-agent set-aside`: moves state files aside while the agent is stopped.
@@ -496,6 +571,7 @@ async fn agent_main() -> ExitCode {
                 }
             }
         }
+        Command::StateKey(command) => state_key(command).await,
         Command::Reload { json, config } => print_admin(
             admin_call(&config, AdminRequest::Reload).await,
             json,

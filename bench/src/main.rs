@@ -6,6 +6,7 @@
 //!   target/release/fort-bench status --connections 32 --duration 10s
 
 mod acme;
+mod at_rest;
 mod burst;
 mod converge;
 mod cycle;
@@ -114,6 +115,9 @@ enum Cmd {
     /// by the handler, through agents and by `lego run` once per certificate (as
     /// security.acme), and a run over M unchanged entries with pebble stopped.
     Acme(acme::AcmeArgs),
+    /// What sealing the state costs: the ssh-ca handler over M unchanged entries with
+    /// plaintext and with sealed state, in alternating runs, as a ratio.
+    AtRest(at_rest::AtRestArgs),
 }
 
 fn main() -> ExitCode {
@@ -152,6 +156,7 @@ fn main() -> ExitCode {
             Cmd::Proxy(a) => proxy::run(a, json).await,
             Cmd::SshCa(a) => sshca::run(a, json).await,
             Cmd::Acme(a) => acme::run(a, json).await,
+            Cmd::AtRest(a) => at_rest::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -94,14 +94,14 @@ impl Bench {
     }
 }
 
-fn public(k: &PrivateKey) -> String {
+pub(crate) fn public(k: &PrivateKey) -> String {
     k.public_key().to_openssh().expect("encodes")
 }
 
 /// `n` entries over `hosts` hosts: `h0000:ssh-ca/host` (a host certificate for its
 /// default principals) and `h0000:ssh-ca/uNNNN` (user certificates for `deploy`). Keys
 /// are shared round-robin from a pool: the handler's cost does not depend on which.
-fn entries(n: usize, hosts: usize, keys: &[String], tag: &str) -> Value {
+pub(crate) fn entries(n: usize, hosts: usize, keys: &[String], tag: &str) -> Value {
     let mut map = serde_json::Map::new();
     for i in 0..n {
         let host = format!("h{:04}", i % hosts);
@@ -125,7 +125,7 @@ fn entries(n: usize, hosts: usize, keys: &[String], tag: &str) -> Value {
     Value::Object(map)
 }
 
-fn fed_back(input: &Value, output: &Value) -> Value {
+pub(crate) fn fed_back(input: &Value, output: &Value) -> Value {
     let mut next = input.clone();
     for (k, v) in next.as_object_mut().expect("object") {
         v["response"] = output.get(k).cloned().unwrap_or(Value::Null);
@@ -133,7 +133,7 @@ fn fed_back(input: &Value, output: &Value) -> Value {
     next
 }
 
-fn certificates(output: &Value) -> usize {
+pub(crate) fn certificates(output: &Value) -> usize {
     output.as_object().map_or(0, |m| {
         m.values()
             .filter(|v| v.get("certificate").is_some())

@@ -9,6 +9,7 @@ pub mod compat;
 pub mod names;
 pub mod process;
 pub mod schema;
+pub mod sealed;
 pub mod sign;
 pub mod store;
 pub mod text;

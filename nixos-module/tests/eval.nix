@@ -202,6 +202,19 @@ let
         if p == [ ] && node.config.services.fort-agent.enable then builtins.deepSeq (render name node) [ ] else p
       ) nodes;
       agent = lib.mapAttrs (_: node: node.config.services.fort-agent.settings) nodes;
+      # The fort units' settings a case names (`service.<host>.<unit>`), and their scripts.
+      service = lib.mapAttrs (
+        _: node:
+        lib.mapAttrs (_: u: { inherit (u) serviceConfig unitConfig wants after; }) (
+          lib.filterAttrs (n: _: lib.hasPrefix "fort-" n) node.config.systemd.services
+        )
+      ) nodes;
+      script = lib.mapAttrs (
+        _: node:
+        lib.concatMapStrings (u: u.script) (
+          lib.attrValues (lib.filterAttrs (n: _: lib.hasPrefix "fort-" n) node.config.systemd.services)
+        )
+      ) nodes;
       # The command that checks the generated files at build time.
       check = lib.mapAttrs (
         _: node: node.config.environment.etc."fort/agent.toml".source.buildCommand or ""

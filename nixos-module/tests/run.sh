@@ -203,7 +203,8 @@ fi
 # (type errors, which the module system reports before any assertion); `absent`,
 # strings no message may contain; `agent.<host>`, settings that host's agent.toml must
 # contain; `check.<host>`, strings the command checking that host's files at build time
-# must contain.
+# must contain; `service.<host>.<unit>`, unit settings it must have; `script.<host>`,
+# strings the fort units' scripts must contain.
 for case in "$here"/broken/*.nix; do
   name=$(basename "$case" .nix)
   evaluate --argstr mode broken --arg case "$case" >"$work/$name.json" 2>"$work/$name.err" && status=0 || status=$?
@@ -234,14 +235,20 @@ for case in "$here"/broken/*.nix; do
     jq -r --slurpfile got "$work/$name.json" '[$got[0].messages[][]] as $m | .[] | . as $a | $m[] | select(contains($a))')
   settings=$(nix-instantiate --eval --strict --json -E "(import $case).agent or { }" |
     jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value as $v | select(($got[0].agent[$h] | contains($v)) | not) | "agent.toml of \($h) lacks \($v | tojson)"')
+  units=$(nix-instantiate --eval --strict --json -E "(import $case).service or { }" |
+    jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value as $v | select(($got[0].service[$h] | contains($v)) | not) | "the units of \($h) lack \($v | tojson)"')
+  scripts=$(nix-instantiate --eval --strict --json -E "(import $case).script or { }" |
+    jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value[] | . as $w | select($got[0].script[$h] | contains($w) | not) | "the scripts of \($h) lack \($w | tojson)"')
   checks=$(nix-instantiate --eval --strict --json -E "(import $case).check or { }" |
     jq -r --slurpfile got "$work/$name.json" 'to_entries[] | .key as $h | .value[] | . as $w | select($got[0].check[$h] | contains($w) | not) | "the build-time check of \($h) lacks \($w | tojson)"')
-  if [ -n "$missing$settings$present$checks" ]; then
+  if [ -n "$missing$settings$present$checks$units$scripts" ]; then
     fail "broken/$name: no assertion or warning says (or one says what it must not):"
     [ -z "$missing" ] || printf '       %s\n' "$missing"
     [ -z "$settings" ] || printf '       %s\n' "$settings"
     [ -z "$present" ] || printf '       unexpected: %s\n' "$present"
     [ -z "$checks" ] || printf '       %s\n' "$checks"
+    [ -z "$units" ] || printf '       %s\n' "$units"
+    [ -z "$scripts" ] || printf '       %s\n' "$scripts"
     echo "     got:"
     jq -r '.messages | to_entries[] | .key as $h | .value[] | "       \($h): \(.)"' "$work/$name.json"
   else

@@ -209,6 +209,13 @@ impl Worker {
             .env("FORT_CAPABILITY", self.capability.clone())
             .env("FORT_TRIGGER", trigger.as_str())
             .envs(&app.config.handler_environment);
+        if let Some(key) = &app.state_key {
+            // The path, never the key: a handler reads it through the handler library.
+            spec_run = spec_run.env(
+                fort_core::sealed::KEY_FILE_ENV,
+                key.source().display().to_string(),
+            );
+        }
         spec_run.max_stdout = 64 * 1024 * 1024;
         let outcome = run(&spec_run).await;
         record.duration_ms = started.elapsed().as_millis() as u64;

@@ -3,14 +3,21 @@
 //! `version` so a later release can upgrade it. It records what the handler created, so
 //! cleanup removes only that (never "everything not in this run").
 //!
+//! With a state key (docs/at-rest.md; the agent names its file in `FORT_STATE_KEY_FILE`),
+//! the document is sealed: a plain one from an earlier release is sealed in place on the
+//! first load, a sealed one under another key or changed on disk is refused whole. Every
+//! capability keeps its state here, so every capability's state is sealed.
+//!
 //! Across releases (docs/compatibility.md): members this release does not know, in the
 //! state or around it, are kept and written back; a version above the one it writes is
 //! refused with the file, the version and the release that wrote it.
 
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use fort_core::compat::{self, Unknown};
+use fort_core::sealed::{self, StateKey};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -18,6 +25,9 @@ use serde_json::{Map, Value};
 /// A versioned state document at `path`.
 pub struct StateFile {
     path: PathBuf,
+    /// The key that seals it: `Err` when one was named and cannot be used (every load
+    /// and save then fails with why), `None` for plain state.
+    key: Result<Option<Arc<StateKey>>, String>,
     /// What the last [`StateFile::load`] read that this release does not know: members of
     /// the state, and of the document around it.
     kept: RefCell<(Unknown, Map<String, Value>)>,
@@ -27,10 +37,28 @@ pub struct StateFile {
 const OWN_MEMBERS: [&str; 3] = ["version", "state", compat::WRITTEN_BY];
 
 impl StateFile {
+    /// The state file at `path`, sealed with the key the agent named in
+    /// `FORT_STATE_KEY_FILE` (plain when it named none).
     pub fn new(path: impl Into<PathBuf>) -> StateFile {
+        StateFile::with_key(path, handler_key())
+    }
+
+    /// The state file at `path`, sealed with `key` (plain with `Ok(None)`).
+    pub fn with_key(
+        path: impl Into<PathBuf>,
+        key: Result<Option<Arc<StateKey>>, String>,
+    ) -> StateFile {
         StateFile {
             path: path.into(),
+            key,
             kept: RefCell::default(),
+        }
+    }
+
+    fn key(&self) -> anyhow::Result<Option<&StateKey>> {
+        match &self.key {
+            Ok(k) => Ok(k.as_deref()),
+            Err(why) => anyhow::bail!("{}: not read or written: {why}", self.path.display()),
         }
     }
 
@@ -45,12 +73,12 @@ impl StateFile {
         version: u32,
     ) -> anyhow::Result<T> {
         let shown = self.path.display();
-        let bytes = match std::fs::read(&self.path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(T::default()),
-            Err(e) => anyhow::bail!("cannot read {shown}: {e}"),
+        let key = self.key()?;
+        let Some(read) = sealed::read(&self.path, key)? else {
+            return Ok(T::default());
         };
-        let mut doc: Map<String, Value> = serde_json::from_slice(&bytes)
+        let bytes = &read.plain;
+        let mut doc: Map<String, Value> = serde_json::from_slice(bytes)
             .map_err(|e| anyhow::anyhow!("{shown} does not parse: {e}"))?;
         let found = doc.get("version").and_then(Value::as_u64);
         if found != Some(u64::from(version)) {
@@ -80,6 +108,13 @@ impl StateFile {
         })?;
         doc.retain(|k, _| !OWN_MEMBERS.contains(&k.as_str()));
         *self.kept.borrow_mut() = (unknown, doc);
+        if let (Some(key), true) = (key, read.was_plain) {
+            // Plain state from an earlier release, or from before the key: the same
+            // bytes, sealed in place (atomically) before anything else happens.
+            sealed::write(&self.path, bytes, Some(key))
+                .map_err(|e| anyhow::anyhow!("cannot seal {shown}: {e}"))?;
+            tracing::info!(file = %shown, key = key.id(), "sealed plain state with the state key");
+        }
         Ok(value)
     }
 
@@ -98,10 +133,21 @@ impl StateFile {
             doc.insert(compat::WRITTEN_BY.into(), Value::from(compat::writer()));
         }
         doc.insert("state".into(), compat::to_value(state, &kept.0)?);
-        let bytes = serde_json::to_vec(&doc)?;
-        fort_core::store::write_atomic(&self.path, &bytes)
+        let bytes = zeroize::Zeroizing::new(serde_json::to_vec(&doc)?);
+        sealed::write(&self.path, &bytes, self.key()?)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", self.path.display()))
     }
+}
+
+/// The state key of this handler process, read once from the file the agent named in
+/// `FORT_STATE_KEY_FILE`; `None` when it named none.
+pub fn handler_key() -> Result<Option<Arc<StateKey>>, String> {
+    static KEY: OnceLock<Result<Option<Arc<StateKey>>, String>> = OnceLock::new();
+    KEY.get_or_init(|| match std::env::var_os(sealed::KEY_FILE_ENV) {
+        None => Ok(None),
+        Some(path) => StateKey::load(Path::new(&path)).map(|k| Some(Arc::new(k))),
+    })
+    .clone()
 }
 
 /// Creates `dir` (and its parents) mode 0700 when missing.

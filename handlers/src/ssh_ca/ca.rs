@@ -1,6 +1,6 @@
 //! The certificate authority's key: loaded from its file (an unencrypted OpenSSH ed25519
-//! key that only its owner may read), made on the first run when the operator asks for
-//! that, and used to sign host and user certificates with `ssh-key`'s builder.
+//! key that only its owner may read, or that key sealed with the state key), made on the
+//! first run when the operator asks for that (sealed when there is a state key), and used to sign host and user certificates with `ssh-key`'s builder.
 
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -54,9 +54,15 @@ impl Ca {
                 meta.mode() & 0o7777
             );
         }
-        let text = std::fs::read(path)
-            .map_err(|e| anyhow::anyhow!("cannot read the CA key {}: {e}", path.display()))?;
-        let key = PrivateKey::from_openssh(&text).map_err(|e| {
+        // Sealed with the state key when the handler has one (docs/at-rest.md); a key
+        // this handler made and finds plain (made before the state key) is sealed in
+        // place. A key the operator provides is theirs: read as it is, plain or sealed.
+        let state_key = crate::common::state::handler_key()
+            .map_err(|why| anyhow::anyhow!("the CA key {} is not read: {why}", path.display()))?;
+        let read = fort_core::sealed::read(path, state_key.as_deref())?
+            .ok_or_else(|| anyhow::anyhow!("the CA key {} is gone", path.display()))?;
+        let text = &read.plain[..];
+        let key = PrivateKey::from_openssh(text).map_err(|e| {
             anyhow::anyhow!(
                 "the CA key {} is not an OpenSSH private key ({e})",
                 path.display()
@@ -74,6 +80,11 @@ impl Ca {
                 path.display(),
                 key.algorithm()
             );
+        }
+        if let (Some(state_key), true, true) = (&state_key, read.was_plain, generate) {
+            fort_core::sealed::write(path, text, Some(state_key))
+                .map_err(|e| anyhow::anyhow!("cannot seal the CA key {}: {e}", path.display()))?;
+            tracing::info!(path = %path.display(), "sealed the CA key with the state key");
         }
         Ca::from_key(key, comment)
     }
@@ -118,6 +129,11 @@ fn generate_key(path: &Path) -> anyhow::Result<()> {
     crate::common::state::create_private_dir(dir)?;
     let key = PrivateKey::random(&mut OsRng, Algorithm::Ed25519)?;
     let text = key.to_openssh(LineEnding::LF)?;
+    let state_key = crate::common::state::handler_key().map_err(|why| anyhow::anyhow!("{why}"))?;
+    let bytes = match &state_key {
+        Some(k) => zeroize::Zeroizing::new(k.seal(path, text.as_bytes())),
+        None => zeroize::Zeroizing::new(text.as_bytes().to_vec()),
+    };
     let tmp = dir.join(format!(".ssh-ca-key.{}.tmp", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     let result = (|| -> std::io::Result<()> {
@@ -127,7 +143,7 @@ fn generate_key(path: &Path) -> anyhow::Result<()> {
             .mode(0o400)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)?;
-        f.write_all(text.as_bytes())?;
+        f.write_all(&bytes)?;
         f.sync_all()?;
         std::fs::hard_link(&tmp, path)?;
         std::fs::File::open(dir)?.sync_all()

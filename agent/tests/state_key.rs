@@ -1,0 +1,177 @@
+//! The state key (docs/at-rest.md) with a real agent running the real `fort-handler
+//! ssh-ca` as a capability: without a key the agent keeps plaintext and says so; given a
+//! key, the handler's plain CA key from before is sealed in place; another key, no key
+//! and a changed file stop the start with the file and the way on; `fort-agent state-key
+//! rotate` moves everything to a new key, and running it again finishes nothing twice.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use fort_tests::{eventually, Fleet};
+use serde_json::json;
+
+/// `forge` serves ssh-ca through `fort-handler`, run at every start (`initialize`); the
+/// CA key the handler makes and its state live under the agent's state directory.
+fn forge() -> (Fleet, PathBuf) {
+    let mut f = Fleet::new();
+    f.host("forge");
+    let d = f.host_dir("forge");
+    let handlers = d.join("state/handlers/ssh-ca");
+    let ca_key = handlers.join("ca");
+    let config = d.join("ssh-ca.json");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(
+        &config,
+        json!({"ca_key_file": ca_key, "generate_ca_key": true,
+               "state_file": handlers.join("state.json"),
+               "hosts_file": d.join("hosts.json"),
+               "host_principals": {"*": ["{origin}"]}})
+        .to_string(),
+    )
+    .unwrap();
+    f.capability(
+        "forge",
+        "ssh-ca",
+        json!({"handler": fort_tests::bin("fort-handler"),
+               "args": ["ssh-ca", "--config", config], "mode": "async",
+               "triggers": {"initialize": true}}),
+    );
+    (f, ca_key)
+}
+
+fn new_key(f: &Fleet, name: &str) -> PathBuf {
+    let path = f.dir.path().join(name);
+    let out = Command::new(fort_tests::bin("fort-agent"))
+        .args(["state-key", "new"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    path
+}
+
+fn use_key(f: &mut Fleet, key: Option<&Path>) {
+    f.host("forge").extra_toml = match key {
+        Some(k) => format!("state_key_file = \"{}\"\n", k.display()),
+        None => String::new(),
+    };
+    f.write_files();
+}
+
+fn sealed(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| {
+        fort_core::sealed::is_sealed(&b) && !fort_tests::contains_bytes(&b, b"PRIVATE KEY")
+    })
+}
+
+fn log(f: &Fleet) -> String {
+    std::fs::read_to_string(f.host_dir("forge").join("agent.log")).unwrap_or_default()
+}
+
+fn refused(f: &mut Fleet) -> String {
+    match f.try_start_host("forge") {
+        Ok(()) => panic!("the agent started:\n{}", log(f)),
+        Err(log) => log,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
+    let (mut f, ca_key) = forge();
+    // The release before, or no key: plaintext, and the log says why.
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(60), || ca_key.exists()).await,
+        "the handler made no CA key:\n{}",
+        log(&f)
+    );
+    assert!(!sealed(&ca_key));
+    assert!(
+        log(&f).contains("state is kept in plaintext"),
+        "{}",
+        log(&f)
+    );
+    f.kill("forge");
+
+    // With a key: the handler's plain key is sealed in place at its next run.
+    let k1 = new_key(&f, "k1");
+    use_key(&mut f, Some(&k1));
+    f.start_host("forge");
+    assert!(
+        eventually(Duration::from_secs(60), || sealed(&ca_key)).await,
+        "the CA key was not sealed:\n{}",
+        log(&f)
+    );
+    f.kill("forge");
+
+    // Another key: the start stops, naming the file and the way on; nothing changes.
+    let before = std::fs::read(&ca_key).unwrap();
+    let k2 = new_key(&f, "k2");
+    use_key(&mut f, Some(&k2));
+    let why = refused(&mut f);
+    assert!(why.contains(&ca_key.display().to_string()), "{why}");
+    assert!(why.contains("not with this one"), "{why}");
+    assert!(why.contains("move the file aside"), "{why}");
+    // No key at all: refused too, never read as plaintext.
+    use_key(&mut f, None);
+    let why = refused(&mut f);
+    assert!(why.contains("this process has no state key"), "{why}");
+    // A key file that is not one.
+    let bad = f.dir.path().join("bad");
+    std::fs::write(&bad, "not a key").unwrap();
+    use_key(&mut f, Some(&bad));
+    let why = refused(&mut f);
+    assert!(why.contains("must be 32 bytes"), "{why}");
+    assert_eq!(std::fs::read(&ca_key).unwrap(), before);
+
+    // Rotation to k2, with the agent stopped; the agent then starts and runs on k2.
+    let rotate = |old: &Path, new: &Path| {
+        Command::new(fort_tests::bin("fort-agent"))
+            .args(["state-key", "rotate", "--config"])
+            .arg(f.config_path("forge"))
+            .arg("--old-key")
+            .arg(old)
+            .arg("--new-key")
+            .arg(new)
+            .output()
+            .unwrap()
+    };
+    // The CA key and whatever state the handler keeps beside it.
+    let files = fort_core::sealed::sealed_files(&f.host_dir("forge").join("state")).unwrap();
+    assert!(files.contains(&ca_key), "{files:?}");
+    let out = rotate(&k1, &k2);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains(&format!("sealed {} file(s)", files.len())),
+        "{text}"
+    );
+    // Again: nothing left to do, and nothing done twice.
+    let out = rotate(&k1, &k2);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("sealed 0 file(s) with the state key")
+            && text.contains(&format!("({} already were)", files.len())),
+        "{text}"
+    );
+    use_key(&mut f, Some(&k2));
+    f.start_host("forge");
+    assert!(sealed(&ca_key));
+    f.kill("forge");
+
+    // One changed character: authentication fails, the start stops.
+    let text = String::from_utf8(std::fs::read(&ca_key).unwrap()).unwrap();
+    let at = text.find("\"data\":\"").unwrap() + 8;
+    let flipped = if &text[at..at + 1] == "A" { "B" } else { "A" };
+    std::fs::write(
+        &ca_key,
+        format!("{}{flipped}{}", &text[..at], &text[at + 1..]),
+    )
+    .unwrap();
+    let why = refused(&mut f);
+    assert!(
+        why.contains("authentication of the sealed contents failed"),
+        "{why}"
+    );
+}
