@@ -4,6 +4,7 @@
 mod fleet;
 mod graph;
 pub mod human;
+pub mod offline;
 mod ops;
 mod table;
 pub mod versions;

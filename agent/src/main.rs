@@ -240,91 +240,6 @@ enum StateKeyCommand {
     },
 }
 
-/// `fort-agent state-key`.
-async fn state_key(command: StateKeyCommand) -> ExitCode {
-    let done = match command {
-        StateKeyCommand::New { file } => fort_agent::state_key::new_key_file(&file),
-        StateKeyCommand::Rotate {
-            config,
-            old_key,
-            new_key,
-            dirs,
-        } => {
-            let cfg = match Config::load(&config) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("fort-agent state-key rotate: {e}");
-                    return ExitCode::from(2);
-                }
-            };
-            if admin::call(&cfg.admin_socket, &AdminRequest::Counts)
-                .await
-                .is_ok()
-            {
-                eprintln!(
-                    "fort-agent state-key rotate: the agent is running (it answers on {}); stop it first: it would write files under the old key meanwhile",
-                    cfg.admin_socket.display()
-                );
-                return ExitCode::FAILURE;
-            }
-            fort_agent::state_key::rotate(&cfg, old_key.as_deref(), &new_key, &dirs)
-        }
-    };
-    match done {
-        Ok(text) => {
-            println!("{text}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("fort-agent state-key: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `fort-agent set-aside`: moves state files aside while the agent is stopped.
-async fn set_aside(config: &std::path::Path, files: &[String]) -> ExitCode {
-    let cfg = match Config::load(config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("fort-agent set-aside: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    const STORES: [&str; 2] = [fort_agent::provider::state::FILE, fort_fulfill::state::FILE];
-    if let Some(f) = files.iter().find(|f| !STORES.contains(&f.as_str())) {
-        eprintln!(
-            "fort-agent set-aside: {f:?} is not a state file fort-agent keeps (one of {STORES:?})"
-        );
-        return ExitCode::from(2);
-    }
-    if admin::call(&cfg.admin_socket, &AdminRequest::Counts)
-        .await
-        .is_ok()
-    {
-        eprintln!(
-            "fort-agent set-aside: the agent is running (it answers on {}); stop it first: it would write the files again",
-            cfg.admin_socket.display()
-        );
-        return ExitCode::FAILURE;
-    }
-    for f in files {
-        let name = f.trim_end_matches(".json");
-        match fort_core::store::set_aside(&cfg.state_dir, name) {
-            Ok(Some(dir)) => println!(
-                "{f}: moved to {}; the agent starts without it",
-                dir.display()
-            ),
-            Ok(None) => println!("{f}: not in {}; nothing to move", cfg.state_dir.display()),
-            Err(e) => {
-                eprintln!("fort-agent set-aside: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
-    }
-    ExitCode::SUCCESS
-}
-
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FORT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -549,7 +464,9 @@ async fn agent_main() -> ExitCode {
             json,
             |v| fort_agent::cli::gc_text(&v["report"]),
         ),
-        Command::SetAside { config, files } => set_aside(&config, &files).await,
+        Command::SetAside { config, files } => {
+            fort_agent::cli::offline::set_aside(&config, &files).await
+        }
         Command::Audit(AuditCommand::Show {
             source,
             filter,
@@ -571,7 +488,18 @@ async fn agent_main() -> ExitCode {
                 }
             }
         }
-        Command::StateKey(command) => state_key(command).await,
+        Command::StateKey(StateKeyCommand::New { file }) => {
+            fort_agent::cli::offline::new_state_key(&file)
+        }
+        Command::StateKey(StateKeyCommand::Rotate {
+            config,
+            old_key,
+            new_key,
+            dirs,
+        }) => {
+            fort_agent::cli::offline::rotate_state_key(&config, old_key.as_deref(), &new_key, &dirs)
+                .await
+        }
         Command::Reload { json, config } => print_admin(
             admin_call(&config, AdminRequest::Reload).await,
             json,
