@@ -223,9 +223,18 @@ async fn files_are_private_whatever_the_umask_and_nothing_is_followed_or_left() 
     assert_eq!(ask(&f, "web/m").await, 202);
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&state), 0o700);
-    for entry in std::fs::read_dir(&state).unwrap() {
-        let path = entry.unwrap().path();
-        assert_eq!(mode(&path), 0o600, "{}", path.display());
+    // Files 0600 and directories (the audit trail's) 0700, all the way down.
+    let mut dirs = vec![state.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                assert_eq!(mode(&path), 0o700, "{}", path.display());
+                dirs.push(path);
+            } else {
+                assert_eq!(mode(&path), 0o600, "{}", path.display());
+            }
+        }
     }
     assert_eq!(mode(&f.host_dir("p").join("agent.sock")), 0o600);
     assert!(!stale.exists(), "a stale temporary file stayed");
