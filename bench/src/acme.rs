@@ -11,7 +11,6 @@
 //! CA can have happened.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -110,33 +109,15 @@ fn write_config(path: &Path, pebble: &Pebble, dir: &Path) -> Result<PathBuf> {
 /// One `fort-handler acme` run with the input the agent would give it.
 fn run_handler(bin: &Path, config: &Path, input: &Value) -> Result<(Duration, Value)> {
     let bytes = serde_json::to_vec(input)?;
-    let t = Instant::now();
-    let mut child = Command::new(bin)
-        .args(["acme", "--config"])
+    let mut cmd = Command::new(bin);
+    cmd.args(["acme", "--config"])
         .arg(config)
         .env_clear()
         .env("FORT_TRIGGER", "request")
         .env("FORT_HOST", "ca")
         .env("FORT_CAPABILITY", CAP)
-        .env("FORT_HANDLER_LOG", "warn")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("start {}", bin.display()))?;
-    let mut stdin = child.stdin.take().expect("piped");
-    let writer = std::thread::spawn(move || stdin.write_all(&bytes));
-    let out = child.wait_with_output()?;
-    let wall = t.elapsed();
-    writer
-        .join()
-        .map_err(|_| anyhow!("stdin writer panicked"))??;
-    if !out.status.success() {
-        bail!(
-            "fort-handler acme failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+        .env("FORT_HANDLER_LOG", "warn");
+    let (wall, out) = util::run_handler_once(&mut cmd, bytes, "fort-handler acme")?;
     Ok((wall, serde_json::from_slice(&out.stdout)?))
 }
 

@@ -3,12 +3,11 @@
 //! state and once with sealed state (its state and its CA key), in alternating runs of
 //! one process, so that both see the same machine; the ratio of the medians is the cost.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use ssh_key::rand_core::OsRng;
 use ssh_key::{Algorithm, PrivateKey};
@@ -66,32 +65,12 @@ impl Side {
             .env_clear()
             .env("FORT_TRIGGER", "request")
             .env("FORT_HOST", "forge")
-            .env("FORT_HANDLER_LOG", "warn")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env("FORT_HANDLER_LOG", "warn");
         if let Some(k) = &self.key {
             cmd.env(fort_core::sealed::KEY_FILE_ENV, k);
         }
         let cpu0 = util::children_cpu();
-        let t = Instant::now();
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("start {}", handler.display()))?;
-        let mut stdin = child.stdin.take().expect("piped");
-        let bytes = input.to_vec();
-        let writer = std::thread::spawn(move || stdin.write_all(&bytes));
-        let out = child.wait_with_output()?;
-        let wall = t.elapsed();
-        writer
-            .join()
-            .map_err(|_| anyhow!("stdin writer panicked"))??;
-        if !out.status.success() {
-            bail!(
-                "fort-handler ssh-ca failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        let (wall, out) = util::run_handler_once(&mut cmd, input.to_vec(), "fort-handler ssh-ca")?;
         Ok((
             wall,
             util::children_cpu().saturating_sub(cpu0),

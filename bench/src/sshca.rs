@@ -5,7 +5,6 @@
 //! were); and one run after a release, where every response gets the new KRL without
 //! a signature.
 
-use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -53,32 +52,14 @@ impl Bench {
     fn run(&self, input: &Value) -> Result<Run> {
         let bytes = serde_json::to_vec(input)?;
         let cpu0 = util::children_cpu();
-        let t = Instant::now();
-        let mut child = Command::new(&self.handler)
-            .args(["ssh-ca", "--config"])
+        let mut cmd = Command::new(&self.handler);
+        cmd.args(["ssh-ca", "--config"])
             .arg(self.dir.join("config.json"))
             .env_clear()
             .env("FORT_TRIGGER", "request")
             .env("FORT_HOST", "forge")
-            .env("FORT_HANDLER_LOG", "warn")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("start {}", self.handler.display()))?;
-        let mut stdin = child.stdin.take().expect("piped");
-        let writer = std::thread::spawn(move || stdin.write_all(&bytes));
-        let out = child.wait_with_output()?;
-        let wall = t.elapsed();
-        writer
-            .join()
-            .map_err(|_| anyhow!("stdin writer panicked"))??;
-        if !out.status.success() {
-            bail!(
-                "fort-handler ssh-ca failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+            .env("FORT_HANDLER_LOG", "warn");
+        let (wall, out) = util::run_handler_once(&mut cmd, bytes, "fort-handler ssh-ca")?;
         Ok(Run {
             wall,
             cpu: util::children_cpu() - cpu0,

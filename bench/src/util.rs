@@ -516,3 +516,32 @@ pub fn handler_bin(explicit: Option<PathBuf>) -> Result<PathBuf> {
     }
     Ok(path)
 }
+
+/// Runs a handler as the agent does: `input` written to its stdin by a thread of its own
+/// (so that a large input and a large output cannot block each other), its stdout read
+/// whole. The wall time from spawn to exit, and its output; a failed run is an error
+/// with its stderr, named by `what`.
+pub fn run_handler_once(
+    cmd: &mut Command,
+    input: Vec<u8>,
+    what: &str,
+) -> Result<(Duration, std::process::Output)> {
+    let t = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("start {what}"))?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output()?;
+    let wall = t.elapsed();
+    writer
+        .join()
+        .map_err(|_| anyhow!("stdin writer panicked"))??;
+    if !out.status.success() {
+        bail!("{what} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok((wall, out))
+}
