@@ -162,21 +162,44 @@ fn dns01(dns: &DnsServer) -> Value {
            "key": {"name": dns.key_name, "file": key_file}})
 }
 
+/// A CA to order from: Knot serving `records` in example.test, pebble resolving through
+/// it (certificates living `lifetime` seconds, or pebble's default), and the HTTP-01
+/// webroot pebble validates against. `None`: a server is missing, recorded as a skip
+/// of `test`. Each stops when dropped.
+struct Ca {
+    dns: DnsServer,
+    pebble: Pebble,
+    web: Webroot,
+}
+
+impl Ca {
+    fn start(test: &str, records: &str, lifetime: Option<u64>) -> Option<Ca> {
+        let started = DnsServer::start(Flavor::Knot, "example.test", records).and_then(|dns| {
+            let pebble = Pebble::start(dns.addr, lifetime)?;
+            let web = Webroot::start(pebble.http_port)?;
+            Ok(Ca { dns, pebble, web })
+        });
+        match started {
+            Ok(ca) => Some(ca),
+            Err(why) => {
+                fort_tests::skip(test, &why);
+                None
+            }
+        }
+    }
+}
+
 #[test]
 fn acme_http01_issue_keep_renew_and_revoke() {
     const T: &str = "acme_http01_issue_keep_renew_and_revoke";
     let records = "app IN A 127.0.0.1\nwww.app IN A 127.0.0.1\n";
-    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
-        Ok(d) => d,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let pebble = match Pebble::start(dns.addr, None) {
-        Ok(p) => p,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let web = match Webroot::start(pebble.http_port) {
-        Ok(w) => w,
-        Err(why) => return fort_tests::skip(T, &why),
+    let Some(Ca {
+        dns: _dns,
+        pebble,
+        web,
+    }) = Ca::start(T, records, None)
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state/acme.json");
@@ -410,18 +433,14 @@ fn acme_refusals_before_any_request() {
 fn acme_renewals_and_certificates_bounded() {
     const T: &str = "acme_renewals_and_certificates_bounded";
     let records = "app IN A 127.0.0.1\nweb IN A 127.0.0.1\n";
-    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
-        Ok(d) => d,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
     // Certificates living 12 s: due for renewal after 8.
-    let pebble = match Pebble::start(dns.addr, Some(12)) {
-        Ok(p) => p,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let web = match Webroot::start(pebble.http_port) {
-        Ok(w) => w,
-        Err(why) => return fort_tests::skip(T, &why),
+    let Some(Ca {
+        dns: _dns,
+        pebble,
+        web,
+    }) = Ca::start(T, records, Some(12))
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(
@@ -483,17 +502,13 @@ fn acme_renewals_and_certificates_bounded() {
 fn acme_a_caller_cannot_spend_the_cas_limits_for_everyone() {
     const T: &str = "acme_a_caller_cannot_spend_the_cas_limits_for_everyone";
     let records = "*.app IN A 127.0.0.1\nweb IN A 127.0.0.1\n";
-    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
-        Ok(d) => d,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let pebble = match Pebble::start(dns.addr, None) {
-        Ok(p) => p,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let web = match Webroot::start(pebble.http_port) {
-        Ok(w) => w,
-        Err(why) => return fort_tests::skip(T, &why),
+    let Some(Ca {
+        dns: _dns,
+        pebble,
+        web,
+    }) = Ca::start(T, records, None)
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(
@@ -569,18 +584,14 @@ fn acme_a_caller_cannot_spend_the_cas_limits_for_everyone() {
 fn acme_another_caller_cannot_take_a_holders_renewal() {
     const T: &str = "acme_another_caller_cannot_take_a_holders_renewal";
     let records = "app IN A 127.0.0.1\n";
-    let dns = match DnsServer::start(Flavor::Knot, "example.test", records) {
-        Ok(d) => d,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
     // Certificates living 12 s: due for renewal after 8.
-    let pebble = match Pebble::start(dns.addr, Some(12)) {
-        Ok(p) => p,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let web = match Webroot::start(pebble.http_port) {
-        Ok(w) => w,
-        Err(why) => return fort_tests::skip(T, &why),
+    let Some(Ca {
+        dns: _dns,
+        pebble,
+        web,
+    }) = Ca::start(T, records, Some(12))
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(
@@ -642,17 +653,13 @@ fn acme_another_caller_cannot_take_a_holders_renewal() {
 fn acme_a_callers_failing_orders_cannot_spend_the_accounts_orders() {
     const T: &str = "acme_a_callers_failing_orders_cannot_spend_the_accounts_orders";
     // No record for the caller's names: every validation of them fails.
-    let dns = match DnsServer::start(Flavor::Knot, "example.test", "web IN A 127.0.0.1\n") {
-        Ok(d) => d,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let pebble = match Pebble::start(dns.addr, None) {
-        Ok(p) => p,
-        Err(why) => return fort_tests::skip(T, &why),
-    };
-    let web = match Webroot::start(pebble.http_port) {
-        Ok(w) => w,
-        Err(why) => return fort_tests::skip(T, &why),
+    let Some(Ca {
+        dns: _dns,
+        pebble,
+        web,
+    }) = Ca::start(T, "web IN A 127.0.0.1\n", None)
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(
