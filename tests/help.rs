@@ -74,12 +74,14 @@ fn undescribed(text: &str) -> Vec<String> {
 fn every_argument_and_option_has_help_and_no_text_cites_a_tracker() {
     for bin in ["fort", "fort-agent", "fort-bench"] {
         let top = help(bin, &[]);
-        let subs = subcommands(&top);
-        assert!(!subs.is_empty(), "{bin}: no subcommands found in\n{top}");
-        for (args, text) in std::iter::once((Vec::new(), top.clone())).chain(
-            subs.iter()
-                .map(|s| (vec![s.as_str()], help(bin, &[s.as_str()]))),
-        ) {
+        assert!(
+            !subcommands(&top).is_empty(),
+            "{bin}: no subcommands found in\n{top}"
+        );
+        // Every command, nested ones included (`fort-agent audit show`): clap checks a
+        // subcommand's arguments only when it is reached, so each one's --help is asked.
+        let mut todo = vec![(Vec::<String>::new(), top)];
+        while let Some((args, text)) = todo.pop() {
             let missing = undescribed(&text);
             assert!(
                 missing.is_empty(),
@@ -90,6 +92,13 @@ fn every_argument_and_option_has_help_and_no_text_cites_a_tracker() {
                 !lower.contains("issue ") && !lower.contains("session"),
                 "{bin} {args:?} speaks of the tracker:\n{text}"
             );
+            for sub in subcommands(&text) {
+                let mut deeper = args.clone();
+                deeper.push(sub);
+                let words: Vec<&str> = deeper.iter().map(String::as_str).collect();
+                let text = help(bin, &words);
+                todo.push((deeper, text));
+            }
         }
     }
 }

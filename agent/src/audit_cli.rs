@@ -21,8 +21,8 @@ pub struct Source {
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
     /// The host that wrote it, whose keys sign its checkpoints; default: the config's.
-    #[arg(long = "signer", value_name = "HOST")]
-    pub host: Option<String>,
+    #[arg(long, value_name = "HOST")]
+    pub signer: Option<String>,
     /// The registry holding that host's keys; default: the config's.
     #[arg(long, value_name = "FILE")]
     pub hosts: Option<PathBuf>,
@@ -56,7 +56,7 @@ struct Resolved {
 }
 
 fn resolve(source: &Source) -> Result<Resolved, String> {
-    let config = if source.dir.is_some() && source.host.is_some() && source.hosts.is_some() {
+    let config = if source.dir.is_some() && source.signer.is_some() && source.hosts.is_some() {
         None
     } else {
         Some(Config::load(&source.config).map_err(|e| e.to_string())?)
@@ -68,7 +68,7 @@ fn resolve(source: &Source) -> Result<Resolved, String> {
             .or_else(|| config.as_ref().map(Config::audit_dir))
             .expect("a dir or a config"),
         host: source
-            .host
+            .signer
             .clone()
             .or_else(|| config.as_ref().map(|c| c.host.clone()))
             .expect("a host or a config"),

@@ -215,6 +215,7 @@ enum StateKeyCommand {
     /// Make a new random state key in FILE (mode 0400; an existing file is never
     /// replaced). Under systemd, encrypt it with `systemd-creds encrypt --name=state-key`.
     New {
+        /// Where the key goes: 64 hex digits, readable by its owner only.
         #[arg(value_name = "FILE")]
         file: PathBuf,
     },
