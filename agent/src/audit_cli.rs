@@ -168,7 +168,7 @@ pub fn human(r: &Value) -> String {
         }
         let shown = match (k.as_str(), v) {
             ("response" | "previous" | "request" | "head", Value::String(h)) => {
-                printable(&h[..h.len().min(12)], 12)
+                audit::short_hash(h)
             }
             ("expires_at", Value::Number(n)) => n.as_u64().map_or(n.to_string(), |t| {
                 humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(t)).to_string()

@@ -20,7 +20,7 @@ use sha2::Sha256;
 
 use crate::sign::Signer;
 
-pub use read::{files, read_lines, verify, AuditLine, Problem, Verified};
+pub use read::{files, read_lines, short_hash, verify, AuditLine, Problem, Verified};
 
 /// The SSHSIG namespace of checkpoints: a checkpoint can never pass for a request.
 pub const NAMESPACE: &str = "fort-audit";

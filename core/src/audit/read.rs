@@ -184,9 +184,9 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
                         if b.seq != Some(count) || b.hash != head {
                             Some(format!(
                                 "the checkpoint names record {count} with head {}, but the record before it is {} with head {}",
-                                short(head),
+                                short_hash(head),
                                 b.seq.map_or("?".into(), |s| s.to_string()),
-                                short(&b.hash)
+                                short_hash(&b.hash)
                             ))
                         } else {
                             signature_problem(sig, keys, &signed)
@@ -226,8 +226,10 @@ fn signature_problem(sig: &str, keys: &[PublicKey], signed: &[u8]) -> Option<Str
         })
 }
 
-fn short(hash: &str) -> &str {
-    &hash[..hash.len().min(12)]
+/// The first 12 characters of a hash as a file holds it, made printable: a changed file
+/// must neither split a character (a byte slice would panic) nor talk to the terminal.
+pub fn short_hash(hash: &str) -> String {
+    crate::text::printable(&hash.chars().take(12).collect::<String>(), 12)
 }
 
 /// Breaks of the chain. A record whose successor's `prev` is not its hash, while the
@@ -267,14 +269,15 @@ fn chain_problems(seen: &[Seen], problems: &mut Vec<(usize, Problem)>, notes: &m
             what,
         };
         if let (Some(a), Some(b)) = (before.seq, this.seq) {
-            if b != a.wrapping_add(1) {
-                let moved = index.get(&(a + 1)).map(|j| &seen[*j]);
+            // Numbers from the file: a seq of u64::MAX must not overflow here.
+            let next = a.wrapping_add(1);
+            if b != next {
+                let moved = index.get(&next).map(|j| &seen[*j]);
                 let what = if b <= a {
                     format!("record {b} comes after record {a}: records are out of order")
                 } else if let Some(m) = moved {
                     format!(
-                        "record {b} follows record {a}: records are out of order (record {} is at {}:{})",
-                        a + 1,
+                        "record {b} follows record {a}: records are out of order (record {next} is at {}:{})",
                         m.file.display(),
                         m.line
                     )
@@ -282,9 +285,9 @@ fn chain_problems(seen: &[Seen], problems: &mut Vec<(usize, Problem)>, notes: &m
                     format!(
                         "record {b} follows record {a}: {} missing",
                         if b - a == 2 {
-                            format!("record {} is", a + 1)
+                            format!("record {next} is")
                         } else {
-                            format!("records {} to {} are", a + 1, b - 1)
+                            format!("records {next} to {} are", b - 1)
                         }
                     )
                 };
@@ -304,8 +307,8 @@ fn chain_problems(seen: &[Seen], problems: &mut Vec<(usize, Problem)>, notes: &m
                         before,
                         format!(
                             "changed: its hash is {}, the next record holds {}",
-                            short(&before.hash),
-                            short(this.prev.as_deref().unwrap_or("nothing"))
+                            short_hash(&before.hash),
+                            short_hash(this.prev.as_deref().unwrap_or("nothing"))
                         ),
                     ),
                 ));

@@ -176,3 +176,33 @@ fn a_disabled_trail_records_nothing_and_is_never_unwritable() {
     assert!(audit.stats().is_none());
     audit.close();
 }
+
+#[test]
+fn a_hostile_copy_is_reported_not_a_panic() {
+    // A copy handed to an operator is hostile input: a hash that splits a character at
+    // byte 12, escape sequences, and a seq at the top of u64 must each become a problem.
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    write(dir.path(), &signer, options(dir.path(), 1 << 20, 4), 3, 0);
+    let file = files(dir.path()).unwrap()[0].clone();
+    let mut lines: Vec<Value> = records(dir.path());
+    let split = format!("a{}\u{1b}[2J", "é".repeat(8));
+    let checkpoint = lines
+        .iter()
+        .position(|r| r["event"] == "checkpoint")
+        .unwrap();
+    lines[checkpoint]["head"] = split.clone().into();
+    lines[1]["prev"] = split.into();
+    lines[2]["seq"] = u64::MAX.into();
+    let text: String = lines.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(&file, text).unwrap();
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(!v.problems.is_empty());
+    for p in &v.problems {
+        assert!(!p.what.contains('\u{1b}'), "{p}");
+    }
+    let long = format!("a{}", "é".repeat(20));
+    assert_eq!(short_hash(&long), format!("a{}", "é".repeat(11)));
+    assert_eq!(short_hash("0123456789abcdef"), "0123456789ab");
+}
