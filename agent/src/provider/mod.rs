@@ -205,7 +205,8 @@ impl Provider {
             if renew {
                 event = event.detail(serde_json::json!({"renew": true}));
             }
-            app.audit.record(event);
+            app.audit
+                .record_caused_by(origin, fort_core::audit::ACCEPTED_BUDGET, event);
         }
         drop(self.enqueue(app, need.kind(), Trigger::Request, false, false));
         Ok(verdict)

@@ -131,7 +131,11 @@ pub(super) async fn async_item(
         if let Some(need) = need {
             event = event.need(fort_core::text::printable(&need, 200));
         }
-        app.audit.record(event);
+        app.audit.record_caused_by(
+            caller.origin.as_str(),
+            fort_core::audit::DENIED_BUDGET,
+            event,
+        );
     }
     result
 }

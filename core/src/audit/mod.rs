@@ -197,6 +197,42 @@ struct Shared {
     lost: AtomicU64,
     checkpoints: AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Records a remote caller's requests cause, per caller and kind: see [`Budget`].
+    budgets: Mutex<std::collections::HashMap<(String, &'static str), Bucket>>,
+}
+
+/// How many records of one kind one remote caller may cause: a burst of `burst`, then
+/// `per_minute`. Past it they are counted, and the count is recorded (`suppressed`)
+/// with the caller's next record that fits: a hostile caller cannot push the rest of
+/// the trail out of its bounded files, nor other callers' records out of the queue.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    pub burst: u32,
+    pub per_minute: u32,
+}
+
+/// Refused requests (`denied`): a caller that keeps asking for what it may not have.
+pub const DENIED_BUDGET: Budget = Budget {
+    burst: 64,
+    per_minute: 64,
+};
+
+/// Requests stored (`accepted`): a host's whole fleet of needs at once, then the pace of
+/// a caller that changes its requests all the time.
+pub const ACCEPTED_BUDGET: Budget = Budget {
+    burst: 4096,
+    per_minute: 1024,
+};
+
+/// Callers whose budgets are tracked at once; more (a registry of that many hosts and
+/// principals) start afresh, which costs the trail nothing it would have kept.
+const BUDGETS_TRACKED: usize = 16_384;
+
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    last: std::time::Instant,
+    suppressed: u64,
 }
 
 /// The handle every part of the agent records through; cheap to clone. A disabled one
@@ -236,6 +272,7 @@ impl Audit {
             lost: AtomicU64::new(0),
             checkpoints: AtomicU64::new(0),
             thread: Mutex::new(None),
+            budgets: Mutex::new(std::collections::HashMap::new()),
         });
         let writer = writer::Writer::open(options, signer, shared.clone());
         let handle = std::thread::Builder::new()
@@ -270,6 +307,44 @@ impl Audit {
         if q.events.len() == WAKE_AT {
             s.wake.notify_one();
         }
+    }
+
+    /// [`Audit::record`] for a record `caller`'s request caused, within `budget` for
+    /// records of its kind from that caller.
+    pub fn record_caused_by(&self, caller: &str, budget: Budget, event: Event) {
+        let Some(s) = &self.shared else { return };
+        let now = std::time::Instant::now();
+        let kind = event.event;
+        let suppressed = {
+            let mut budgets = s.budgets.lock();
+            if budgets.len() >= BUDGETS_TRACKED && !budgets.contains_key(&(caller.to_owned(), kind))
+            {
+                budgets.clear();
+            }
+            let bucket = budgets.entry((caller.to_owned(), kind)).or_insert(Bucket {
+                tokens: f64::from(budget.burst),
+                last: now,
+                suppressed: 0,
+            });
+            let refill =
+                now.duration_since(bucket.last).as_secs_f64() * f64::from(budget.per_minute) / 60.0;
+            bucket.tokens = (bucket.tokens + refill).min(f64::from(budget.burst));
+            bucket.last = now;
+            if bucket.tokens < 1.0 {
+                bucket.suppressed += 1;
+                return;
+            }
+            bucket.tokens -= 1.0;
+            std::mem::take(&mut bucket.suppressed)
+        };
+        if suppressed > 0 {
+            self.record(
+                Event::new("suppressed")
+                    .caller(caller)
+                    .detail(serde_json::json!({"event": kind, "records": suppressed})),
+            );
+        }
+        self.record(event);
     }
 
     /// Whether the last write (or probe) of the trail succeeded. A disabled trail is

@@ -206,3 +206,41 @@ fn a_hostile_copy_is_reported_not_a_panic() {
     assert_eq!(short_hash(&long), format!("a{}", "é".repeat(11)));
     assert_eq!(short_hash("0123456789abcdef"), "0123456789ab");
 }
+
+/// A caller that keeps causing records gets its budget and no more: the rest are
+/// counted and the count recorded with its next record that fits; another caller's
+/// records are not held back by it.
+#[test]
+fn a_caller_causes_at_most_its_budget_of_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let audit = Audit::open(options(dir.path(), 1 << 20, 4), signer);
+    let budget = Budget {
+        burst: 10,
+        per_minute: 600,
+    };
+    let denied = |who: &str| Event::new("denied").caller(who).capability("cred");
+    for _ in 0..50 {
+        audit.record_caused_by("mallory", budget, denied("mallory"));
+    }
+    audit.record_caused_by("app", budget, denied("app"));
+    // 600 a minute: one more fits after a tenth of a second.
+    std::thread::sleep(Duration::from_millis(300));
+    audit.record_caused_by("mallory", budget, denied("mallory"));
+    audit.close();
+    let all = records(dir.path());
+    let count = |who: &str| {
+        all.iter()
+            .filter(|r| r["event"] == "denied" && r["caller"] == who)
+            .count()
+    };
+    assert_eq!(count("mallory"), 11, "{all:?}");
+    assert_eq!(count("app"), 1);
+    let summary: Vec<&Value> = all.iter().filter(|r| r["event"] == "suppressed").collect();
+    assert_eq!(summary.len(), 1, "{all:?}");
+    assert_eq!(summary[0]["caller"], "mallory");
+    assert_eq!(
+        summary[0]["detail"],
+        serde_json::json!({"event": "denied", "records": 40})
+    );
+}
