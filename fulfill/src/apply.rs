@@ -154,6 +154,15 @@ impl Fulfiller {
                 self.clear_inbox(key, inbox.seq);
                 return;
             };
+            // The need moved to another provider after this payload was accepted from
+            // its old home: the old home's payload must not land after the new one's.
+            let home = crate::home::home_of(&spec, &self.state(key)).to_owned();
+            if inbox.from != home {
+                tracing::info!(need = %key, from = %inbox.from, home = %home, "payload from a provider that no longer serves the need; not applied");
+                self.clear_inbox(key, inbox.seq);
+                self.publish_outcome(key, inbox.seq, false);
+                continue;
+            }
             let satisfied = self.apply_inbox(key, &spec, &inbox, &payload).await;
             self.publish_outcome(key, inbox.seq, satisfied);
         }
