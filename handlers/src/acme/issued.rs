@@ -57,9 +57,7 @@ pub struct IssueLog {
 }
 
 fn path_for(state: &Path) -> PathBuf {
-    let mut name = state.as_os_str().to_owned();
-    name.push(".issued");
-    PathBuf::from(name)
+    crate::common::state::beside(state, ".issued")
 }
 
 /// The caller of an entry key (`<origin>:<type>/<id>`).
@@ -77,10 +75,8 @@ fn name_set(names: &[String]) -> String {
 impl IssueLog {
     pub fn load(state: &Path, now: u64) -> IssueLog {
         let file = StateFile::new(path_for(state));
-        let mut times: Times = file.load(FORM).unwrap_or_else(|e| {
-            eprintln!("acme: {e:#}; the issuances of the last week are forgotten");
-            Times::default()
-        });
+        let mut times: Times =
+            file.load_or_forget(FORM, "acme", "the issuances of the last week are forgotten");
         let count = |t: &Times| t.entries.len() + t.names.len() + t.orders.len();
         let before = count(&times);
         for list in times.entries.values_mut().chain(times.names.values_mut()) {
@@ -255,9 +251,7 @@ impl IssueLog {
     /// memory of this week's issuances.
     pub fn save(self) {
         if self.changed {
-            if let Err(e) = self.file.save(FORM, &self.times) {
-                eprintln!("acme: {e:#}");
-            }
+            self.file.save_or_report(FORM, &self.times, "acme");
         }
     }
 }

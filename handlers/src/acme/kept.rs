@@ -65,19 +65,18 @@ fn fingerprint(i: &Issued) -> String {
 }
 
 pub fn path_for(state: &Path) -> PathBuf {
-    let mut name = state.as_os_str().to_owned();
-    name.push(".kept");
-    PathBuf::from(name)
+    crate::common::state::beside(state, ".kept")
 }
 
 impl Kept {
     /// The hashes recorded beside `state`; none when there are none usable.
     pub fn load(state: &Path) -> Kept {
         let file = StateFile::new(path_for(state));
-        let hashes = file.load(RESPONSE_FORM).unwrap_or_else(|e| {
-            eprintln!("acme: {e:#}; hashing every held certificate again");
-            Hashes::default()
-        });
+        let hashes: Hashes = file.load_or_forget(
+            RESPONSE_FORM,
+            "acme",
+            "hashing every held certificate again",
+        );
         Kept {
             file,
             hashes,
@@ -115,9 +114,8 @@ impl Kept {
         if !self.changed && self.hashes.entries.len() == before {
             return;
         }
-        if let Err(e) = self.file.save(RESPONSE_FORM, &self.hashes) {
-            eprintln!("acme: {e:#}");
-        }
+        self.file
+            .save_or_report(RESPONSE_FORM, &self.hashes, "acme");
     }
 }
 

@@ -36,6 +36,13 @@ pub struct StateFile {
 /// The document's own members besides the state.
 const OWN_MEMBERS: [&str; 3] = ["version", "state", compat::WRITTEN_BY];
 
+/// The path of a file kept beside the state file `state`: `<state><suffix>`.
+pub fn beside(state: &Path, suffix: &str) -> PathBuf {
+    let mut name = state.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
 impl StateFile {
     /// The state file at `path`, sealed with the key the agent named in
     /// `FORT_STATE_KEY_FILE` (plain when it named none).
@@ -116,6 +123,29 @@ impl StateFile {
             tracing::info!(file = %shown, key = key.id(), "sealed plain state with the state key");
         }
         Ok(value)
+    }
+
+    /// [`StateFile::load`] for a file whose loss costs only work done again (a cache, a
+    /// log of recent issuances beside the state): one that cannot be read starts empty,
+    /// and the run's stderr says so and what is `forgotten`.
+    pub fn load_or_forget<T: DeserializeOwned + Serialize + Default>(
+        &self,
+        version: u32,
+        capability: &str,
+        forgotten: &str,
+    ) -> T {
+        self.load(version).unwrap_or_else(|e| {
+            eprintln!("{capability}: {e:#}; {forgotten}");
+            T::default()
+        })
+    }
+
+    /// [`StateFile::save`] for such a file: a failure is reported on stderr and costs
+    /// only what the file would have remembered, never the run.
+    pub fn save_or_report<T: Serialize>(&self, version: u32, state: &T, capability: &str) {
+        if let Err(e) = self.save(version, state) {
+            eprintln!("{capability}: {e:#}");
+        }
     }
 
     /// Replaces the state, with what [`StateFile::load`] read and did not know. Creates

@@ -77,6 +77,7 @@ pub struct Counts {
 /// The outcome of a run: the output, whether the state changed (save it), and the
 /// failure that fails the run (after the state is saved: clients already registered
 /// must not be forgotten).
+#[derive(Default)]
 pub struct Reconciled {
     pub output: Output,
     pub changed: bool,
@@ -93,12 +94,7 @@ pub async fn reconcile(
     _trigger: Trigger,
 ) -> Reconciled {
     let started = Instant::now();
-    let mut out = Reconciled {
-        output: Output::default(),
-        changed: false,
-        counts: Counts::default(),
-        failure: None,
-    };
+    let mut out = Reconciled::default();
     let plan = plan(config, state, entries, &mut out);
     for &i in &plan.keep {
         if let Some(client) = state.clients.get(&entries[i].key) {
@@ -344,12 +340,7 @@ async fn delete_retired(
 /// The entries the provider's policy refuses, decided from the config alone (no server,
 /// no state): what the fleet check holds requests against.
 pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
-    let mut out = Reconciled {
-        output: Output::default(),
-        changed: false,
-        counts: Counts::default(),
-        failure: None,
-    };
+    let mut out = Reconciled::default();
     plan(config, &State::default(), entries, &mut out);
     out.output.into_refusals()
 }

@@ -100,6 +100,7 @@ pub struct Counts {
 /// The outcome of a run: the output, whether the state changed (save it), and the
 /// failure that fails the run (after the state is saved: passwords already set on the
 /// server must not be forgotten).
+#[derive(Default)]
 pub struct Reconciled {
     pub output: Output,
     pub changed: bool,
@@ -117,12 +118,7 @@ pub async fn reconcile(
 ) -> Reconciled {
     let started = Instant::now();
     let budget = config.run_budget;
-    let mut out = Reconciled {
-        output: Output::default(),
-        changed: false,
-        counts: Counts::default(),
-        failure: None,
-    };
+    let mut out = Reconciled::default();
     let mut plan = plan(config, state, entries, &mut out);
     let reconciling = trigger.reconciles() && !plan.keep.is_empty();
     if plan.work.is_empty() && plan.release.is_empty() && !reconciling {
@@ -334,12 +330,7 @@ pub async fn reconcile(
 /// The entries the provider's policy refuses, decided from the config alone (no server,
 /// no state): what the fleet check holds requests against.
 pub fn vet(config: &Config, entries: &[Entry]) -> crate::Refusals {
-    let mut out = Reconciled {
-        output: Output::default(),
-        changed: false,
-        counts: Counts::default(),
-        failure: None,
-    };
+    let mut out = Reconciled::default();
     plan(config, &State::default(), entries, &mut out);
     out.output.into_refusals()
 }

@@ -34,9 +34,7 @@ pub struct IssueLog {
 }
 
 fn path_for(state: &Path) -> PathBuf {
-    let mut name = state.as_os_str().to_owned();
-    name.push(".issued");
-    PathBuf::from(name)
+    crate::common::state::beside(state, ".issued")
 }
 
 impl IssueLog {
@@ -44,10 +42,11 @@ impl IssueLog {
     /// forgotten.
     pub fn load(state: &Path, now: u64) -> IssueLog {
         let file = StateFile::new(path_for(state));
-        let mut times: Times = file.load(FORM).unwrap_or_else(|e| {
-            eprintln!("ssh-ca: {e:#}; the certificates of the last hour are forgotten");
-            Times::default()
-        });
+        let mut times: Times = file.load_or_forget(
+            FORM,
+            "ssh-ca",
+            "the certificates of the last hour are forgotten",
+        );
         let before: usize = times.callers.values().map(Vec::len).sum();
         for list in times.callers.values_mut() {
             list.retain(|t| now.saturating_sub(*t) < HOUR && *t <= now);
@@ -99,9 +98,7 @@ impl IssueLog {
     /// memory of the last hour's certificates.
     pub fn save(self) {
         if self.changed {
-            if let Err(e) = self.file.save(FORM, &self.times) {
-                eprintln!("ssh-ca: {e:#}");
-            }
+            self.file.save_or_report(FORM, &self.times, "ssh-ca");
         }
     }
 }
