@@ -324,6 +324,7 @@ impl App {
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
                 systemctl: config.systemctl.clone(),
+                systemd_creds: config.systemd_creds.clone(),
                 batches: config.batches,
                 key_dir: config.state_dir.join("keys"),
                 audit: audit.clone(),

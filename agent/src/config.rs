@@ -121,6 +121,11 @@ pub struct Config {
     /// `systemctl` from PATH.
     #[serde(default = "defaults::systemctl")]
     pub systemctl: PathBuf,
+    /// The program that encrypts the files delivered as encrypted credentials
+    /// (`encrypt` in needs.json). Unset: `systemd-creds` from PATH; where there is none,
+    /// such a need fails with that reason (never a plaintext file).
+    #[serde(default = "defaults::systemd_creds")]
+    pub systemd_creds: PathBuf,
     /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
     #[serde(default, deserialize_with = "addr::metrics_listen")]
     pub metrics_listen: Option<SocketAddr>,
@@ -372,6 +377,10 @@ pub(crate) mod defaults {
     }
     pub fn systemctl() -> std::path::PathBuf {
         "systemctl".into()
+    }
+
+    pub fn systemd_creds() -> std::path::PathBuf {
+        "systemd-creds".into()
     }
     pub fn gc_interval() -> Duration {
         Duration::from_secs(3600)

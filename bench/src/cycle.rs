@@ -82,6 +82,7 @@ async fn build(
             request_timeout: Duration::from_secs(30),
             handler_environment: Vec::new(),
             systemctl: "systemctl".into(),
+            systemd_creds: "systemd-creds".into(),
             batches,
             key_dir: dir.join("keys"),
             audit: fort_core::audit::Audit::disabled(),

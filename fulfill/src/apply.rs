@@ -28,11 +28,14 @@ pub(crate) const REPLY_WAIT: Duration = Duration::from_secs(5);
 impl Fulfiller {
     /// Records `payload` as `key`'s inbox durably and makes sure an applier runs. Returns
     /// the inbox's sequence number.
+    /// `encrypted`: the payload as `recordable` made it for a need with an encrypted
+    /// file (its plaintext never reaches the state).
     pub(crate) async fn accept(
         &self,
         key: &NeedKey,
         origin: &str,
         payload: &[u8],
+        encrypted: bool,
     ) -> Result<Option<u64>, fort_core::store::PersistError> {
         let encoded = base64::engine::general_purpose::STANDARD.encode(payload);
         let key_s = key.to_string();
@@ -46,6 +49,7 @@ impl Fulfiller {
                     seq: st.seq,
                     from: origin.to_owned(),
                     payload: encoded.clone(),
+                    encrypted,
                 });
                 let seq = st.seq;
                 c.put(key_s.clone(), st);
@@ -147,12 +151,20 @@ impl Fulfiller {
                 }
             }
             last_seq = Some(inbox.seq);
-            let payload = base64::engine::general_purpose::STANDARD
+            let recorded = base64::engine::general_purpose::STANDARD
                 .decode(&inbox.payload)
                 .unwrap_or_default();
             let Some(spec) = self.spec(key) else {
                 self.clear_inbox(key, inbox.seq);
                 return;
+            };
+            let payload = match self.recorded_payload(recorded, inbox.encrypted).await {
+                Ok(payload) => payload,
+                Err(reason) => {
+                    self.not_applied(key, &spec, &inbox, "", reason).await;
+                    self.publish_outcome(key, inbox.seq, false);
+                    continue;
+                }
             };
             // The need moved to another provider after this payload was accepted from
             // its old home: the old home's payload must not land after the new one's.
@@ -193,32 +205,48 @@ impl Fulfiller {
         match self.apply(key, spec, origin, payload).await {
             Err(reason) => {
                 tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
-                self.inner.opts.audit.record(
-                    fort_core::audit::Event::new("apply_failed")
-                        .need(key.to_string())
-                        .provider(origin)
-                        .response(Some(digest.clone()))
-                        .reason(&reason),
-                );
-                let current = self.record_failure(key, inbox.seq, reason).await;
-                if current {
-                    let failures = {
-                        let mut view = self.inner.view.lock();
-                        let f = view.failures_mut(key);
-                        *f += 1;
-                        *f
-                    };
-                    self.after(
-                        key,
-                        Some(backoff(self.inner.opts.backoff, failures, nag(spec))),
-                    );
-                }
+                self.not_applied(key, spec, inbox, &digest, reason).await;
                 false
             }
             Ok(written) => {
                 self.record_applied(key, spec, inbox, payload, &digest, &before, written)
                     .await
             }
+        }
+    }
+
+    /// A recorded payload that could not be applied: audited, the need `failed` with
+    /// `reason` (unless a later callback decides it), asked again after a back-off.
+    /// `digest`: the payload's SHA-256, empty when it could not be read back.
+    async fn not_applied(
+        &self,
+        key: &NeedKey,
+        spec: &NeedSpec,
+        inbox: &Inbox,
+        digest: &str,
+        reason: String,
+    ) {
+        if digest.is_empty() {
+            tracing::warn!(need = %key, from = %inbox.from, reason = %reason, "payload not applied");
+        }
+        self.inner.opts.audit.record(
+            fort_core::audit::Event::new("apply_failed")
+                .need(key.to_string())
+                .provider(inbox.from.as_str())
+                .response((!digest.is_empty()).then(|| digest.to_owned()))
+                .reason(&reason),
+        );
+        if self.record_failure(key, inbox.seq, reason).await {
+            let failures = {
+                let mut view = self.inner.view.lock();
+                let f = view.failures_mut(key);
+                *f += 1;
+                *f
+            };
+            self.after(
+                key,
+                Some(backoff(self.inner.opts.backoff, failures, nag(spec))),
+            );
         }
     }
 
@@ -289,6 +317,7 @@ impl Fulfiller {
                 // still recorded so they are found, and removed, with the need.
                 if st.seq != inbox.seq {
                     st.files.extend(written.files.clone());
+                    st.credentials.extend(written.credentials.clone());
                     c.put(key_s.clone(), st);
                     return Some(None);
                 }
@@ -367,9 +396,12 @@ impl Fulfiller {
         let written = if spec.files.is_empty() && spec.keys.is_empty() {
             Written::default()
         } else {
+            // Encrypted first: should systemd-creds fail, no file of the payload is
+            // written, and none in plaintext.
+            let sealed = self.seal_files(spec, &self.state(key), payload).await?;
             let (me, need, spec, data) =
                 (self.clone(), key.clone(), spec.clone(), payload.to_vec());
-            tokio::task::spawn_blocking(move || me.write_files(&need, &spec, &data))
+            tokio::task::spawn_blocking(move || me.write_files(&need, &spec, &data, &sealed))
                 .await
                 .map_err(|e| format!("writing files failed: {e}"))??
         };
@@ -405,6 +437,7 @@ impl Fulfiller {
         key: &NeedKey,
         spec: &NeedSpec,
         payload: &[u8],
+        sealed: &crate::credentials::Sealed,
     ) -> Result<Written, String> {
         let own_dir = {
             let view = self.inner.view.lock();
@@ -412,7 +445,7 @@ impl Fulfiller {
         };
         let own_dir = own_dir.as_deref();
         if spec.keys.is_empty() {
-            return crate::files::write_all(&spec.files, payload, Vec::new(), own_dir);
+            return crate::files::write_all(&spec.files, payload, Vec::new(), own_dir, sealed);
         }
         let recorded = self.state(key).files;
         let keys = crate::keys::to_install(&self.inner.keys, key, spec, &recorded, payload)?;
@@ -422,7 +455,7 @@ impl Fulfiller {
             .map(|k| k.name.clone())
             .collect();
         let extra = keys.into_iter().map(|k| (k.file, k.content)).collect();
-        let mut written = crate::files::write_all(&spec.files, payload, extra, own_dir)?;
+        let mut written = crate::files::write_all(&spec.files, payload, extra, own_dir, sealed)?;
         // Forgotten as next keys only once the outcome is recorded (record_applied): until
         // then the recorded files still name the previous key, and after a crash the
         // payload, applied again, must find its key as the next one.
@@ -475,5 +508,6 @@ impl Fulfiller {
         st.received += 1;
         st.received_at = Some(now);
         st.files = written.files.clone();
+        st.credentials = written.credentials.clone();
     }
 }

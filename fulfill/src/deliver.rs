@@ -37,8 +37,17 @@ impl Fulfiller {
                 self.side_effect(key, &spec, origin, payload).await
             }
             Delivered::Payload(payload) => {
+                let (recorded, encrypted) = match self.recordable(&spec, payload).await {
+                    Ok(recorded) => recorded,
+                    Err(reason) => {
+                        return self
+                            .unrecordable(key, &spec, origin, payload, reason)
+                            .await
+                            .map(Some)
+                    }
+                };
                 let seq = self
-                    .accept(key, origin, payload)
+                    .accept(key, origin, &recorded, encrypted)
                     .await?
                     .ok_or(DeliverError::UnknownNeed)?;
                 tracing::debug!(need = %key, from = origin, bytes = payload.len(), "payload recorded");
@@ -67,6 +76,40 @@ impl Fulfiller {
                 .provider(origin),
         );
         self.after(key, Some(jittered(nag(spec))));
+        Ok(false)
+    }
+
+    /// A payload for a need with an encrypted file that could not be encrypted to be
+    /// recorded: nothing of it is kept, the need is `failed` with the reason (its files
+    /// stay as they are), and it is asked again after a back-off.
+    async fn unrecordable(
+        &self,
+        key: &NeedKey,
+        spec: &fort_core::schema::NeedSpec,
+        origin: &str,
+        payload: &[u8],
+        reason: String,
+    ) -> Result<bool, DeliverError> {
+        let digest = sha256_hex(payload);
+        tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
+        self.inner.opts.audit.record(
+            fort_core::audit::Event::new("apply_failed")
+                .need(key.to_string())
+                .provider(origin)
+                .response(Some(digest))
+                .reason(&reason),
+        );
+        self.supersede(key, Phase::Failed, reason).await?;
+        let failures = {
+            let mut view = self.inner.view.lock();
+            let f = view.failures_mut(key);
+            *f += 1;
+            *f
+        };
+        self.after(
+            key,
+            Some(backoff(self.inner.opts.backoff, failures, nag(spec))),
+        );
         Ok(false)
     }
 

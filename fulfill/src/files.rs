@@ -18,7 +18,8 @@ use fort_core::canonical::sha256_hex;
 use fort_core::schema::FileSpec;
 use rustix::fs::{self as rfs, Mode, OFlags};
 
-use crate::safe_path::{holds, open_parent, open_regular, sha256_of};
+use crate::credentials::{CredentialRecord, Sealed};
+use crate::safe_path::{holds, open_parent, open_regular, sha256_of, MAX_COMPARE_BYTES};
 
 /// What writing a payload's files did.
 #[derive(Debug, Default)]
@@ -37,6 +38,8 @@ pub struct Written {
     /// `credential_for` units of files that did not exist: not running without them,
     /// and started by their path unit now that they appear (§11.3, step 5).
     pub credentials_created: BTreeSet<String>,
+    /// path → what was encrypted into each encrypted file, and what was written.
+    pub credentials: BTreeMap<String, CredentialRecord>,
 }
 
 impl Written {
@@ -145,16 +148,35 @@ pub(crate) struct Planned {
 /// `own_dir`: the directory that holds every one of these files and nothing of any other
 /// need. There they are replaced together (`swap`): a reader sees all old files or all
 /// new ones.
-pub fn write_all(
+///
+/// `sealed`: the bytes of every encrypted file (`credentials`), which get those instead
+/// of their content; an encrypted file missing from it is an error, never a plaintext.
+pub(crate) fn write_all(
     files: &[FileSpec],
     payload: &[u8],
     extra: Vec<(FileSpec, Vec<u8>)>,
     own_dir: Option<&Path>,
+    sealed: &Sealed,
 ) -> Result<Written, String> {
     let mut contents = extra;
+    let mut credentials = BTreeMap::new();
     for f in files {
         let data = content(payload, &f.pointer).map_err(|e| format!("file {}: {e}", f.label()))?;
-        contents.push((f.clone(), data));
+        if !f.encrypted() {
+            contents.push((f.clone(), data));
+            continue;
+        }
+        let s = sealed
+            .get(&f.path)
+            .ok_or_else(|| format!("file {}: not encrypted", f.label()))?;
+        credentials.insert(
+            f.path.display().to_string(),
+            CredentialRecord {
+                digest: s.digest.clone(),
+                sealed_sha256: sha256_hex(&s.ciphertext),
+            },
+        );
+        contents.push((f.clone(), s.ciphertext.clone()));
     }
     let mut planned = Vec::with_capacity(contents.len());
     for (f, data) in contents {
@@ -175,7 +197,10 @@ pub fn write_all(
             planned.len() > 1 && planned.iter().all(|p| p.file.path.parent() == Some(*dir))
         })
         .and_then(|dir| crate::swap::write(dir, &planned));
-    let mut out = Written::default();
+    let mut out = Written {
+        credentials,
+        ..Written::default()
+    };
     for (i, p) in planned.into_iter().enumerate() {
         let (f, data) = (p.file, p.data);
         let outcome = match &together {
@@ -295,6 +320,29 @@ pub fn missing(files: &BTreeMap<String, String>) -> Option<String> {
     None
 }
 
+/// The bytes at `path` if they still hash to `sha` (an encrypted file as it was
+/// written), read without following links; `None` otherwise.
+pub(crate) fn read_if_holds(path: &Path, sha: &str) -> Option<Vec<u8>> {
+    let (dir, name) = open_parent(path, false).ok()?;
+    let (fd, stat) = open_regular(&dir, name).ok()??;
+    if u64::try_from(stat.st_size).map_or(true, |s| s > MAX_COMPARE_BYTES) {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = rustix::io::read(&fd, &mut buf).ok()?;
+        if n == 0 {
+            break;
+        }
+        bytes.extend_from_slice(&buf[..n]);
+        if bytes.len() as u64 > MAX_COMPARE_BYTES {
+            return None;
+        }
+    }
+    (sha256_hex(&bytes) == sha).then_some(bytes)
+}
+
 fn still_holds(path: &Path, sha: &str) -> bool {
     let Ok((dir, name)) = open_parent(path, false) else {
         return false;
@@ -344,7 +392,7 @@ mod tests {
 
     /// The payload's files alone, as most tests write them.
     fn write_all(files: &[FileSpec], payload: &[u8]) -> Result<Written, String> {
-        super::write_all(files, payload, Vec::new(), None)
+        super::write_all(files, payload, Vec::new(), None, &Sealed::new())
     }
     use std::os::unix::fs::MetadataExt;
 
@@ -358,6 +406,7 @@ mod tests {
             group: me.1.to_string(),
             mode: "0440".into(),
             credential_for: Vec::new(),
+            encrypt: None,
         }
     }
 

@@ -40,6 +40,9 @@ pub struct FulfillOptions {
     pub handler_environment: Vec<(String, String)>,
     /// The program that restarts and reloads units for delivered files.
     pub systemctl: std::path::PathBuf,
+    /// The program that encrypts files delivered as encrypted credentials
+    /// (`systemd-creds`, §11.3).
+    pub systemd_creds: std::path::PathBuf,
     /// Send requests that come due together in batches (§11.8).
     pub batches: bool,
     /// Where keys made for needs wait for their certificate (§11.10): the agent's own.

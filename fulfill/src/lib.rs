@@ -6,6 +6,7 @@ mod apply;
 mod ask;
 mod batch;
 mod certs;
+pub mod credentials;
 mod deliver;
 pub mod expiry;
 pub mod files;

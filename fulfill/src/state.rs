@@ -114,6 +114,11 @@ pub struct NeedState {
     /// (§11.10); never a private key.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub keys: BTreeMap<String, crate::keys::KeyRecord>,
+    /// Per encrypted file (path), a digest of what was encrypted into it and the
+    /// SHA-256 of what was written (§11.3, *Encrypted files*): an unchanged content is
+    /// neither encrypted nor written again. Never the content.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub credentials: BTreeMap<String, crate::credentials::CredentialRecord>,
 }
 
 /// A payload waiting to be applied.
@@ -125,4 +130,8 @@ pub struct Inbox {
     pub from: String,
     /// The payload, base64.
     pub payload: String,
+    /// `payload` is the payload encrypted by `systemd-creds` (a need with an encrypted
+    /// file), decrypted only to be applied.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub encrypted: bool,
 }

@@ -252,6 +252,7 @@ mod tests {
             group: me.gid().to_string(),
             mode: "0640".into(),
             credential_for: Vec::new(),
+            encrypt: None,
         }
     }
 
@@ -269,7 +270,14 @@ mod tests {
             spec(&dir.join("chain.pem"), "/ch"),
         ];
         let write = |payload: &str| {
-            crate::files::write_all(&files, payload.as_bytes(), Vec::new(), Some(&dir)).unwrap()
+            crate::files::write_all(
+                &files,
+                payload.as_bytes(),
+                Vec::new(),
+                Some(&dir),
+                &Default::default(),
+            )
+            .unwrap()
         };
         // Made new: the directory appears with every file in it, 0755.
         let w = write(r#"{"k":"k1","c":"c1","ch":"ca"}"#);
@@ -320,8 +328,14 @@ mod tests {
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(dir.join("someone-else"), "theirs").unwrap();
         let before = ino(&dir);
-        let w = crate::files::write_all(&files, br#"{"a":"1","b":"2"}"#, Vec::new(), Some(&dir))
-            .unwrap();
+        let w = crate::files::write_all(
+            &files,
+            br#"{"a":"1","b":"2"}"#,
+            Vec::new(),
+            Some(&dir),
+            &Default::default(),
+        )
+        .unwrap();
         assert!(w.changed);
         assert_eq!(ino(&dir), before, "not exchanged");
         assert_eq!(

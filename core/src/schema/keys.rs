@@ -97,6 +97,7 @@ impl KeySpec {
             group: self.group.clone(),
             mode: self.mode.clone(),
             credential_for: Vec::new(),
+            encrypt: None,
         }
     }
 }

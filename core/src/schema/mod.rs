@@ -20,8 +20,8 @@ pub use hosts::{
     Registry,
 };
 pub use needs::{
-    load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs, Providers,
-    MAX_PROVIDERS,
+    load_needs, needs_from_bytes, validate_needs, CredentialKey, FileSpec, NeedSpec, Needs,
+    Providers, MAX_PROVIDERS,
 };
 
 /// Capabilities every agent serves itself; a user capability may not take these names.

@@ -174,6 +174,37 @@ pub struct FileSpec {
     /// agents hashed before this field existed hash the same.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub credential_for: Vec<String>,
+    /// Stored as a systemd encrypted credential made on this host with this key, never
+    /// as the plaintext (§11.3, *Encrypted files*). Not written when absent, so that the
+    /// declarations agents hashed before this field existed hash the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encrypt: Option<CredentialKey>,
+}
+
+/// What `systemd-creds encrypt --with-key=` binds an encrypted file to: the host's
+/// credential secret, the TPM2, both, or both when there is a TPM2 (`auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CredentialKey {
+    #[serde(rename = "auto")]
+    Auto,
+    #[serde(rename = "host")]
+    Host,
+    #[serde(rename = "tpm2")]
+    Tpm2,
+    #[serde(rename = "host+tpm2")]
+    HostTpm2,
+}
+
+impl CredentialKey {
+    /// As `--with-key=` takes it, and as `needs.json` writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CredentialKey::Auto => "auto",
+            CredentialKey::Host => "host",
+            CredentialKey::Tpm2 => "tpm2",
+            CredentialKey::HostTpm2 => "host+tpm2",
+        }
+    }
 }
 
 fn root() -> String {
@@ -188,6 +219,11 @@ impl FileSpec {
     /// The mode as a number (validated at load).
     pub fn mode_bits(&self) -> u32 {
         u32::from_str_radix(&self.mode, 8).unwrap_or(0o400)
+    }
+
+    /// Whether the file is stored as an encrypted credential.
+    pub fn encrypted(&self) -> bool {
+        self.encrypt.is_some()
     }
 
     pub fn label(&self) -> String {
@@ -280,6 +316,11 @@ fn check_file(key: &str, f: &FileSpec) -> Result<(), String> {
         if !ok {
             return Err(format!("{where_}: name must be letters, digits, . _ -"));
         }
+    }
+    if f.encrypted() && f.name.is_none() {
+        return Err(format!(
+            "{where_}: an encrypted file needs a name: it is the credential's name, the only one it loads under"
+        ));
     }
     Ok(())
 }
@@ -386,7 +427,32 @@ pub fn validate_needs(
         needs.insert(need, spec);
     }
     check_dependencies(file, &needs)?;
+    check_encrypted_not_referred(file, &needs)?;
     Ok(needs)
+}
+
+/// A need another need's request refers to keeps its payload in the consumer's state
+/// (§11.5), which an encrypted file's plaintext must never reach.
+fn check_encrypted_not_referred(file: &Path, needs: &Needs) -> Result<(), SchemaError> {
+    for (key, spec) in needs {
+        for r in spec.references() {
+            let Some(encrypted) = needs
+                .get(&r.need)
+                .and_then(|s| s.files.iter().find(|f| f.encrypted()))
+            else {
+                continue;
+            };
+            return Err(invalid(
+                file,
+                format!(
+                    "need \"{key}\" refers to \"{}\", whose file {:?} is encrypted: a payload others refer to is kept in the state, where an encrypted file's plaintext must never be; refer to another need, or do not encrypt it",
+                    r.need,
+                    encrypted.label()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Every reference and `after` names a declared need, and none leads back to itself.
@@ -512,6 +578,57 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("also written"), "{err}");
+    }
+
+    #[test]
+    fn encrypted_files_are_named_and_not_referred_to() {
+        let ok = needs(
+            r#"{"oidc/o":{"from":"forge","request":{},"nag_seconds":5,
+                "files":[{"name":"secret","path":"/var/lib/fort/credentials/oidc/o/secret.cred","pointer":"/s","encrypt":"host+tpm2"}]}}"#,
+        )
+        .unwrap();
+        let f = &ok[&NeedKey::parse("oidc/o").unwrap()].files[0];
+        assert_eq!(f.encrypt, Some(CredentialKey::HostTpm2));
+        assert_eq!(
+            serde_json::to_value(f).unwrap()["encrypt"],
+            serde_json::json!("host+tpm2")
+        );
+        // Absent: not written, so a plain file serialises (and hashes) as before.
+        let plain = needs(
+            r#"{"a/x":{"from":"forge","request":{},"nag_seconds":5,"files":[{"path":"/f"}]}}"#,
+        )
+        .unwrap();
+        let plain = serde_json::to_value(&plain[&NeedKey::parse("a/x").unwrap()].files[0]).unwrap();
+        assert!(plain.get("encrypt").is_none(), "{plain}");
+        for (bad, says) in [
+            (r#"{"path":"/c","encrypt":"host"}"#, "needs a name"),
+            (
+                r#"{"name":"c","path":"/c","encrypt":"tpm3"}"#,
+                "unknown variant",
+            ),
+        ] {
+            let json = format!(
+                r#"{{"a/x":{{"from":"forge","request":{{}},"nag_seconds":5,"files":[{bad}]}}}}"#
+            );
+            let err = match serde_json::from_str::<BTreeMap<String, NeedSpec>>(&json) {
+                Err(e) => e.to_string(),
+                Ok(raw) => validate_needs(Path::new("needs.json"), raw, &registry())
+                    .unwrap_err()
+                    .to_string(),
+            };
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        let err = needs(
+            r#"{"db/x":{"from":"forge","request":{},"nag_seconds":5,
+                  "files":[{"name":"password","path":"/p.cred","pointer":"/password","encrypt":"auto"}]},
+                "app/y":{"from":"forge","request":{"user":{"$fort_ref":"db/x#/user"}},"nag_seconds":5}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("refers to \"db/x\", whose file \"password\" is encrypted"),
+            "{err}"
+        );
     }
 
     #[test]
