@@ -299,7 +299,7 @@ impl Fulfiller {
     ) -> bool {
         let now = unix_now();
         let expires_at = crate::expiry::expiry(payload);
-        let keep_payload = self.inner.view.lock().referenced.contains(key);
+        let kept = self.kept_payload(key, spec, payload);
         let key_s = key.to_string();
         let mut restart = written.changed;
         // Units restarted besides the need's own: those reading, as a credential, a file
@@ -340,8 +340,9 @@ impl Fulfiller {
                     }
                 }
                 self.record_satisfied(&mut st, spec, now, expires_at, digest, &written);
-                st.payload =
-                    keep_payload.then(|| base64::engine::general_purpose::STANDARD.encode(payload));
+                st.payload = kept
+                    .as_ref()
+                    .map(|p| base64::engine::general_purpose::STANDARD.encode(p));
                 c.put(key_s.clone(), st.clone());
                 Some(Some(st))
             })
@@ -383,6 +384,30 @@ impl Fulfiller {
         }
         self.after(key, next_attendance(spec, &state, now));
         true
+    }
+
+    /// What the state keeps of a payload other needs' requests refer to (§11.5): the
+    /// payload, or for a need with an encrypted file only the values referred to (which
+    /// reach nothing an encrypted file holds, as the needs' check ensures). `None` for a
+    /// need nothing refers to.
+    fn kept_payload(&self, key: &NeedKey, spec: &NeedSpec, payload: &[u8]) -> Option<Vec<u8>> {
+        let view = self.inner.view.lock();
+        if !view.referenced.contains(key) {
+            return None;
+        }
+        if !spec.files.iter().any(|f| f.encrypted()) {
+            return Some(payload.to_vec());
+        }
+        let pointers: Vec<String> = view
+            .needs
+            .values()
+            .flat_map(|s| s.references())
+            .filter(|r| r.need == *key)
+            .map(|r| r.pointer)
+            .collect();
+        let pointers: Vec<&str> = pointers.iter().map(String::as_str).collect();
+        // A pointer reaching nothing: the dependent's request cannot be built, and says so.
+        fort_core::schema::refs::project(payload, &pointers)
     }
 
     /// Files, then the handler or the `OK` rule. `Err` is the one-line reason.

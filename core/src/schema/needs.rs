@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::hosts::Registry;
 use super::keys::{check_keys, KeySpec};
-use super::refs::{references, NeedRef};
+use super::refs::{pointers_overlap, references, NeedRef};
 use super::{invalid, parse_json, read, SchemaError};
 use crate::names::{is_unit_name, NeedKey};
 use crate::wire::{json_depth, MAX_REQUEST_DEPTH};
@@ -431,22 +431,23 @@ pub fn validate_needs(
     Ok(needs)
 }
 
-/// A need another need's request refers to keeps its payload in the consumer's state
-/// (§11.5), which an encrypted file's plaintext must never reach.
+/// What other needs' requests refer to is kept in the consumer's state (§11.5): of a
+/// need with an encrypted file only the values referred to are, and none of them may
+/// reach what an encrypted file holds, whose plaintext must never be kept.
 fn check_encrypted_not_referred(file: &Path, needs: &Needs) -> Result<(), SchemaError> {
     for (key, spec) in needs {
         for r in spec.references() {
-            let Some(encrypted) = needs
-                .get(&r.need)
-                .and_then(|s| s.files.iter().find(|f| f.encrypted()))
-            else {
+            let Some(encrypted) = needs.get(&r.need).and_then(|s| {
+                s.files
+                    .iter()
+                    .find(|f| f.encrypted() && pointers_overlap(&f.pointer, &r.pointer))
+            }) else {
                 continue;
             };
             return Err(invalid(
                 file,
                 format!(
-                    "need \"{key}\" refers to \"{}\", whose file {:?} is encrypted: a payload others refer to is kept in the state, where an encrypted file's plaintext must never be; refer to another need, or do not encrypt it",
-                    r.need,
+                    "need \"{key}\" refers to {r}, which reaches what its encrypted file {:?} holds: what a reference reaches is kept in the state, where an encrypted file's plaintext must never be; refer to another part of the payload, or do not encrypt the file",
                     encrypted.label()
                 ),
             ));
@@ -581,7 +582,7 @@ mod tests {
     }
 
     #[test]
-    fn encrypted_files_are_named_and_not_referred_to() {
+    fn encrypted_files_are_named_and_references_stay_beside_them() {
         let ok = needs(
             r#"{"oidc/o":{"from":"forge","request":{},"nag_seconds":5,
                 "files":[{"name":"secret","path":"/var/lib/fort/credentials/oidc/o/secret.cred","pointer":"/s","encrypt":"host+tpm2"}]}}"#,
@@ -618,17 +619,22 @@ mod tests {
             };
             assert!(err.contains(says), "{bad}: {err}");
         }
-        let err = needs(
-            r#"{"db/x":{"from":"forge","request":{},"nag_seconds":5,
-                  "files":[{"name":"password","path":"/p.cred","pointer":"/password","encrypt":"auto"}]},
-                "app/y":{"from":"forge","request":{"user":{"$fort_ref":"db/x#/user"}},"nag_seconds":5}}"#,
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("refers to \"db/x\", whose file \"password\" is encrypted"),
-            "{err}"
-        );
+        let declared = |reference: &str| {
+            needs(&format!(
+                r#"{{"db/x":{{"from":"forge","request":{{}},"nag_seconds":5,
+                  "files":[{{"name":"password","path":"/p.cred","pointer":"/password","encrypt":"auto"}}]}},
+                "app/y":{{"from":"forge","request":{{"r":{{"$fort_ref":"{reference}"}}}},"nag_seconds":5}}}}"#
+            ))
+        };
+        // Beside the encrypted file: kept alone, as a projection of the payload.
+        assert!(declared("db/x#/user").is_ok());
+        for reaching in ["db/x#/password", "db/x", "db/x#/password/0"] {
+            let err = declared(reaching).unwrap_err().to_string();
+            assert!(
+                err.contains("reaches what its encrypted file \"password\" holds"),
+                "{reaching}: {err}"
+            );
+        }
     }
 
     #[test]

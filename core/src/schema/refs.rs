@@ -118,10 +118,65 @@ pub fn extract(payload: &[u8], pointer: &str) -> Result<Value, String> {
         .ok_or_else(|| format!("the payload has nothing at {pointer}"))
 }
 
+/// Whether two JSON pointers reach into one another's value: the same value, or one
+/// inside the other (`""` is the whole payload, around everything).
+pub fn pointers_overlap(a: &str, b: &str) -> bool {
+    let within = |inner: &str, outer: &str| {
+        inner
+            .strip_prefix(outer)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    };
+    within(a, b) || within(b, a)
+}
+
+/// The values of a JSON `payload` at `pointers` alone, each at its pointer in a document
+/// of objects (an array index becomes an object key, which the same pointer reaches):
+/// what references to it need, without anything else of it. `None` when the payload is
+/// not JSON or a pointer reaches nothing.
+pub fn project(payload: &[u8], pointers: &[&str]) -> Option<Vec<u8>> {
+    let json: Value = serde_json::from_slice(payload).ok()?;
+    let mut out = Value::Object(Default::default());
+    for pointer in pointers {
+        let value = json.pointer(pointer)?.clone();
+        let tokens: Vec<String> = pointer
+            .split('/')
+            .skip(1)
+            .map(|t| t.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        let Some((last, path)) = tokens.split_last() else {
+            return Some(serde_json::to_vec(&json).expect("JSON serialises"));
+        };
+        let mut at = &mut out;
+        for t in path {
+            if !at.get(t).is_some_and(Value::is_object) {
+                at[t.as_str()] = Value::Object(Default::default());
+            }
+            at = &mut at[t.as_str()];
+        }
+        at[last.as_str()] = value;
+    }
+    Some(serde_json::to_vec(&out).expect("JSON serialises"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_projection_holds_what_references_reach_and_nothing_else() {
+        let payload =
+            br#"{"client_id":"wiki","client_secret":"s3","urls":["a","b"],"a/b":{"c":1}}"#;
+        let kept = project(payload, &["/client_id", "/urls/1", "/a~1b/c"]).unwrap();
+        assert!(!String::from_utf8_lossy(&kept).contains("s3"));
+        for p in ["/client_id", "/urls/1", "/a~1b/c"] {
+            assert_eq!(extract(&kept, p), extract(payload, p), "{p}");
+        }
+        assert!(project(payload, &["/nothing"]).is_none());
+        assert!(project(b"not json", &["/x"]).is_none());
+        assert!(pointers_overlap("", "/x") && pointers_overlap("/a/b", "/a"));
+        assert!(pointers_overlap("/a", "/a") && !pointers_overlap("/ab", "/a"));
+    }
 
     #[test]
     fn parse_find_and_resolve() {
