@@ -256,6 +256,7 @@ let
         inherit name;
         pointer = "";
         credentialFor = [ ];
+        encrypt = false;
         at = "${optionOf n.key}.keys.${lib.strings.escapeNixIdentifier name}";
       }
     ) n.keys
@@ -284,6 +285,9 @@ let
         )
         (check (cfg.user == "root" || f.owner == cfg.user)
           "${f.at}.owner = ${quote f.owner}: the agent runs as ${cfg.user} and cannot give files to another user; set owner = ${quote cfg.user} or run the agent as root."
+        )
+        (check (!f.encrypt || cfg.user == "root")
+          "${f.at}.encrypt: the agent runs as ${cfg.user}, and systemd-creds encrypts only for root (it reads the host's credential secret); run the agent as root (services.fort-agent.user = \"root\") or deliver the file unencrypted."
         )
       ]
       ++ each f.credentialFor (

@@ -602,8 +602,14 @@ rec {
   credentialUnitsOf = n: unique (concatMap (f: f.credentialFor) (attrValues n.files));
 
   # requestOf: the request as shipped (the provider interface's defaults filled in).
+  # credentialKey: what encrypted files are bound to
+  # (services.fort-agent.credentialEncryption.withKey).
   needsJson =
-    { needs, requestOf }:
+    {
+      needs,
+      requestOf,
+      credentialKey ? "auto",
+    }:
     listToAttrs (
       map (
         n:
@@ -618,17 +624,22 @@ rec {
             # mapAttrsToList: sorted by name.
             # A credential's service is restarted when the file changes, but not when
             # it first appears: its path unit starts it then (docs/protocol.md §11.3).
-            files = mapAttrsToList (name: f: {
-              inherit name;
-              inherit (f)
-                path
-                pointer
-                owner
-                group
-                mode
-                ;
-              credential_for = unique f.credentialFor;
-            }) n.files;
+            # `encrypt` only on encrypted files: a plain file reads (and hashes) as it did.
+            files = mapAttrsToList (
+              name: f:
+              {
+                inherit name;
+                inherit (f)
+                  path
+                  pointer
+                  owner
+                  group
+                  mode
+                  ;
+                credential_for = unique f.credentialFor;
+              }
+              // lib.optionalAttrs f.encrypt { encrypt = credentialKey; }
+            ) n.files;
             restart_units = unique n.restartUnits;
             reload_units = unique n.reloadUnits;
             renew_before_seconds = if n.renewBefore == null then null else durationSeconds n.renewBefore;

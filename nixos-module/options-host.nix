@@ -26,7 +26,12 @@ let
       types.attrsOf elemType;
 
   file = types.submodule (
-    { name, options, ... }:
+    {
+      name,
+      options,
+      config,
+      ...
+    }:
     let
       # fort.host.needs.<type>.<id>.files.<name>.path: the need's type and id, for the
       # default path, from where the option sits.
@@ -37,15 +42,38 @@ let
       options = {
         path = mkOption {
           type = types.str;
-          default = "/run/fort/needs/${at 5}/${at 4}/${name}";
-          defaultText = literalExpression ''"/run/fort/needs/<type>/<id>/<name>"'';
+          default =
+            if config.encrypt then
+              "/var/lib/fort/credentials/${at 5}/${at 4}/${name}.cred"
+            else
+              "/run/fort/needs/${at 5}/${at 4}/${name}";
+          defaultText = literalExpression ''
+            if encrypt then "/var/lib/fort/credentials/<type>/<id>/<name>.cred"
+            else "/run/fort/needs/<type>/<id>/<name>"
+          '';
           example = "/var/lib/outline/oidc-secret";
           description = ''
             Where the agent writes the file, atomically, each time the need's payload
             arrives. Other modules read it as
-            `config.fort.host.needs.<type>.<id>.files.<name>.path`. The default lives in
-            the agent's runtime directory, which survives agent restarts but not a reboot;
-            the agent writes the files again from its stored payload.
+            `config.fort.host.needs.<type>.<id>.files.<name>.path`. The default for a plain
+            file lives in the agent's runtime directory, which survives agent restarts but
+            not a reboot (the agent asks for the files again); an encrypted file's lives in
+            the agent's state directory and survives a reboot.
+          '';
+        };
+        encrypt = mkOption {
+          type = types.bool;
+          default = false;
+          example = true;
+          description = ''
+            Store the file as a systemd encrypted credential instead of its content: the
+            agent encrypts it on this host with `systemd-creds encrypt --name=<name>`
+            (bound to `services.fort-agent.credentialEncryption.withKey`), the plaintext
+            going to it through a pipe and never to a file, and the services in
+            `credentialFor` get `LoadCredentialEncrypted=`. The recommended form for every
+            secret a service reads; see docs/at-rest.md. Where `systemd-creds` cannot
+            encrypt, the need fails with the reason, never falling back to a plaintext file.
+            Needs the agent to run as root (encrypting reads the host's credential secret).
           '';
         };
         pointer = mkOption {
@@ -80,8 +108,9 @@ let
           example = [ "outline.service" ];
           description = ''
             Services that receive the file as a systemd credential: each gets
-            `LoadCredential=<name>:<path>` (read as `$CREDENTIALS_DIRECTORY/<name>`, also
-            under `DynamicUser=`, so the file itself can stay root-only), is skipped
+            `LoadCredential=<name>:<path>`, or `LoadCredentialEncrypted=<name>:<path>` with
+            `encrypt` (read as `$CREDENTIALS_DIRECTORY/<name>`, also under `DynamicUser=`,
+            so the file itself can stay root-only), is skipped
             rather than failed while the file is missing (`ConditionPathExists=`), is
             started by a path unit once the file appears (once: the agent does not
             restart it for a file it creates), and is restarted when the file's content
@@ -262,7 +291,7 @@ let
           default = { };
           example = literalExpression ''
             {
-              client_secret = { pointer = "/client_secret"; credentialFor = [ "outline.service" ]; };
+              client_secret = { pointer = "/client_secret"; encrypt = true; credentialFor = [ "outline.service" ]; };
               client_id = { pointer = "/client_id"; owner = "outline"; mode = "0440"; };
             }
           '';

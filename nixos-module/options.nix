@@ -192,6 +192,24 @@ in
       };
     };
 
+    credentialEncryption.withKey = mkOption {
+      type = types.enum [
+        "auto"
+        "host"
+        "tpm2"
+        "host+tpm2"
+      ];
+      default = "auto";
+      description = ''
+        What the files delivered with `encrypt = true` are encrypted with
+        (`systemd-creds encrypt --with-key=`, written into needs.json as the file's
+        `encrypt`): `auto` is the host's credential secret and the TPM2 when the machine
+        has one, else the host's secret alone. With the host's secret alone, a copy of
+        the whole of `/var/lib` opens them; with a TPM2 only this machine can. `tpm2` and
+        `host+tpm2` make a delivery fail (with the reason) on a machine without a TPM2.
+      '';
+    };
+
     strictSandbox = mkOption {
       type = types.bool;
       default = false;

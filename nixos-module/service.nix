@@ -45,7 +45,10 @@ let
 
   # The exact bytes installed, so that manifestSha256 is the hash the agent computes
   # over the files it loads (docs/protocol.md §11.7).
-  needsJson = fortLib.needsJson { inherit needs requestOf; };
+  needsJson = fortLib.needsJson {
+    inherit needs requestOf;
+    credentialKey = cfg.credentialEncryption.withKey;
+  };
   capabilitiesJson = fortLib.capabilitiesJson { inherit capabilities callers; };
   # The same bytes on every host: derived once for the fleet under lib.mkFleet's `cluster`.
   inherit (cluster.facts) hostsText;

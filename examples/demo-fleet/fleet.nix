@@ -125,6 +125,7 @@ in
         services.fort-agent.handlerEnvironment.FORT_EXAMPLE_STATE = "/var/lib/fort-examples";
         fort.host.needs = {
           # Two files cut from the JSON payload; wiki restarted once when they change.
+          # The secret is kept as a systemd encrypted credential (docs/at-rest.md).
           oidc.wiki = {
             from = "forge";
             request = {
@@ -135,7 +136,10 @@ in
               pointer = "/client_id";
               mode = "0444";
             };
-            files.client_secret.pointer = "/client_secret";
+            files.client_secret = {
+              pointer = "/client_secret";
+              encrypt = true;
+            };
             restartUnits = [ "wiki.service" ];
           };
           ssl-cert.wiki = {

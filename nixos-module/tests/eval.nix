@@ -202,11 +202,17 @@ let
         if p == [ ] && node.config.services.fort-agent.enable then builtins.deepSeq (render name node) [ ] else p
       ) nodes;
       agent = lib.mapAttrs (_: node: node.config.services.fort-agent.settings) nodes;
-      # The fort units' settings a case names (`service.<host>.<unit>`), and their scripts.
+      # The settings a case names (`service.<host>.<unit>`) of the fort units and of the
+      # units that load delivered files as credentials, and the fort units' scripts.
       service = lib.mapAttrs (
         _: node:
         lib.mapAttrs (_: u: { inherit (u) serviceConfig unitConfig wants after; }) (
-          lib.filterAttrs (n: _: lib.hasPrefix "fort-" n) node.config.systemd.services
+          lib.filterAttrs (
+            n: u:
+            lib.hasPrefix "fort-" n
+            || u.serviceConfig ? LoadCredential
+            || u.serviceConfig ? LoadCredentialEncrypted
+          ) node.config.systemd.services
         )
       ) nodes;
       script = lib.mapAttrs (
