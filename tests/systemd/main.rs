@@ -7,6 +7,7 @@
 mod agent;
 mod certificates;
 mod clients;
+mod credentials;
 mod databases;
 mod delivery;
 mod fleet;

@@ -26,6 +26,8 @@
 # databases: forge also serves `postgres` from the server the lane runs (its socket in
 # /run/lane-postgresql, port 25432, the admin role fort_admin by peer authentication),
 # and app asks for a database.
+# encrypted: app also needs secret/keeper, its token stored as a systemd encrypted
+# credential (encrypt = true) of the DynamicUser service keeper.
 {
   appUser ? "root",
   generation ? 1,
@@ -34,6 +36,7 @@
   clients ? false,
   sshCertificates ? false,
   databases ? false,
+  encrypted ? false,
 }:
 let
   keys = ../keys;
@@ -171,6 +174,13 @@ in
               };
             }) [ "a" "b" "c" ]
           )
+          // lib.optionalAttrs encrypted {
+            keeper.from = "forge";
+            keeper.files.token = token // {
+              encrypt = true;
+              credentialFor = [ "keeper.service" ];
+            };
+          }
           // (
             if generation >= 2 then
               {
@@ -186,6 +196,7 @@ in
           wiki.wantedBy = [ "multi-user.target" ];
           multi.wantedBy = [ "multi-user.target" ];
           reloader.wantedBy = [ "multi-user.target" ];
+          keeper = lib.mkIf encrypted { wantedBy = [ "multi-user.target" ]; };
         };
         users.groups = lib.mkIf certificates { lane-web = { }; };
         fort.host.needs.dns-record = lib.mkIf records {

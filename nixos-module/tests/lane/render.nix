@@ -18,7 +18,8 @@
 # (forge serves dns-record from a DNS primary, app asks for a record), clients/forge and
 # clients/app (forge serves oidc from an OpenID provider, app asks for a client), ssh/forge
 # and ssh/app (forge is an SSH CA, app asks for a host certificate), databases/forge and
-# databases/app (forge serves postgres, app asks for a database).
+# databases/app (forge serves postgres, app asks for a database), encrypted/forge and
+# encrypted/app (app's keeper reads its token as an encrypted credential).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -268,6 +269,7 @@ let
   clients = fleet { clients = true; };
   ssh = fleet { sshCertificates = true; };
   databases = fleet { databases = true; };
+  encrypted = fleet { encrypted = true; };
 in
 {
   forge = render one.forge;
@@ -285,4 +287,6 @@ in
   "ssh/app" = render ssh.app;
   "databases/forge" = render databases.forge;
   "databases/app" = render databases.app;
+  "encrypted/forge" = render encrypted.forge;
+  "encrypted/app" = render encrypted.app;
 }
