@@ -1,9 +1,11 @@
 //! Files delivered as systemd encrypted credentials, against real agents
 //! (docs/protocol.md §11.3, *Encrypted files*; docs/at-rest.md): without `systemd-creds`
-//! the need fails with the reason and nothing of it is written, in plaintext or at all;
-//! with the real `systemd-creds`, the file is a credential that decrypts under its name
-//! only, nothing of the secret is anywhere in the agent's files, an unchanged payload
-//! writes and restarts nothing, and a changed one replaces the file and restarts once.
+//! the need fails with the reason and nothing of it is written, in plaintext or at all,
+//! and so it does with the real `systemd-creds` asked for a TPM2 the machine lacks; with
+//! the real `systemd-creds`, the file is a credential that decrypts under its name only,
+//! nothing of the secret is anywhere in the agent's files (a need referring to the value
+//! beside it included), an unchanged payload writes and restarts nothing, and a changed
+//! one replaces the file and restarts once.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -187,12 +189,26 @@ async fn an_encrypted_file_is_a_credential_that_changes_only_with_its_content() 
         "vault",
         json!({"files": [encrypted(&cred)]}),
     );
+    // A need built from the client id beside the secret: the state keeps that value
+    // for it, and nothing of the secret (searched below).
+    f.need(
+        "c",
+        "secret/proxy",
+        "vault",
+        json!({"request": {"client": {"$fort_ref": "secret/wiki#/client_id"}},
+               "files": [{"path": f.dir.path().join("proxy"), "pointer": "/client_id"}]}),
+    );
     f.start();
     assert!(
         eventually(Duration::from_secs(15), || f.all_satisfied("c")).await,
-        "{}",
-        f.need_status("c", "secret/wiki")
+        "{}\n{}",
+        f.need_status("c", "secret/wiki"),
+        f.need_status("c", "secret/proxy")
     );
+    let kept =
+        f.read_state("c", "fulfillment-state.json")["needs"]["secret/wiki"]["payload"].clone();
+    // base64 of {"client_id":"wiki"}: the value referred to, alone.
+    assert_eq!(kept, json!("eyJjbGllbnRfaWQiOiJ3aWtpIn0="), "{kept}");
     let plain = b"v1-c:secret/wiki-secret";
     let out = decrypt(&secret, "client_secret", &cred);
     assert!(
@@ -258,4 +274,62 @@ async fn an_encrypted_file_is_a_credential_that_changes_only_with_its_content() 
     for dir in [f.host_dir("c"), cred.parent().unwrap().to_path_buf()] {
         assert_eq!(holding(&dir, &next), Vec::<PathBuf>::new());
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_systemd_creds_cannot_use_fails_the_need_with_what_it_said() {
+    let test = "a_key_systemd_creds_cannot_use_fails_the_need_with_what_it_said";
+    let mut f = Fleet::new();
+    let secret = f.dir.path().join("credential.secret");
+    if let Err(why) = real_systemd_creds(&secret) {
+        skip(test, &why);
+        return;
+    }
+    let has_tpm2 = Command::new("systemd-creds")
+        .arg("has-tpm2")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if has_tpm2 {
+        skip(
+            test,
+            "this machine has a TPM2, which the test needs to be missing",
+        );
+        return;
+    }
+    vault(&mut f);
+    consumer(
+        &mut f,
+        &format!(
+            "[handler_environment]\nSYSTEMD_CREDENTIAL_SECRET = \"{}\"\n",
+            secret.display()
+        ),
+    );
+    let cred = f.dir.path().join("creds/client_secret.cred");
+    let mut file = encrypted(&cred);
+    file["encrypt"] = json!("tpm2");
+    f.need("c", "secret/wiki", "vault", json!({"files": [file]}));
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(15), || f
+            .need_status("c", "secret/wiki")["state"]
+            == "failed")
+        .await,
+        "{}",
+        f.need_status("c", "secret/wiki")
+    );
+    let reason = f.need_status("c", "secret/wiki")["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    // What systemd-creds said (no TPM2 here, or no TPM2 support) is in the reason.
+    assert!(
+        reason.contains("cannot encrypt with systemd-creds (--with-key=tpm2): exited with code")
+            && reason.to_lowercase().contains("tpm"),
+        "{reason}"
+    );
+    assert!(!cred.exists());
+    assert_eq!(
+        holding(&f.host_dir("c"), b"v1-c:secret/wiki-secret"),
+        Vec::<PathBuf>::new()
+    );
 }

@@ -4,6 +4,7 @@
 //! schemas) is checked here, once, at load.
 
 mod capabilities;
+mod encrypted;
 mod hosts;
 pub mod keys;
 mod needs;
@@ -15,13 +16,14 @@ pub use capabilities::{
     capabilities_from_bytes, load_capabilities, validate_capabilities, Capabilities,
     CapabilitySpec, Mode, RequestSchema, Triggers,
 };
+pub use encrypted::CredentialKey;
 pub use hosts::{
     is_address, is_plaintext_address, HostEntry, HostsFile, Peer, PeerKind, PrincipalEntry,
     Registry,
 };
 pub use needs::{
-    load_needs, needs_from_bytes, validate_needs, CredentialKey, FileSpec, NeedSpec, Needs,
-    Providers, MAX_PROVIDERS,
+    load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs, Providers,
+    MAX_PROVIDERS,
 };
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
