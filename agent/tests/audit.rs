@@ -2,7 +2,8 @@
 //! forced rotation each leave their records on the provider and on the consumer, linked
 //! by the response hash; the provider's checkpoints verify with `ssh-keygen -Y verify`
 //! and stop verifying when a record is changed, removed or moved, and
-//! `fort audit verify` names that record; a provider told the trail is required
+//! `fort audit verify` names that record; the consumer witnesses the provider's
+//! checkpoints, which then show a provider's trail cut short; a provider told the trail is required
 //! issues nothing while it cannot be written.
 
 use std::path::{Path, PathBuf};
@@ -224,7 +225,69 @@ async fn renewal_refusal_release_and_rotation_leave_linked_records_on_both_sides
             "checkpoint at line {line}"
         );
     }
+    witnesses_catch_a_trail_cut_short(&f, &c);
     tampering_is_caught(&f, &file, &key);
+}
+
+/// The consumer witnessed the provider's checkpoints through its callbacks; held against
+/// them, the provider's trail verifies as it is and fails once cut short after one, a
+/// cut that the trail alone does not show.
+fn witnesses_catch_a_trail_cut_short(f: &Fleet, c: &[Value]) {
+    let witnessed: Vec<&Value> = c.iter().filter(|r| r["event"] == "witnessed").collect();
+    assert!(
+        !witnessed.is_empty(),
+        "c witnessed no checkpoint of p:\n{c:#?}"
+    );
+    assert!(witnessed.iter().all(|r| r["provider"] == "p"));
+    let pairs: Vec<_> = witnessed
+        .iter()
+        .map(|r| (&r["count"], &r["head"]))
+        .collect();
+    let mut unique = pairs.clone();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        pairs.len(),
+        "one record per checkpoint: {pairs:?}"
+    );
+    let verify = |dir: &Path| {
+        let out = Command::new(bin("fort"))
+            .arg("--hosts")
+            .arg(f.host_dir("c").join("hosts.json"))
+            .args(["audit", "verify"])
+            .arg(dir)
+            .args(["--signer", "p", "--json", "--witnesses"])
+            .arg(audit_dir(f, "c"))
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+        (out.status.success(), v)
+    };
+    let (ok, v) = verify(&audit_dir(f, "p"));
+    assert!(ok, "{v:#}");
+    assert_eq!(v["witnessed"]["checked"], witnessed.len(), "{v:#}");
+
+    // Cut short just before the last checkpoint c witnessed: alone it still verifies.
+    let last = witnessed.last().unwrap()["count"].as_u64().unwrap();
+    let cut = tempfile::tempdir().unwrap();
+    let file = fort_core::audit::files(&audit_dir(f, "p")).unwrap()[0].clone();
+    let kept: String = std::fs::read_to_string(&file)
+        .unwrap()
+        .lines()
+        .take(last as usize - 1)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(cut.path().join(file.file_name().unwrap()), kept).unwrap();
+    let alone =
+        fort_core::audit::verify(cut.path(), "p", &[f.hosts["p"].signer.public_key().clone()])
+            .unwrap();
+    assert!(alone.problems.is_empty(), "{:?}", alone.problems);
+    let (ok, v) = verify(cut.path());
+    assert!(!ok, "{v:#}");
+    let problems = v["witnessed"]["problems"].to_string();
+    assert!(problems.contains("the trail was cut short"), "{v:#}");
+    assert!(problems.contains(&format!("signed record {last}")), "{v:#}");
 }
 
 fn checkpoint_lines(file: &Path) -> Vec<usize> {
