@@ -475,3 +475,100 @@ async fn answered_with(f: &Fleet, body: &Value, want: u16) -> u16 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Every record also reaches a real syslog server (rsyslogd), over TCP from the provider
+/// and UDP from the consumer, as the line its trail holds; while the server is down the
+/// trail goes on, and the copy resumes once it is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_reach_a_remote_syslog_server_over_tcp_and_udp() {
+    let test = "records_reach_a_remote_syslog_server_over_tcp_and_udp";
+    let mut server = match fort_tests::syslog::SyslogServer::start() {
+        Ok(s) => s,
+        Err(why) => return fort_tests::skip(test, &why),
+    };
+    let mut f = fleet();
+    for (host, to) in [
+        ("p", format!("tcp://{}", server.tcp)),
+        ("c", format!("udp://{}", server.udp)),
+    ] {
+        f.host(host).extra_toml =
+            format!("[access]\ntrigger = [\"ops\"]\n[audit]\nsyslog = \"{to}\"\n");
+    }
+    f.start();
+    let copied = |host: &str, event: &str| {
+        server.lines().iter().any(|l| {
+            l.starts_with(&format!("{host} fort-agent audit authpriv {{"))
+                && l.contains(&format!("\"event\":\"{event}\""))
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(60), || copied("p", "issued")
+            && copied("c", "applied"))
+        .await,
+        "{:#?}",
+        server.lines()
+    );
+    // Every record of the provider's trail so far, in its order, is a message.
+    let messages: Vec<String> = server
+        .lines()
+        .iter()
+        .filter_map(|l| {
+            l.strip_prefix("p fort-agent audit authpriv ")
+                .map(str::to_owned)
+        })
+        .collect();
+    let trail: Vec<String> = fort_core::audit::read_lines(&audit_dir(&f, "p"))
+        .unwrap()
+        .into_iter()
+        .map(|l| String::from_utf8(l.bytes).unwrap())
+        .collect();
+    assert!(messages.len() >= 3, "{messages:#?}");
+    assert_eq!(
+        messages[..],
+        trail[..messages.len()],
+        "the copy is the trail"
+    );
+
+    // The server goes away: the trail goes on; back, the copy resumes.
+    server.stop();
+    let rotate = || {
+        let (code, out, err) = f.fort(
+            "ops",
+            "p",
+            &["trigger", "p", "cred", "--entry", "c:cred/a", "--force"],
+        );
+        assert_eq!(code, 0, "{out}{err}");
+    };
+    let issued = |recs: &[Value]| find(recs, "issued", "cred/a").len();
+    let before = issued(&records(&f, "p"));
+    rotate();
+    assert!(
+        eventually(Duration::from_secs(30), || issued(&records(&f, "p"))
+            > before)
+        .await,
+        "the provider stopped issuing with its syslog server gone"
+    );
+    server.restart().expect("rsyslogd again");
+    let last_seq = |lines: Vec<String>| {
+        lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("p fort-agent audit authpriv "))
+            .filter_map(|m| serde_json::from_str::<Value>(m).ok())
+            .filter_map(|v| v["seq"].as_u64())
+            .max()
+            .unwrap_or(0)
+    };
+    let copied_before = last_seq(server.lines());
+    let trail_now = records(&f, "p").len() as u64;
+    // Records keep coming (the consumer asks again, checkpoints): the copy catches up
+    // past what was written while the server was down.
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            rotate();
+            last_seq(server.lines()) > trail_now.max(copied_before)
+        })
+        .await,
+        "the copy did not resume: {:#?}",
+        server.lines()
+    );
+}

@@ -172,6 +172,7 @@ in
             readWritePaths = [ "/var/lib/nginx/vhosts" ];
             # The audit trail also goes to the journal; a key set by hand keeps it.
             audit.journal = true;
+            audit.syslog = "tcp://logs.example.org:601";
             settings = {
               audit.max_files = 4;
               access.journal = [ "ops" ];

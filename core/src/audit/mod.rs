@@ -3,6 +3,7 @@
 //! namespace `fort-audit`) that `ssh-keygen -Y verify` checks. Records are handed to one
 //! writer thread through a bounded queue, so no request waits on the disk.
 
+mod forward;
 mod read;
 mod witness;
 mod writer;
@@ -21,6 +22,7 @@ use sha2::Sha256;
 
 use crate::sign::Signer;
 
+pub use forward::Target as SyslogTarget;
 pub use read::{files, read_lines, short_hash, verify, AuditLine, Problem, Verified};
 pub use witness::{
     hold, witness_line, Held, Witnessed, HEADER as CHECKPOINT_HEADER,
@@ -178,6 +180,8 @@ pub struct Options {
     pub queue: usize,
     /// Each record also goes to the agent's log (the journal, under systemd).
     pub journal: bool,
+    /// Each record also goes to this syslog server.
+    pub syslog: Option<SyslogTarget>,
 }
 
 /// Counts for the status document and metrics.

@@ -18,6 +18,7 @@ fn options(dir: &Path, max_file_bytes: u64, max_files: usize) -> Options {
         checkpoint_interval: Duration::from_secs(3600),
         queue: 100_000,
         journal: false,
+        syslog: None,
     }
 }
 

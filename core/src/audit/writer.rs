@@ -53,6 +53,8 @@ pub(super) struct Writer {
     last_probe: Instant,
     /// Said once per outage, not once per attempt.
     complained: bool,
+    /// The remote syslog copy, if one is configured.
+    forward: Option<super::forward::Forward>,
 }
 
 /// A file's name: the seq of its first record, so names sort in the chain's order.
@@ -63,6 +65,10 @@ pub(super) fn file_name(first_seq: u64) -> String {
 impl Writer {
     pub(super) fn open(options: Options, signer: Signer, shared: Arc<Shared>) -> Writer {
         let key = super::hash_key(&signer);
+        let forward = options
+            .syslog
+            .clone()
+            .map(|t| super::forward::Forward::start(t, &options.host));
         let mut w = Writer {
             options,
             signer,
@@ -77,6 +83,7 @@ impl Writer {
             last_checkpoint: Instant::now(),
             last_probe: Instant::now(),
             complained: false,
+            forward,
         };
         match w.resume() {
             Ok(torn) => {
@@ -223,9 +230,14 @@ impl Writer {
         self.head = sha256_hex(line);
         self.since_checkpoint += 1;
         self.shared.records.fetch_add(1, Ordering::Relaxed);
-        if self.options.journal {
+        if self.options.journal || self.forward.is_some() {
             let text = String::from_utf8_lossy(&line[..line.len() - 1]);
-            tracing::info!(target: "fort_audit", "{text}");
+            if self.options.journal {
+                tracing::info!(target: "fort_audit", "{text}");
+            }
+            if let Some(f) = &self.forward {
+                f.send(&text);
+            }
         }
     }
 
