@@ -9,6 +9,7 @@ pub mod oidc;
 pub mod pebble;
 pub mod pki;
 pub mod postgres;
+pub mod sshd;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read, Write};
