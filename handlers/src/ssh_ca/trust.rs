@@ -62,10 +62,10 @@ pub fn install(payload: &[u8], origin: &str, to: &Targets<'_>) -> anyhow::Result
     std::fs::create_dir_all(&dir)
         .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
     let _lock = lock(&dir)?;
-    write_if_changed(
-        &dir.join(format!("{origin}.json")),
-        &serde_json::to_vec(&part)?,
-    )?;
+    let kept = dir.join(format!("{origin}.json"));
+    if !older_than_kept(&part, &kept) {
+        write_if_changed(&kept, &serde_json::to_vec(&part)?)?;
+    }
     // Providers no longer listed are no longer trusted.
     for entry in std::fs::read_dir(&dir)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?
@@ -111,6 +111,26 @@ pub fn install(payload: &[u8], origin: &str, to: &Targets<'_>) -> anyhow::Result
         providers: names,
         krl: krl::parse(&combined).map_err(|e| anyhow::anyhow!("krl: {e}"))?,
     })
+}
+
+/// Whether `part` carries an older KRL of the same CA than the part kept at `kept`: a
+/// late redelivery (another need's payload from the same provider, sent before its
+/// latest revocation) must never take a revocation back. The provider's KRL version
+/// only grows.
+fn older_than_kept(part: &Part, kept: &Path) -> bool {
+    let version = |p: &Part| {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(p.krl.as_bytes())
+            .ok()?;
+        krl::parse(&bytes).ok().map(|s| s.version)
+    };
+    let Some(old) = std::fs::read(kept)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Part>(&b).ok())
+    else {
+        return false;
+    };
+    old.ca_public_key == part.ca_public_key && version(&old) > version(part)
 }
 
 /// `<krl>.d`, beside the combined KRL.
@@ -229,9 +249,13 @@ mod tests {
     use ssh_key::rand_core::OsRng;
 
     fn payload(ca: &ssh_key::PrivateKey, serials: &[u64]) -> Vec<u8> {
+        versioned(ca, serials, serials.len() as u64)
+    }
+
+    fn versioned(ca: &ssh_key::PrivateKey, serials: &[u64], version: u64) -> Vec<u8> {
         let public = ca.public_key().to_openssh().unwrap();
         let krl = krl::Krl {
-            version: 1,
+            version,
             generated: 1,
             comment: String::new(),
             serials: [(ca.public_key().to_bytes().unwrap(), serials.to_vec())].into(),
@@ -276,6 +300,9 @@ mod tests {
         // edge1 revokes more: its part is replaced, edge2's kept.
         let again = install(&payload(&a, &[7, 8]), "edge1", &to).unwrap();
         assert_eq!(again.krl.revoked_count, 4);
+        // A late payload with edge1's older KRL takes nothing back.
+        let late = install(&versioned(&a, &[7], 1), "edge1", &to).unwrap();
+        assert_eq!(late.krl.revoked_count, 4);
         // Not a listed provider: refused, nothing changes.
         assert!(install(&payload(&key(), &[1]), "edge3", &to).is_err());
         // A mismatched known hosts line, a KRL that is not one: refused.
