@@ -1,10 +1,11 @@
 //! `acme` with two providers, each its own ACME account at one pebble, between real
 //! agents on loopback: the consumer's certificate (for a key its agent made) comes from
-//! its home; the home killed with `kill -9` while the certificate comes due, the
-//! standby's account orders the renewal and the consumer installs it; the old home back
-//! releases the entry it no longer serves and revokes only the certificate it issued,
-//! never the standby's. Certificates live a minute (pebble's knob) and are renewed 40 s
-//! before they end, within the handler's default weekly budgets.
+//! its home, renewed there while the standby hears nothing; the home killed with
+//! `kill -9` while the certificate comes due, the standby's account orders the renewal
+//! and the consumer installs it; the old home back releases the entry it no longer
+//! serves and revokes only the certificate it issued, never the standby's. Certificates
+//! live a minute (pebble's knob) and are renewed 40 s before they end, within the
+//! handler's default weekly budgets.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -114,6 +115,16 @@ async fn the_standbys_account_renews_the_certificate_and_the_old_home_revokes_on
         status(&f)
     );
     assert_eq!(status(&f)["from"], "e1");
+    // One renewal by the healthy home (a new key, a new certificate), and the standby
+    // hears nothing of it.
+    let (first, _, _) = leaf(&read(&cert_path)).unwrap();
+    assert!(
+        eventually(Duration::from_secs(90), || leaf(&read(&cert_path))
+            .is_some_and(|(s, _, _)| s != first))
+        .await,
+        "never renewed by the home: {}",
+        status(&f)
+    );
     let cert1 = read(&cert_path);
     let (serial1, _, not_after1) = leaf(&cert1).unwrap();
     assert!(pair_matches(&read(&key_path), &cert1));
@@ -121,6 +132,7 @@ async fn the_standbys_account_renews_the_certificate_and_the_old_home_revokes_on
         f.entries("e2").is_empty(),
         "the standby heard nothing while the home answered"
     );
+    assert_eq!(status(&f)["from"], "e1");
 
     // The home dies; the certificate comes due 20 s after it was issued.
     let due = not_after1 - RENEW_BEFORE as i64;

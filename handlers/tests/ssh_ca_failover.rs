@@ -201,6 +201,8 @@ async fn the_standby_ca_certifies_the_host_and_the_old_homes_revocation_reaches_
         "e1 is the home"
     );
     assert_eq!(f.need_status("app", "ssh-ca/host")["from"], "e1");
+    // The standby heard only the request for what to trust: it certified nothing.
+    assert_eq!(f.entries("e2"), ["app:ssh-ca/host-ca-e2"]);
     let trusted_cas = std::fs::read_to_string(&files.trusted_user_ca_keys).unwrap();
     assert_eq!(trusted_cas.lines().count(), 2, "{trusted_cas}");
     let known = std::fs::read_to_string(&known_hosts).unwrap();
