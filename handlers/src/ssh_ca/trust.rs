@@ -71,12 +71,12 @@ pub fn install(payload: &[u8], origin: &str, to: &Targets<'_>) -> anyhow::Result
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?
     {
         let path = entry?.path();
-        let listed = path.extension() == Some(OsStr::new("json"))
-            && path
-                .file_stem()
-                .and_then(OsStr::to_str)
-                .is_some_and(|stem| to.providers.iter().any(|p| p == stem));
-        if !listed && path.extension() == Some(OsStr::new("json")) {
+        let is_part = path.extension() == Some(OsStr::new("json"));
+        let listed = path
+            .file_stem()
+            .and_then(OsStr::to_str)
+            .is_some_and(|stem| to.providers.iter().any(|p| p == stem));
+        if is_part && !listed {
             std::fs::remove_file(&path)
                 .map_err(|e| anyhow::anyhow!("cannot remove {}: {e}", path.display()))?;
         }
