@@ -269,6 +269,19 @@ in
           log host, out of reach of this host's root.
         '';
       };
+      syslog = mkOption {
+        type = types.nullOr (types.strMatching "(udp|tcp)://[^/]+:[0-9]+");
+        default = null;
+        example = "tcp://logs.example.org:601";
+        description = ''
+          Also send each record to this syslog server, `udp://HOST:PORT` or
+          `tcp://HOST:PORT` (RFC 5424, facility authpriv, program `fort-agent`, message
+          id `audit`, the record's JSON line as the message), out of reach of this host's
+          root. A copy: the trail's files stay the record, and a server that cannot be
+          reached costs only the copy (logged, and counted when it answers again). For
+          TLS to the log host, use `journal` and a forwarder that speaks it.
+        '';
+      };
       refuseWhenUnwritable = mkOption {
         type = types.bool;
         default = false;

@@ -66,6 +66,7 @@ let
   auditSettings =
     lib.optionalAttrs (!cfg.audit.enable) { enable = false; }
     // lib.optionalAttrs cfg.audit.journal { journal = true; }
+    // lib.optionalAttrs (cfg.audit.syslog != null) { inherit (cfg.audit) syslog; }
     // lib.optionalAttrs cfg.audit.refuseWhenUnwritable { required = true; };
 
   configFile = settingsFormat.generate "fort-agent.toml" cfg.settings;

@@ -490,6 +490,8 @@ fn handler_run(binary: &Path, cap: &str, config: &Path, input: &Value) -> (bool,
 /// the state the previous release's handler wrote is read by the tree's, which keeps
 /// every certificate it holds, and the tree's state by the previous one, whose serials
 /// go on from it (a rollback that reused a serial would revoke the wrong certificate).
+/// A `{"kind": "ca"}` entry leaves nothing in the state, and the previous release
+/// refuses it alone.
 #[test]
 fn ssh_ca_state_upgrades_and_rolls_back() {
     let Some(old) = previous("ssh_ca_state_upgrades_and_rolls_back") else {
@@ -547,6 +549,9 @@ fn ssh_ca_state_upgrades_and_rolls_back() {
     // Upgrade: the tree's handler holds the certificate the old one issued.
     input["app:ssh-ca/a"]["response"] = first["app:ssh-ca/a"].clone();
     input["web:ssh-ca/b"] = entry(&b);
+    // What a consumer of several providers asks each for: nothing certified, nothing
+    // in the state.
+    input["web:ssh-ca/host-ca-forge"] = json!({"request": {"kind": "ca"}, "response": null});
     let (ok, second, err) = handler_run(&new, "ssh-ca", &path("config.json"), &input);
     assert!(
         ok,
@@ -562,6 +567,10 @@ fn ssh_ca_state_upgrades_and_rolls_back() {
         state()["state"]["entries"]["app:ssh-ca/a"],
         written_by_old["state"]["entries"]["app:ssh-ca/a"]
     );
+    assert_eq!(second["web:ssh-ca/host-ca-forge"]["kind"], "ca", "{second}");
+    assert!(state()["state"]["entries"]
+        .get("web:ssh-ca/host-ca-forge")
+        .is_none());
     let b_serial = serial(&second, "web:ssh-ca/b");
     // Rollback: the previous release's handler reads the tree's state and goes on.
     input["web:ssh-ca/b"]["response"] = second["web:ssh-ca/b"].clone();
@@ -572,6 +581,11 @@ fn ssh_ca_state_upgrades_and_rolls_back() {
         "the previous release's handler on the tree's state: {err}"
     );
     assert!(serial(&third, "web:ssh-ca/c") > b_serial, "{third}");
+    // The previous release does not know the `ca` kind: it refuses that entry alone.
+    assert!(
+        third["web:ssh-ca/host-ca-forge"]["$fort_refused"].is_string(),
+        "{third}"
+    );
     assert_eq!(state()["version"], 1);
 }
 

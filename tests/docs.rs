@@ -192,6 +192,62 @@ fn the_audit_example_verifies_with_openssh_and_fort() {
     assert_eq!(fort.signed_through, Some(3));
     assert_ne!(openssh, Some(false), "ssh-keygen refuses the example");
 
+    // The checkpoint's witness (§12.3a) verifies alone, with fort and with ssh-keygen
+    // over its line, and not for another count.
+    let record: serde_json::Value = serde_json::from_str(example.lines().nth(3).unwrap()).unwrap();
+    let witnessed = fort_core::audit::Witnessed {
+        count: record["count"].as_u64().unwrap(),
+        head: record["head"].as_str().unwrap().to_owned(),
+        at: record["at"].as_u64().unwrap(),
+        witness: record["witness"]
+            .as_str()
+            .expect("the example's witness")
+            .to_owned(),
+    };
+    assert!(witnessed.verifies("forge", &keys));
+    let moved = fort_core::audit::Witnessed {
+        count: 2,
+        ..witnessed.clone()
+    };
+    assert!(!moved.verifies("forge", &keys));
+    if ssh_keygen {
+        let dir = tempfile::tempdir().unwrap();
+        let sig = dir.path().join("witness.sig");
+        std::fs::write(
+            &sig,
+            format!(
+                "-----BEGIN SSH SIGNATURE-----\n{}\n-----END SSH SIGNATURE-----\n",
+                witnessed.witness
+            ),
+        )
+        .unwrap();
+        let allowed = dir.path().join("allowed");
+        std::fs::write(&allowed, format!("forge namespaces=\"fort-audit\" {key}\n")).unwrap();
+        let line =
+            fort_core::audit::witness_line("forge", witnessed.count, &witnessed.head, witnessed.at);
+        let mut child = std::process::Command::new("ssh-keygen")
+            .args(["-Y", "verify", "-f"])
+            .arg(&allowed)
+            .args(["-I", "forge", "-n", "fort-audit", "-s"])
+            .arg(&sig)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(line.as_bytes())
+            .unwrap();
+        assert!(
+            child.wait().unwrap().success(),
+            "ssh-keygen refuses the witness"
+        );
+    }
+
     let changed = example.replacen("\"expires_at\":1769817601", "\"expires_at\":1799817601", 1);
     assert_ne!(changed, example);
     let (fort, openssh) = check(&changed);

@@ -182,11 +182,13 @@ fn module_generates_the_expected_files_and_they_pass_check() {
         "app → beacon: ok",
         "beacon → forge: ok",
         "forge → forge: ok",
+        // forge's host certificate with beacon's SSH CA as the standby.
+        "forge → beacon: ok",
     ] {
         assert!(out.contains(pair), "{out}");
     }
     assert!(
-        out.ends_with("ok: 3 hosts, 4 consumer → provider pairs checked\n"),
+        out.ends_with("ok: 3 hosts, 5 consumer → provider pairs checked\n"),
         "{out}"
     );
     // The demo fleet as NixOS configuration passes the same.

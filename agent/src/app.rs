@@ -154,6 +154,7 @@ fn open_audit(config: &Config, signer: &Signer) -> fort_core::audit::Audit {
             checkpoint_interval: a.checkpoint_interval.max(std::time::Duration::from_secs(1)),
             queue: a.queue,
             journal: a.journal,
+            syslog: a.syslog.clone(),
         },
         signer.clone(),
     )

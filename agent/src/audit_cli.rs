@@ -26,6 +26,10 @@ pub struct Source {
     /// The registry holding that host's keys; default: the config's.
     #[arg(long, value_name = "FILE")]
     pub hosts: Option<PathBuf>,
+    /// `verify`: copies of consumers' trails, whose witnessed checkpoints of this host
+    /// must be in its trail as they saw them.
+    #[arg(long, value_name = "DIR", num_args = 1..)]
+    pub witnesses: Vec<PathBuf>,
 }
 
 /// What `show` prints.
@@ -186,7 +190,13 @@ pub fn human(r: &Value) -> String {
 /// holds.
 pub fn verify(source: &Source, json_out: bool) -> Result<bool, String> {
     let r = resolve(source)?;
-    verify_dir(&r.dir, &r.host, r.hosts.as_deref(), json_out)
+    verify_dir(
+        &r.dir,
+        &r.host,
+        r.hosts.as_deref(),
+        &source.witnesses,
+        json_out,
+    )
 }
 
 /// [`verify`] of the trail in `dir`, written by `host`, whose keys `hosts` lists.
@@ -194,6 +204,7 @@ pub fn verify_dir(
     dir: &Path,
     host: &str,
     hosts: Option<&Path>,
+    witnesses: &[PathBuf],
     json_out: bool,
 ) -> Result<bool, String> {
     let keys = match hosts {
@@ -207,7 +218,8 @@ pub fn verify_dir(
         None => Vec::new(),
     };
     let v = audit::verify(dir, host, &keys).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let ok = v.problems.is_empty();
+    let held = audit::hold(dir, host, &keys, witnesses).map_err(|e| e.to_string())?;
+    let ok = v.problems.is_empty() && held.problems.is_empty();
     if json_out {
         let doc = json!({
             "ok": ok,
@@ -221,6 +233,11 @@ pub fn verify_dir(
             "first_bad": v.problems.first().map(problem_json),
             "problems": v.problems.iter().map(problem_json).collect::<Vec<_>>(),
             "notes": v.notes,
+            "witnessed": {
+                "checked": held.checked,
+                "problems": held.problems,
+                "notes": held.notes,
+            },
         });
         println!(
             "{}",
@@ -235,6 +252,19 @@ pub fn verify_dir(
             for p in v.problems.iter().skip(1).take(20) {
                 println!("  then: {p}");
             }
+        }
+        for n in &held.notes {
+            println!("note: {n}");
+        }
+        for p in held.problems.iter().take(20) {
+            println!("witnessed: {p}");
+        }
+        if !witnesses.is_empty() {
+            println!(
+                "{} checkpoints witnessed by the copies given, {} of them not in the trail as witnessed",
+                held.checked,
+                held.problems.len()
+            );
         }
         println!(
             "{}: {} records ({} to {}), {} checkpoints, signed by {} through record {}",

@@ -285,6 +285,13 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         nonce.to_owned(),
         signature.to_owned(),
     );
+    // A provider's latest audit checkpoint, which its callbacks carry (§12.3a); bounded,
+    // and looked at only once the callback's signature verified.
+    let checkpoint = matches!(route, Route::Callback(_) | Route::CallbackBatch)
+        .then(|| single(headers, fort_core::audit::CHECKPOINT_HEADER))
+        .flatten()
+        .filter(|v| v.len() <= fort_core::audit::CHECKPOINT_HEADER_MAX)
+        .map(str::to_owned);
 
     // 4. Clock.
     let now = unix_now();
@@ -416,6 +423,9 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             // 7. Replay.
             let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
                 NonceCheck::Fresh => {
+                    if let Some(value) = &checkpoint {
+                        app.audit.witness(&origin, &keys, value);
+                    }
                     crate::routes::handle(&app, &caller, route.clone(), body).await
                 }
                 NonceCheck::Replay => {

@@ -177,6 +177,12 @@ pub struct AuditConfig {
     /// line of JSON with the target `fort_audit`. Unset: false.
     #[serde(default)]
     pub journal: bool,
+    /// Each record also goes to this syslog server, `udp://HOST:PORT` or
+    /// `tcp://HOST:PORT` (RFC 5424, facility authpriv, program `fort-agent`, message id
+    /// `audit`, the record's JSON line as the message). A copy: the trail's files stay the
+    /// record, and a server that cannot be reached only costs the copy. Unset: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub syslog: Option<fort_core::audit::SyslogTarget>,
     /// While the trail cannot be written, this host issues nothing: async requests get
     /// 503 with Retry-After and handler runs wait. Unset: false (it issues, and logs
     /// that the trail is not written).

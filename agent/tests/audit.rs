@@ -2,7 +2,8 @@
 //! forced rotation each leave their records on the provider and on the consumer, linked
 //! by the response hash; the provider's checkpoints verify with `ssh-keygen -Y verify`
 //! and stop verifying when a record is changed, removed or moved, and
-//! `fort audit verify` names that record; a provider told the trail is required
+//! `fort audit verify` names that record; the consumer witnesses the provider's
+//! checkpoints, which then show a provider's trail cut short; a provider told the trail is required
 //! issues nothing while it cannot be written.
 
 use std::path::{Path, PathBuf};
@@ -224,7 +225,69 @@ async fn renewal_refusal_release_and_rotation_leave_linked_records_on_both_sides
             "checkpoint at line {line}"
         );
     }
+    witnesses_catch_a_trail_cut_short(&f, &c);
     tampering_is_caught(&f, &file, &key);
+}
+
+/// The consumer witnessed the provider's checkpoints through its callbacks; held against
+/// them, the provider's trail verifies as it is and fails once cut short after one, a
+/// cut that the trail alone does not show.
+fn witnesses_catch_a_trail_cut_short(f: &Fleet, c: &[Value]) {
+    let witnessed: Vec<&Value> = c.iter().filter(|r| r["event"] == "witnessed").collect();
+    assert!(
+        !witnessed.is_empty(),
+        "c witnessed no checkpoint of p:\n{c:#?}"
+    );
+    assert!(witnessed.iter().all(|r| r["provider"] == "p"));
+    let pairs: Vec<_> = witnessed
+        .iter()
+        .map(|r| (&r["count"], &r["head"]))
+        .collect();
+    let mut unique = pairs.clone();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        pairs.len(),
+        "one record per checkpoint: {pairs:?}"
+    );
+    let verify = |dir: &Path| {
+        let out = Command::new(bin("fort"))
+            .arg("--hosts")
+            .arg(f.host_dir("c").join("hosts.json"))
+            .args(["audit", "verify"])
+            .arg(dir)
+            .args(["--signer", "p", "--json", "--witnesses"])
+            .arg(audit_dir(f, "c"))
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+        (out.status.success(), v)
+    };
+    let (ok, v) = verify(&audit_dir(f, "p"));
+    assert!(ok, "{v:#}");
+    assert_eq!(v["witnessed"]["checked"], witnessed.len(), "{v:#}");
+
+    // Cut short just before the last checkpoint c witnessed: alone it still verifies.
+    let last = witnessed.last().unwrap()["count"].as_u64().unwrap();
+    let cut = tempfile::tempdir().unwrap();
+    let file = fort_core::audit::files(&audit_dir(f, "p")).unwrap()[0].clone();
+    let kept: String = std::fs::read_to_string(&file)
+        .unwrap()
+        .lines()
+        .take(last as usize - 1)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(cut.path().join(file.file_name().unwrap()), kept).unwrap();
+    let alone =
+        fort_core::audit::verify(cut.path(), "p", &[f.hosts["p"].signer.public_key().clone()])
+            .unwrap();
+    assert!(alone.problems.is_empty(), "{:?}", alone.problems);
+    let (ok, v) = verify(cut.path());
+    assert!(!ok, "{v:#}");
+    let problems = v["witnessed"]["problems"].to_string();
+    assert!(problems.contains("the trail was cut short"), "{v:#}");
+    assert!(problems.contains(&format!("signed record {last}")), "{v:#}");
 }
 
 fn checkpoint_lines(file: &Path) -> Vec<usize> {
@@ -411,4 +474,101 @@ async fn answered_with(f: &Fleet, body: &Value, want: u16) -> u16 {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Every record also reaches a real syslog server (rsyslogd), over TCP from the provider
+/// and UDP from the consumer, as the line its trail holds; while the server is down the
+/// trail goes on, and the copy resumes once it is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_reach_a_remote_syslog_server_over_tcp_and_udp() {
+    let test = "records_reach_a_remote_syslog_server_over_tcp_and_udp";
+    let mut server = match fort_tests::syslog::SyslogServer::start() {
+        Ok(s) => s,
+        Err(why) => return fort_tests::skip(test, &why),
+    };
+    let mut f = fleet();
+    for (host, to) in [
+        ("p", format!("tcp://{}", server.tcp)),
+        ("c", format!("udp://{}", server.udp)),
+    ] {
+        f.host(host).extra_toml =
+            format!("[access]\ntrigger = [\"ops\"]\n[audit]\nsyslog = \"{to}\"\n");
+    }
+    f.start();
+    let copied = |host: &str, event: &str| {
+        server.lines().iter().any(|l| {
+            l.starts_with(&format!("{host} fort-agent audit authpriv {{"))
+                && l.contains(&format!("\"event\":\"{event}\""))
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(60), || copied("p", "issued")
+            && copied("c", "applied"))
+        .await,
+        "{:#?}",
+        server.lines()
+    );
+    // Every record of the provider's trail so far, in its order, is a message.
+    let messages: Vec<String> = server
+        .lines()
+        .iter()
+        .filter_map(|l| {
+            l.strip_prefix("p fort-agent audit authpriv ")
+                .map(str::to_owned)
+        })
+        .collect();
+    let trail: Vec<String> = fort_core::audit::read_lines(&audit_dir(&f, "p"))
+        .unwrap()
+        .into_iter()
+        .map(|l| String::from_utf8(l.bytes).unwrap())
+        .collect();
+    assert!(messages.len() >= 3, "{messages:#?}");
+    assert_eq!(
+        messages[..],
+        trail[..messages.len()],
+        "the copy is the trail"
+    );
+
+    // The server goes away: the trail goes on; back, the copy resumes.
+    server.stop();
+    let rotate = || {
+        let (code, out, err) = f.fort(
+            "ops",
+            "p",
+            &["trigger", "p", "cred", "--entry", "c:cred/a", "--force"],
+        );
+        assert_eq!(code, 0, "{out}{err}");
+    };
+    let issued = |recs: &[Value]| find(recs, "issued", "cred/a").len();
+    let before = issued(&records(&f, "p"));
+    rotate();
+    assert!(
+        eventually(Duration::from_secs(30), || issued(&records(&f, "p"))
+            > before)
+        .await,
+        "the provider stopped issuing with its syslog server gone"
+    );
+    server.restart().expect("rsyslogd again");
+    let last_seq = |lines: Vec<String>| {
+        lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("p fort-agent audit authpriv "))
+            .filter_map(|m| serde_json::from_str::<Value>(m).ok())
+            .filter_map(|v| v["seq"].as_u64())
+            .max()
+            .unwrap_or(0)
+    };
+    let copied_before = last_seq(server.lines());
+    let trail_now = records(&f, "p").len() as u64;
+    // Records keep coming (the consumer asks again, checkpoints): the copy catches up
+    // past what was written while the server was down.
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            rotate();
+            last_seq(server.lines()) > trail_now.max(copied_before)
+        })
+        .await,
+        "the copy did not resume: {:#?}",
+        server.lines()
+    );
 }

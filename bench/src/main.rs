@@ -15,6 +15,7 @@ mod dns_record;
 mod gc;
 mod oidc;
 mod openbao;
+mod paired;
 mod plan;
 mod postgres;
 mod proxy;

@@ -16,6 +16,7 @@ use serde_json::json;
 use ssh_key::PublicKey;
 use tokio::time::Instant;
 
+use crate::paired::{self, Side};
 use crate::util::{self, ms, percentile, AgentProc, Report};
 
 #[derive(clap::Args, Debug)]
@@ -66,6 +67,10 @@ pub struct StatusArgs {
     /// entries (`[access] trigger`), so --agent-toml must not have an `[access]` table.
     #[arg(long)]
     compare_audit: bool,
+    /// Rounds of --compare-audit: each measures the agent with its trail and the one
+    /// without, in alternating order.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Length of the handshake phase: fresh connections, each a full TLS 1.3 handshake
     /// and one signed request; `0s` skips it.
     #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
@@ -515,14 +520,27 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
         None
     };
 
-    // The agent without an audit trail, after the others, as the plain-HTTP one.
-    let audit_off = if args.compare_audit && args.target.is_none() {
+    // The agent without an audit trail, after the others, as the plain-HTTP one; then
+    // both measured again in alternating rounds.
+    let audit_pairs = if args.compare_audit && args.target.is_none() {
         let mut off_fleet = util::new_fleet();
-        let signer = off_fleet.principal("bench");
-        let (a, ep) = start_agent(&mut off_fleet, &args, false)?;
-        let m = measure(Arc::new(ep), "bench", &signer, &opts, &args, Some(a.pid())).await?;
+        let off_signer = off_fleet.principal("bench");
+        let (a, off_ep) = start_agent(&mut off_fleet, &args, false)?;
+        let (off_ep, off_pid) = (Arc::new(off_ep), a.pid());
+        let pairs = paired::rounds(args.rounds, |side| match side {
+            Side::A => measure(ep.clone(), &origin, &signer, &opts, &args, agent_pid),
+            Side::B => measure(
+                off_ep.clone(),
+                "bench",
+                &off_signer,
+                &opts,
+                &args,
+                Some(off_pid),
+            ),
+        })
+        .await?;
         drop(a);
-        Some(m)
+        Some(pairs)
     } else {
         None
     };
@@ -612,16 +630,34 @@ pub async fn run(args: StatusArgs, json_out: bool) -> Result<()> {
             format!("{ratio:.3} (TLS keep-alive req/s ÷ plain HTTP req/s, same run)"),
         );
     }
-    if let Some(off) = &audit_off {
-        report_load(&mut r, "audit_off_", off);
+    if let Some(pairs) = &audit_pairs {
+        let last = &pairs[pairs.len() - 1];
+        report_load(&mut r, "audit_on_", &last.0);
+        report_load(&mut r, "audit_off_", &last.1);
         // Time per verified request with the trail on, over the time without it.
-        let cost = off.rps() / tls.rps().max(1e-9);
+        let (each, cost) = paired::ratios(pairs, |m| 1.0 / m.rps().max(1e-9));
         r.line(
             "audit_on_over_off_ratio",
-            (cost * 1000.0).round() / 1000.0,
-            format!("{cost:.3}× (status with entries, req/s off ÷ req/s on, same run)"),
+            json!(each),
+            format!(
+                "{} (status with entries, time per request on ÷ off, same run; the last round shown above)",
+                paired::shown(&each, cost)
+            ),
+        );
+        // The agent's CPU per request, which other work on the machine moves less.
+        let (each_cpu, cpu_cost) = paired::ratios(pairs, |m| {
+            m.agent_cpu.unwrap_or_default().as_secs_f64() / m.ok.max(1) as f64
+        });
+        r.line(
+            "audit_on_over_off_cpu_ratio",
+            json!(each_cpu),
+            format!(
+                "{} (the agent's CPU per request on ÷ off)",
+                paired::shown(&each_cpu, cpu_cost)
+            ),
         );
         r.target("audit on ≤ 1.15× off", cost <= 1.15);
+        r.target("audit on ≤ 1.15× off (agent CPU)", cpu_cost <= 1.15);
     }
     if let Some((m, held_before, held_after, opened, shed)) = &stalled {
         report_load(&mut r, "stalled_", m);

@@ -279,6 +279,18 @@ impl SignedClient {
         path: &str,
         body: Vec<u8>,
     ) -> Result<Reply, ClientError> {
+        self.post_with(target, path, body, &[]).await
+    }
+
+    /// [`SignedClient::post`] with headers of its own (announcements the signature does
+    /// not cover, such as a provider's latest audit checkpoint).
+    pub async fn post_with(
+        &self,
+        target: &Target<'_>,
+        path: &str,
+        body: Vec<u8>,
+        extra: &[(&'static str, String)],
+    ) -> Result<Reply, ClientError> {
         let nonce = new_nonce();
         let timestamp = unix_now().to_string();
         let origin = &self.inner.origin;
@@ -294,7 +306,10 @@ impl SignedClient {
             .header(H_SIGNATURE, signature)
             .header(crate::compat::H_PROTOCOL, crate::compat::PROTOCOL)
             .header(crate::compat::H_RELEASE, crate::compat::RELEASE)
-            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::CONTENT_TYPE, "application/json");
+        let sent = extra
+            .iter()
+            .fold(sent, |r, (name, value)| r.header(*name, value))
             .body(body)
             .send()
             .await

@@ -6,177 +6,13 @@
 //! through `TrustedUserCAKeys`; once released, its serial is in the
 //! KRL the consumer installed for `RevokedKeys` and the same certificate is refused.
 
-use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use fort_tests::{bin, eventually, free_addr, skip, Fleet};
+use fort_tests::sshd::{can_run, cert_serial, key_pair, krl_revokes, ssh, Sshd, SshdFiles};
+use fort_tests::{bin, eventually, free_addr, Fleet};
 use serde_json::{json, Value};
-use ssh_key::rand_core::OsRng;
-use ssh_key::{Algorithm, LineEnding, PrivateKey};
-
-const SSHD: &str = "/usr/sbin/sshd";
-
-/// A private key (0600) and its public half beside it, as OpenSSH keeps them.
-fn key_pair(path: &Path) -> String {
-    let k = PrivateKey::random(&mut OsRng, Algorithm::Ed25519).unwrap();
-    k.write_openssh_file(path, LineEnding::LF).unwrap();
-    let public = k.public_key().to_openssh().unwrap();
-    std::fs::write(path.with_extension("pub"), &public).unwrap();
-    public
-}
-
-/// `sshd -D -e -f CONFIG` on loopback, killed on drop; its log in `sshd.log`.
-struct Sshd {
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-}
-
-impl Sshd {
-    fn start(dir: &Path, addr: SocketAddr) -> Sshd {
-        // sshd refuses to start without its privilege separation directory.
-        let _ = std::fs::create_dir_all("/run/sshd");
-        let config = dir.join("sshd_config");
-        std::fs::write(
-            &config,
-            format!(
-                "ListenAddress {addr}\n\
-                 HostKey {d}/ssh_host_ed25519_key\n\
-                 HostCertificate {d}/ssh_host_ed25519_key-cert.pub\n\
-                 TrustedUserCAKeys {d}/ca.pub\n\
-                 RevokedKeys {d}/revoked.krl\n\
-                 AuthorizedKeysFile none\n\
-                 PubkeyAuthentication yes\n\
-                 PasswordAuthentication no\n\
-                 KbdInteractiveAuthentication no\n\
-                 PermitRootLogin prohibit-password\n\
-                 UsePAM no\n\
-                 StrictModes no\n\
-                 PidFile {d}/sshd.pid\n\
-                 LogLevel VERBOSE\n",
-                d = dir.display()
-            ),
-        )
-        .unwrap();
-        let log = dir.join("sshd.log");
-        let child = Command::new(SSHD)
-            .args(["-D", "-e", "-f"])
-            .arg(&config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start sshd");
-        let mut sshd = Sshd { child, addr, log };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
-            if let Ok(Some(status)) = sshd.child.try_wait() {
-                panic!("sshd exited ({status}):\n{}", sshd.log_text());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "sshd did not listen:\n{}",
-                sshd.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        sshd
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Sshd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `ssh -v root@ADDR echo fort-ok` with nothing but the given known_hosts file and key
-/// (its certificate, if any, beside it as `<key>-cert.pub`): (success, stdout, stderr).
-fn ssh(sshd: &Sshd, known_hosts: &Path, key: &Path) -> (bool, String, String) {
-    let out = Command::new("ssh")
-        .args([
-            "-F",
-            "/dev/null",
-            "-v",
-            "-o",
-            "StrictHostKeyChecking=yes",
-            "-o",
-        ])
-        .arg(format!("UserKnownHostsFile={}", known_hosts.display()))
-        .args([
-            "-o",
-            "GlobalKnownHostsFile=/dev/null",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "IdentitiesOnly=yes",
-            "-o",
-            "ConnectTimeout=10",
-            // The name the host certificate is checked against; the address is loopback.
-            "-o",
-            "HostKeyAlias=app.example.test",
-            "-i",
-        ])
-        .arg(key)
-        .args(["-p", &sshd.addr.port().to_string()])
-        .arg(format!("root@{}", sshd.addr.ip()))
-        .args(["echo", "fort-ok"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ssh");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// `ssh-keygen -Q -f KRL CERT` says REVOKED.
-fn krl_revokes(krl: &Path, cert: &Path) -> bool {
-    Command::new("ssh-keygen")
-        .args(["-Q", "-f"])
-        .arg(krl)
-        .arg(cert)
-        .output()
-        .is_ok_and(|o| o.status.code() == Some(1))
-}
-
-fn can_run(test: &str) -> bool {
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-    if !root {
-        skip(
-            test,
-            "sshd must be started as root (openssh-server's privilege separation)",
-        );
-        return false;
-    }
-    if !Path::new(SSHD).exists() {
-        skip(test, "openssh-server is not installed (no /usr/sbin/sshd)");
-        return false;
-    }
-    for tool in ["ssh", "ssh-keygen"] {
-        if Command::new(tool)
-            .arg("-V")
-            .stderr(Stdio::null())
-            .status()
-            .is_err()
-        {
-            skip(test, &format!("{tool} (openssh-client) is not installed"));
-            return false;
-        }
-    }
-    true
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
@@ -324,7 +160,11 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
         "{known_hosts}"
     );
 
-    let sshd = Sshd::start(&sshd_dir, free_addr("127.0.0.1"));
+    let sshd = Sshd::start(
+        &sshd_dir,
+        free_addr("127.0.0.1"),
+        &SshdFiles::in_dir(&sshd_dir),
+    );
 
     // The host certificate is presented and trusted through the @cert-authority line
     // alone (StrictHostKeyChecking=yes: no prompt, no learning); the user certificate
@@ -333,6 +173,7 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
         &sshd,
         &client.join("known_hosts"),
         &client.join("id_ed25519"),
+        &[],
     );
     assert!(
         ok && stdout.trim() == "fort-ok",
@@ -359,7 +200,7 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
     // certificate the key alone does not log in.
     let empty = root.join("empty_known_hosts");
     std::fs::write(&empty, "").unwrap();
-    let (ok, _, stderr) = ssh(&sshd, &empty, &client.join("id_ed25519"));
+    let (ok, _, stderr) = ssh(&sshd, &empty, &client.join("id_ed25519"), &[]);
     assert!(
         !ok && stderr.contains("Host key verification failed"),
         "{stderr}"
@@ -367,7 +208,12 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
     let bare = root.join("bare");
     std::fs::create_dir_all(&bare).unwrap();
     std::fs::copy(client.join("id_ed25519"), bare.join("id_ed25519")).unwrap();
-    let (ok, _, stderr) = ssh(&sshd, &client.join("known_hosts"), &bare.join("id_ed25519"));
+    let (ok, _, stderr) = ssh(
+        &sshd,
+        &client.join("known_hosts"),
+        &bare.join("id_ed25519"),
+        &[],
+    );
     assert!(!ok && stderr.contains("Permission denied"), "{stderr}");
 
     // The certificate is kept aside (as a leaked copy would be), then the need released.
@@ -402,7 +248,12 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
 
     // The same sshd, unchanged, reads the new KRL: the kept certificate is refused, and
     // the host certificate still works.
-    let (ok, _, stderr) = ssh(&sshd, &client.join("known_hosts"), &kept.join("id_ed25519"));
+    let (ok, _, stderr) = ssh(
+        &sshd,
+        &client.join("known_hosts"),
+        &kept.join("id_ed25519"),
+        &[],
+    );
     assert!(!ok && stderr.contains("Permission denied"), "{stderr}");
     assert!(
         eventually(Duration::from_secs(5), || sshd
@@ -412,23 +263,13 @@ async fn sshd_presents_the_delivered_host_certificate_and_honours_the_krl() {
         "sshd did not say why:\n{}",
         sshd.log_text()
     );
-    let (_, _, stderr) = ssh(&sshd, &client.join("known_hosts"), &kept.join("id_ed25519"));
+    let (_, _, stderr) = ssh(
+        &sshd,
+        &client.join("known_hosts"),
+        &kept.join("id_ed25519"),
+        &[],
+    );
     assert!(stderr.contains("Server host certificate"), "{stderr}");
     let status: Value = f.need_status("app", "ssh-ca/host");
     assert_eq!(status["state"], "satisfied", "{status}");
-}
-
-/// The serial of a certificate file, as `ssh-keygen -L` reads it.
-fn cert_serial(path: &Path) -> u64 {
-    let out = Command::new("ssh-keygen")
-        .arg("-L")
-        .arg("-f")
-        .arg(path)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| l.trim().strip_prefix("Serial: "))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no serial in {text}"))
 }

@@ -25,9 +25,13 @@ let
     {
       options = {
         from = mkOption {
-          type = types.str;
+          type = types.either types.str (types.nonEmptyListOf types.str);
           example = "forge";
-          description = "The host whose `acme` capability issues the certificate.";
+          description = ''
+            The host whose `acme` capability issues the certificate, or several in order
+            of preference: one of them at a time, each with its own ACME account (the
+            need moves as any need does; docs/handlers.md, acme, "How it fails over").
+          '';
         };
         capability = mkOption {
           type = types.str;

@@ -2,7 +2,9 @@
 #   Provider: fort.host.capabilities.<name>.sshCa = { hostPrincipals; userPrincipals; … };
 #   Consumer: fort.host.sshCertificate.from = "forge"; — this host's sshd presents a host
 #   certificate for its own host key, trusts user certificates of the CA, and refuses
-#   the certificates the CA revoked.
+#   the certificates the CA revoked. With several providers (`from = [ "edge1" "edge2" ]`)
+#   it trusts every one's CA and refuses what any of them revoked (one `{kind = "ca";}`
+#   need per provider, installed with the certificate by `ssh-ca-krl --providers`).
 {
   config,
   lib,
@@ -224,9 +226,32 @@ let
   cert = config.fort.host.sshCertificate;
   selfKeys = config.fort.cluster.facts.hosts.${agent.hostName}.publicKeys or [ ];
   sshdKey = "/etc/ssh/ssh_host_ed25519_key";
-  krlHandler = pkgs.writeShellScript "fort-ssh-ca-krl" ''
-    exec ${agent.package}/bin/fort-handler ssh-ca-krl --out ${cert.revokedKeysFile}
-  '';
+  providers = lib.toList cert.from;
+  several = lib.length providers > 1;
+  krlHandler = pkgs.writeShellScript "fort-ssh-ca-krl" (
+    if several then
+      ''
+        exec ${agent.package}/bin/fort-handler ssh-ca-krl --out ${cert.revokedKeysFile} \
+          --providers ${lib.concatStringsSep "," providers} \
+          --ca-keys ${cert.caKeyFile} --known-hosts ${cert.knownHostsFile}
+      ''
+    else
+      ''
+        exec ${agent.package}/bin/fort-handler ssh-ca-krl --out ${cert.revokedKeysFile}
+      ''
+  );
+  # What each provider is trusted for, when there are several (docs/handlers.md, ssh-ca,
+  # "How it fails over"): a need that names that provider alone and never moves.
+  caNeeds = lib.listToAttrs (
+    map (p: {
+      name = "${cert.id}-ca-${p}";
+      value = {
+        from = p;
+        request.kind = "ca";
+        handler = krlHandler;
+      };
+    }) providers
+  );
 in
 {
   options.fort.host = {
@@ -246,9 +271,17 @@ in
         types.submodule {
           options = {
             from = mkOption {
-              type = types.str;
-              example = "forge";
-              description = "The host serving the `ssh-ca` capability.";
+              type = types.either types.str (types.nonEmptyListOf types.str);
+              example = [
+                "edge1"
+                "edge2"
+              ];
+              description = ''
+                The host serving the `ssh-ca` capability, or several in order of
+                preference: the certificate comes from one of them at a time (it moves
+                as any need does), and sshd and clients trust the CAs of all of them and
+                refuse what any of them revoked.
+              '';
             };
             capability = mkOption {
               type = types.str;
@@ -299,20 +332,23 @@ in
               default = "/etc/ssh/fort_revoked_keys.krl";
               description = ''
                 Where the CA's KRL is installed; sshd refuses what it revokes
-                (`RevokedKeys`). Created empty at boot, so sshd never finds it missing
-                (a missing file would refuse every public key).
+                (`RevokedKeys`). With several providers, one KRL revoking what any of
+                them revoked (each provider's own is kept in `<file>.d/`). Created empty
+                at boot, so sshd never finds it missing (a missing file would refuse
+                every public key).
               '';
             };
             caKeyFile = mkOption {
               type = types.str;
               default = "/etc/ssh/fort_user_ca.pub";
-              description = "Where the CA's public key is installed.";
+              description = "Where the CA's public key is installed (with several providers, every one's, one per line).";
             };
             knownHostsFile = mkOption {
               type = types.str;
               default = "/etc/ssh/ssh_known_hosts_fort";
               description = ''
-                Where the CA's `@cert-authority` line is installed, for clients: list it
+                Where the CA's `@cert-authority` line is installed (with several
+                providers, one line per provider), for clients: list it
                 in their `GlobalKnownHostsFile` (or paste its content into
                 `programs.ssh.knownHosts`) to trust every host certificate of the CA.
               '';
@@ -350,7 +386,8 @@ in
           message = "fort.host.sshCertificate: the agent installs sshd's files in /etc/ssh and reloads sshd, so it must run as root (services.fort-agent.user is ${agent.user}).";
         }
       ];
-      fort.host.needs.${cert.capability}.${cert.id} = {
+      fort.host.needs.${cert.capability} = lib.optionalAttrs several caNeeds // {
+        ${cert.id} = {
         inherit (cert) from renewBefore;
         request = {
           kind = "host";
@@ -362,6 +399,9 @@ in
             pointer = "/certificate";
             mode = "0644";
           };
+        }
+        # With several providers the handler writes these, every provider's together.
+        // lib.optionalAttrs (!several) {
           ca = {
             path = cert.caKeyFile;
             pointer = "/ca_public_key";
@@ -375,6 +415,7 @@ in
         };
         handler = krlHandler;
         reloadUnits = [ "sshd.service" ];
+        };
       };
       systemd.tmpfiles.rules = [ "f ${cert.revokedKeysFile} 0644 root root -" ];
       services.openssh.extraConfig = ''

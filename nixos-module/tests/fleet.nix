@@ -152,9 +152,13 @@ in
               userValidity = "1h";
             };
           };
-          # Its own sshd's host certificate from its own CA, in one line (the agent's
-          # key is the sshd host key, so the request needs nothing else).
-          fort.host.sshCertificate.from = "forge";
+          # Its own sshd's host certificate from its own CA, or beacon's when forge's
+          # fails; sshd trusts both CAs and both KRLs (the agent's key is the sshd host
+          # key, so the request needs nothing else).
+          fort.host.sshCertificate.from = [
+            "forge"
+            "beacon"
+          ];
         }
       )
     ] ++ more "forge";
@@ -172,6 +176,7 @@ in
             readWritePaths = [ "/var/lib/nginx/vhosts" ];
             # The audit trail also goes to the journal; a key set by hand keeps it.
             audit.journal = true;
+            audit.syslog = "tcp://logs.example.org:601";
             settings = {
               audit.max_files = 4;
               access.journal = [ "ops" ];
@@ -190,6 +195,8 @@ in
               };
               upstreamHosts.app = [ "10.0.0.9" ];
             };
+            # A second SSH CA, with a CA key of its own: forge's standby.
+            ssh-ca.sshCa.hostPrincipals."*" = [ "{origin}" ];
             dns-record.dnsRecord = {
               zone = "example.org";
               primary = "10.0.0.53";

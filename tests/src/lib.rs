@@ -9,6 +9,8 @@ pub mod oidc;
 pub mod pebble;
 pub mod pki;
 pub mod postgres;
+pub mod sshd;
+pub mod syslog;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read, Write};

@@ -175,9 +175,9 @@ impl Pebble {
 
     /// Makes `host` serve `ssl-cert` with `fort-handler acme` against this CA: HTTP-01
     /// through `web`, app allowed app.example.test, revocation on release, reruns every
-    /// second.
+    /// second. Each host its own config and state, so its own ACME account.
     pub fn serve_ssl_cert(&self, f: &mut crate::Fleet, host: &str, web: &Webroot) {
-        let config = f.dir.path().join("acme.json");
+        let config = f.dir.path().join(format!("acme-{host}.json"));
         std::fs::write(
             &config,
             serde_json::json!({

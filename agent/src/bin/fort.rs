@@ -162,6 +162,10 @@ enum AuditCommand {
         /// The host that wrote it (its name in hosts.json).
         #[arg(long, value_name = "HOST")]
         signer: String,
+        /// Copies of consumers' trails: every checkpoint of the signer they witnessed
+        /// must be in its trail as they saw it.
+        #[arg(long, value_name = "DIR", num_args = 1..)]
+        witnesses: Vec<PathBuf>,
         /// Print the outcome as JSON.
         #[arg(long)]
         json: bool,
@@ -174,9 +178,12 @@ fn audit(command: &AuditCommand, hosts: &std::path::Path) -> ExitCode {
         AuditCommand::Show { dir, filter, json } => {
             fort_agent::audit_cli::show_dir(dir, filter, *json).map(|()| true)
         }
-        AuditCommand::Verify { dir, signer, json } => {
-            fort_agent::audit_cli::verify_dir(dir, signer, Some(hosts), *json)
-        }
+        AuditCommand::Verify {
+            dir,
+            signer,
+            witnesses,
+            json,
+        } => fort_agent::audit_cli::verify_dir(dir, signer, Some(hosts), witnesses, *json),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,

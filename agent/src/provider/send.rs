@@ -122,7 +122,8 @@ pub async fn one(app: &Arc<App>, key: &str, force: bool) -> Option<Duration> {
     let path = format!("/agent/needs/{need}");
     let outcome = tokio::time::timeout(
         app.config.callbacks.timeout,
-        app.client.post(&target, &path, owed.payload.clone()),
+        app.client
+            .post_with(&target, &path, owed.payload.clone(), &checkpoint(app)),
     )
     .await;
     let error = match outcome {
@@ -345,7 +346,8 @@ async fn send_batch(app: &Arc<App>, origin: &str, items: Vec<Vec<u8>>) -> Sent {
     };
     let outcome = tokio::time::timeout(
         app.config.callbacks.timeout,
-        app.client.post(&target, CALLBACKS_PATH, body),
+        app.client
+            .post_with(&target, CALLBACKS_PATH, body, &checkpoint(app)),
     )
     .await;
     match outcome {
@@ -475,4 +477,14 @@ fn failed_after(app: &App, owed: &Owed, error: &str, wait: Option<Duration>) -> 
         tracing::warn!(entry = %key, "callback gave up; the redelivery sweep and the consumer's nag will try again");
         None
     }
+}
+
+/// The header that hands the consumer this host's latest audit checkpoint to witness
+/// (docs/protocol.md §12.3a); none before the first.
+fn checkpoint(app: &App) -> Vec<(&'static str, String)> {
+    app.audit
+        .latest_checkpoint()
+        .map(|value| (fort_core::audit::CHECKPOINT_HEADER, value))
+        .into_iter()
+        .collect()
 }

@@ -3,7 +3,9 @@
 //! namespace `fort-audit`) that `ssh-keygen -Y verify` checks. Records are handed to one
 //! writer thread through a bounded queue, so no request waits on the disk.
 
+mod forward;
 mod read;
+mod witness;
 mod writer;
 
 use std::path::PathBuf;
@@ -20,7 +22,12 @@ use sha2::Sha256;
 
 use crate::sign::Signer;
 
+pub use forward::Target as SyslogTarget;
 pub use read::{files, read_lines, short_hash, verify, AuditLine, Problem, Verified};
+pub use witness::{
+    hold, witness_line, Held, Witnessed, HEADER as CHECKPOINT_HEADER,
+    HEADER_MAX as CHECKPOINT_HEADER_MAX,
+};
 
 /// The SSHSIG namespace of checkpoints: a checkpoint can never pass for a request.
 pub const NAMESPACE: &str = "fort-audit";
@@ -81,6 +88,9 @@ pub struct Event {
     pub head: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signature: Option<String>,
+    /// A checkpoint's signature of its own line alone, which travels (§12.3a).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub witness: Option<String>,
     /// The request, hashed by the writer (off the request's path) into `request`.
     #[serde(skip)]
     pub request_text: Option<Arc<RawValue>>,
@@ -170,6 +180,8 @@ pub struct Options {
     pub queue: usize,
     /// Each record also goes to the agent's log (the journal, under systemd).
     pub journal: bool,
+    /// Each record also goes to this syslog server.
+    pub syslog: Option<SyslogTarget>,
 }
 
 /// Counts for the status document and metrics.
@@ -199,6 +211,10 @@ struct Shared {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Records a remote caller's requests cause, per caller and kind: see [`Budget`].
     budgets: Mutex<std::collections::HashMap<(String, &'static str), Bucket>>,
+    /// This host's latest checkpoint, as its callbacks carry it.
+    latest: Mutex<Option<Witnessed>>,
+    /// Per provider, the `(count, head)` last recorded as witnessed.
+    witnessed: Mutex<std::collections::HashMap<String, (u64, String)>>,
 }
 
 /// How many records of one kind one remote caller may cause: a burst of `burst`, then
@@ -222,6 +238,13 @@ pub const DENIED_BUDGET: Budget = Budget {
 pub const ACCEPTED_BUDGET: Budget = Budget {
     burst: 4096,
     per_minute: 1024,
+};
+
+/// Checkpoints one provider's callbacks have witnessed (`witnessed`): its checkpoints
+/// come every few minutes and at each full file, so more is a provider making them up.
+pub const WITNESSED_BUDGET: Budget = Budget {
+    burst: 32,
+    per_minute: 12,
 };
 
 /// Callers whose budgets are tracked at once; more (a registry of that many hosts and
@@ -273,6 +296,8 @@ impl Audit {
             checkpoints: AtomicU64::new(0),
             thread: Mutex::new(None),
             budgets: Mutex::new(std::collections::HashMap::new()),
+            latest: Mutex::new(None),
+            witnessed: Mutex::new(std::collections::HashMap::new()),
         });
         let writer = writer::Writer::open(options, signer, shared.clone());
         let handle = std::thread::Builder::new()
@@ -345,6 +370,58 @@ impl Audit {
             );
         }
         self.record(event);
+    }
+
+    /// This host's latest signed checkpoint, for the header its callbacks carry
+    /// (§12.3a); `None` before the first.
+    pub fn latest_checkpoint(&self) -> Option<String> {
+        self.shared
+            .as_ref()
+            .and_then(|s| s.latest.lock().as_ref().map(Witnessed::header))
+    }
+
+    /// A checkpoint `provider` sent with a callback (§12.3a): recorded as `witnessed` when
+    /// it is well formed, verifies with one of `keys` and is not the one last recorded for
+    /// that provider; within [`WITNESSED_BUDGET`] per provider.
+    pub fn witness(&self, provider: &str, keys: &[ssh_key::PublicKey], header: &str) {
+        let Some(s) = &self.shared else { return };
+        let Some(w) = Witnessed::parse(header) else {
+            tracing::debug!(
+                provider,
+                "an audit checkpoint header off its grammar; not recorded"
+            );
+            return;
+        };
+        let seen = s
+            .witnessed
+            .lock()
+            .get(provider)
+            .is_some_and(|(count, head)| *count == w.count && *head == w.head);
+        if seen {
+            return;
+        }
+        if !w.verifies(provider, keys) {
+            tracing::info!(
+                provider,
+                count = w.count,
+                "an audit checkpoint that does not verify with the provider's key; not recorded"
+            );
+            return;
+        }
+        {
+            let mut last = s.witnessed.lock();
+            if last.len() >= BUDGETS_TRACKED && !last.contains_key(provider) {
+                last.clear();
+            }
+            last.insert(provider.to_owned(), (w.count, w.head.clone()));
+        }
+        let mut event = Event::new("witnessed")
+            .provider(provider)
+            .detail(serde_json::json!({ "at": w.at }));
+        event.count = Some(w.count);
+        event.head = Some(w.head);
+        event.signature = Some(w.witness);
+        self.record_caused_by(provider, WITNESSED_BUDGET, event);
     }
 
     /// Whether the last write (or probe) of the trail succeeded. A disabled trail is

@@ -194,6 +194,7 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
                     } else {
                         signature_problem(sig, keys, &signed)
                     }
+                    .or_else(|| witness_problem(record, host, count, head, at, keys))
                 }
                 _ => Some("a checkpoint without count, head, at or signature".into()),
             };
@@ -216,6 +217,28 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
     problems.sort_by_key(|(i, _)| *i);
     v.problems = problems.into_iter().map(|(_, p)| p).collect();
     Ok(v)
+}
+
+/// A checkpoint's `witness` (§12.3a), when it has one, must verify over its own line.
+fn witness_problem(
+    record: &Value,
+    host: &str,
+    count: u64,
+    head: &str,
+    at: u64,
+    keys: &[PublicKey],
+) -> Option<String> {
+    let witness = record.get("witness")?;
+    let good = witness.as_str().is_some_and(|w| {
+        super::Witnessed {
+            count,
+            head: head.to_owned(),
+            at,
+            witness: w.to_owned(),
+        }
+        .verifies(host, keys)
+    });
+    (!good).then(|| "the checkpoint's witness signature does not verify over its line".into())
 }
 
 fn signature_problem(sig: &str, keys: &[PublicKey], signed: &[u8]) -> Option<String> {

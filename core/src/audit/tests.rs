@@ -18,6 +18,7 @@ fn options(dir: &Path, max_file_bytes: u64, max_files: usize) -> Options {
         checkpoint_interval: Duration::from_secs(3600),
         queue: 100_000,
         journal: false,
+        syslog: None,
     }
 }
 
@@ -243,4 +244,42 @@ fn a_caller_causes_at_most_its_budget_of_records() {
         summary[0]["detail"],
         serde_json::json!({"event": "denied", "records": 40})
     );
+}
+
+/// The checkpoint callbacks carry (§12.3a): none before the first, the newest after it,
+/// and after a restart the one the trail ends with, also when that is in the file
+/// before the newest.
+#[test]
+fn the_latest_checkpoint_travels_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    let audit = Audit::open(options(dir.path(), 1 << 20, 4), signer.clone());
+    assert_eq!(audit.latest_checkpoint(), None);
+    audit.record(Event::new("issued").need("cred/a"));
+    audit.close();
+    let reopened = Audit::open(options(dir.path(), 1 << 20, 4), signer.clone());
+    let header = reopened.latest_checkpoint().expect("the stop's checkpoint");
+    let w = Witnessed::parse(&header).unwrap();
+    assert!(w.verifies("forge", &keys));
+    let last = records(dir.path()).pop().unwrap();
+    assert_eq!(last["event"], "checkpoint");
+    assert_eq!(
+        (serde_json::json!(w.count), serde_json::json!(w.head)),
+        (last["count"].clone(), last["head"].clone())
+    );
+    reopened.close();
+
+    // A file filled to its bound ends with a checkpoint; the next restart begins a file
+    // of its own and still hands out that checkpoint.
+    let small = tempfile::tempdir().unwrap();
+    write(small.path(), &signer, options(small.path(), 4096, 4), 40, 0);
+    let opened = Audit::open(options(small.path(), 4096, 4), signer.clone());
+    let w = Witnessed::parse(&opened.latest_checkpoint().unwrap()).unwrap();
+    assert!(w.verifies("forge", &keys));
+    opened.close();
+    assert!(verify(small.path(), "forge", &keys)
+        .unwrap()
+        .problems
+        .is_empty());
 }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{checkpoint_trailer, Event, Options, Shared, GENESIS, NAMESPACE};
+use super::{
+    checkpoint_trailer, witness_line, Event, Options, Shared, Witnessed, GENESIS, NAMESPACE,
+};
 use crate::canonical::sha256_hex;
 use crate::sign::Signer;
 
@@ -51,6 +53,8 @@ pub(super) struct Writer {
     last_probe: Instant,
     /// Said once per outage, not once per attempt.
     complained: bool,
+    /// The remote syslog copy, if one is configured.
+    forward: Option<super::forward::Forward>,
 }
 
 /// A file's name: the seq of its first record, so names sort in the chain's order.
@@ -61,6 +65,10 @@ pub(super) fn file_name(first_seq: u64) -> String {
 impl Writer {
     pub(super) fn open(options: Options, signer: Signer, shared: Arc<Shared>) -> Writer {
         let key = super::hash_key(&signer);
+        let forward = options
+            .syslog
+            .clone()
+            .map(|t| super::forward::Forward::start(t, &options.host));
         let mut w = Writer {
             options,
             signer,
@@ -75,6 +83,7 @@ impl Writer {
             last_checkpoint: Instant::now(),
             last_probe: Instant::now(),
             complained: false,
+            forward,
         };
         match w.resume() {
             Ok(torn) => {
@@ -131,6 +140,12 @@ impl Writer {
                 });
             }
             self.unsaved_first = self.seq + 1;
+            // A file just begun has none yet: the one before it ends with one.
+            let latest = latest_checkpoint(&bytes[..complete]).or_else(|| {
+                let before = files.iter().rev().skip_while(|f| *f != path).nth(1)?;
+                latest_checkpoint(&std::fs::read(before).ok()?)
+            });
+            *self.shared.latest.lock() = latest;
             return Ok(torn);
         }
         Ok(0)
@@ -215,9 +230,14 @@ impl Writer {
         self.head = sha256_hex(line);
         self.since_checkpoint += 1;
         self.shared.records.fetch_add(1, Ordering::Relaxed);
-        if self.options.journal {
+        if self.options.journal || self.forward.is_some() {
             let text = String::from_utf8_lossy(&line[..line.len() - 1]);
-            tracing::info!(target: "fort_audit", "{text}");
+            if self.options.journal {
+                tracing::info!(target: "fort_audit", "{text}");
+            }
+            if let Some(f) = &self.forward {
+                f.send(&text);
+            }
         }
     }
 
@@ -297,8 +317,17 @@ impl Writer {
         event.head = Some(self.head.clone());
         event.signature = Some(self.signer.sign_in(NAMESPACE, &signed));
         drop(signed);
+        let line = witness_line(&self.options.host, self.seq, &self.head, at);
+        let witnessed = Witnessed {
+            count: self.seq,
+            head: self.head.clone(),
+            at,
+            witness: self.signer.sign_in(NAMESPACE, line.as_bytes()),
+        };
+        event.witness = Some(witnessed.witness.clone());
         self.chain(at, event);
         if self.flush() {
+            *self.shared.latest.lock() = Some(witnessed);
             self.since_checkpoint = 0;
             self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
             if let Some(c) = &self.current {
@@ -359,6 +388,26 @@ impl Writer {
             tracing::info!(dir = %self.options.dir.display(), "the audit trail is written again");
         }
     }
+}
+
+/// The newest checkpoint among `lines` that carries a witness signature, as it travels
+/// (§12.3a): what this host's callbacks carry until it signs the next.
+fn latest_checkpoint(lines: &[u8]) -> Option<Witnessed> {
+    lines.rsplit(|b| *b == b'\n').find_map(|line| {
+        if !line.windows(12).any(|w| w == b"\"checkpoint\"") {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_slice(line).ok()?;
+        (v["event"] == "checkpoint").then_some(())?;
+        let w = Witnessed {
+            count: v["count"].as_u64()?,
+            head: v["head"].as_str()?.to_owned(),
+            at: v["at"].as_u64()?,
+            witness: v["witness"].as_str()?.to_owned(),
+        };
+        // What goes on the wire keeps to its grammar, whatever the file holds.
+        Witnessed::parse(&w.header())
+    })
 }
 
 /// The first `len` bytes of `path`: what this writer wrote there.

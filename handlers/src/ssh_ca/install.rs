@@ -1,7 +1,9 @@
 //! `fort-handler ssh-ca-krl --out PATH`: a need's handler on the consumer (docs/handlers.md
 //! consumer handlers) that installs the KRL of an `ssh-ca` payload as the binary file
 //! `sshd` reads through `RevokedKeys`. The payload's text fields land through the need's
-//! `files`; the KRL is binary, so it is decoded, checked and written here.
+//! `files`; the KRL is binary, so it is decoded, checked and written here. With
+//! `--providers` (a need served by several providers, and one need per provider for its
+//! CA) it installs what every listed provider must be trusted for (`super::trust`).
 
 use std::ffi::OsString;
 use std::io::Read;
@@ -12,7 +14,7 @@ use std::process::ExitCode;
 use base64::Engine;
 use clap::Parser;
 
-use super::krl;
+use super::{krl, trust};
 
 /// The name `fort-handler` dispatches on.
 pub const NAME: &str = "ssh-ca-krl";
@@ -30,6 +32,18 @@ struct Cli {
     /// rewritten).
     #[arg(long)]
     out: PathBuf,
+    /// The providers the consumer lists (comma-separated): the payload is kept as its
+    /// sender's part (`FORT_ORIGIN`, which must be one of them) in `<out>.d/`, and `--out`
+    /// gets one KRL revoking what any listed provider's revokes.
+    #[arg(long, value_delimiter = ',')]
+    providers: Vec<String>,
+    /// With `--providers`: where every listed provider's CA key goes, one per line
+    /// (`TrustedUserCAKeys`).
+    #[arg(long, requires = "providers")]
+    ca_keys: Option<PathBuf>,
+    /// With `--providers`: where every listed provider's `@cert-authority` line goes.
+    #[arg(long, requires = "providers")]
+    known_hosts: Option<PathBuf>,
 }
 
 /// Runs the helper with the process arguments after `fort-handler`.
@@ -43,6 +57,9 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         eprintln!("{NAME}: cannot read the payload: {e}");
         return ExitCode::FAILURE;
     }
+    if !cli.providers.is_empty() {
+        return combined(&cli, &payload);
+    }
     match install(&payload, &cli.out) {
         Ok(summary) => {
             eprintln!(
@@ -50,6 +67,44 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
                 cli.out.display(),
                 summary.version,
                 summary.revoked_count
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{NAME}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--providers`: the payload as its sender's part, and every listed provider's together.
+fn combined(cli: &Cli, payload: &[u8]) -> ExitCode {
+    if payload.len() as u64 > MAX_PAYLOAD {
+        eprintln!("{NAME}: the payload is larger than 16 MiB");
+        return ExitCode::FAILURE;
+    }
+    if let Some(bad) = cli
+        .providers
+        .iter()
+        .find(|p| !fort_core::names::is_host_name(p))
+    {
+        eprintln!("{NAME}: --providers: {bad:?} is not a host name");
+        return ExitCode::FAILURE;
+    }
+    let origin = std::env::var("FORT_ORIGIN").unwrap_or_default();
+    let to = trust::Targets {
+        krl: &cli.out,
+        providers: &cli.providers,
+        ca_keys: cli.ca_keys.as_deref(),
+        known_hosts: cli.known_hosts.as_deref(),
+    };
+    match trust::install(payload, &origin, &to) {
+        Ok(done) => {
+            eprintln!(
+                "{NAME}: {} holds the KRLs of {} ({} revoked)",
+                cli.out.display(),
+                done.providers.join(", "),
+                done.krl.revoked_count
             );
             ExitCode::SUCCESS
         }

@@ -256,6 +256,50 @@ pub fn parse(bytes: &[u8]) -> Result<Summary, KrlError> {
     Ok(summary)
 }
 
+/// One KRL that revokes everything any of `parts` revokes: their sections (one per CA,
+/// as each provider's KRL has them), copied as they are after checking each part with
+/// [`parse`], behind one header. OpenSSH reads several sections for one CA as their
+/// union. The version is the sum of the parts' (so it grows whenever one of theirs does),
+/// the date the latest of theirs; signatures are not copied (fort's KRLs have none, and
+/// they would not cover the union).
+pub fn combine(parts: &[&[u8]], comment: &str) -> Result<Vec<u8>, KrlError> {
+    let mut version = 0u64;
+    let mut generated = 0u64;
+    let mut sections = Vec::new();
+    for part in parts {
+        let summary = parse(part)?;
+        version = version.saturating_add(summary.version);
+        generated = generated.max(summary.generated);
+        sections.extend_from_slice(section_bytes(part)?);
+    }
+    let mut out = Krl {
+        version,
+        generated,
+        comment: comment.to_owned(),
+        serials: BTreeMap::new(),
+    }
+    .to_bytes();
+    out.extend_from_slice(&sections);
+    Ok(out)
+}
+
+/// The bytes of a KRL's sections after its header, up to its first signature.
+fn section_bytes(bytes: &[u8]) -> Result<&[u8], KrlError> {
+    let mut r = Reader::new(bytes, 0);
+    r.take(8 + 4 + 8 + 8 + 8)?;
+    r.string()?; // reserved
+    r.string()?; // comment
+    let start = r.at;
+    while !r.done() {
+        let at = r.at;
+        if r.u8()? == SECTION_SIGNATURE {
+            return Ok(&bytes[start..at]);
+        }
+        r.string()?;
+    }
+    Ok(&bytes[start..])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +339,38 @@ mod tests {
         let section = 4 + 7 + 4 + 21 + 29;
         assert_eq!(bytes.len(), header + 1 + 4 + section);
         assert_eq!(k.to_bytes(), bytes, "deterministic");
+    }
+
+    #[test]
+    fn combined_krls_revoke_what_each_revokes() {
+        let of = |ca: &[u8], version, serials: &[u64]| Krl {
+            version,
+            generated: 1_700_000_000 + version,
+            comment: "one CA".into(),
+            serials: BTreeMap::from([(ca.to_vec(), serials.to_vec())]),
+        };
+        let a = of(b"ca-a", 3, &[1, 2, 3, 9]).to_bytes();
+        let b = of(b"ca-b", 5, &[4]).to_bytes();
+        let empty = Krl::default().to_bytes();
+        let both = combine(&[&a, &b, &empty], "union").unwrap();
+        let s = parse(&both).unwrap();
+        assert_eq!(s.version, 8);
+        assert_eq!(s.generated, 1_700_000_005);
+        assert_eq!(s.serials[&b"ca-a".to_vec()], vec![1, 2, 3, 9]);
+        assert_eq!(s.serials[&b"ca-b".to_vec()], vec![4]);
+        assert_eq!(s.revoked_count, 5);
+        // Nothing to combine: a KRL that revokes nothing.
+        assert_eq!(
+            parse(&combine(&[], "none").unwrap()).unwrap().revoked_count,
+            0
+        );
+        // A part that is not a KRL fails the whole, naming why.
+        assert_eq!(combine(&[&a, b"junk"], "x"), Err(KrlError::Magic));
+        // A signature section ends what is copied.
+        let mut signed = a.clone();
+        signed.push(SECTION_SIGNATURE);
+        put_string(&mut signed, b"sig");
+        assert_eq!(section_bytes(&signed).unwrap(), section_bytes(&a).unwrap());
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod krl;
 pub mod reconcile;
 pub mod request;
 pub mod state;
+pub mod trust;
 
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -56,6 +56,8 @@ enum Decision {
     Refuse(String),
     /// The entry keeps what it has and waits (`$fort_pending`), for this reason.
     Hold(String),
+    /// `{"kind": "ca"}`: no certificate, only what is to be trusted.
+    Ca,
 }
 
 struct IssueSpec {
@@ -300,6 +302,18 @@ pub fn reconcile(
                 tracing::info!(entry = %entry.key, %reason, "refused");
                 Decision::Refuse(reason)
             }
+            Decision::Ca => {
+                // Public, so every caller may have it; a certificate the entry held
+                // before it asked for this is no longer asked for.
+                if let Some(old) = state.entries.remove(&entry.key) {
+                    counts.changed = true;
+                    let before = state.revoked.len();
+                    krl_changed |= state.revoke_entry(&old, &ca.public_line, now);
+                    counts.revoked += state.revoked.len() - before;
+                }
+                counts.kept += 1;
+                Decision::Keep(json!({"kind": "ca"}))
+            }
             keep => {
                 counts.kept += 1;
                 keep
@@ -343,7 +357,7 @@ pub fn reconcile(
             }
             Decision::Refuse(reason) => output.refuse(&entry, reason),
             Decision::Hold(reason) => output.pending(&entry, reason),
-            Decision::Issue(_) => unreachable!("issued in the first pass"),
+            Decision::Issue(_) | Decision::Ca => unreachable!("decided in the first pass"),
         }
     }
     if let Some(wait) = held_for {
@@ -406,6 +420,9 @@ fn decide<'c>(
     allow: impl Fn(Kind) -> &'c Allowances,
     now: u64,
 ) -> Result<Decision, String> {
+    if request::is_ca(&entry.request)? {
+        return Ok(Decision::Ca);
+    }
     let req = Request::parse(&entry.request)?;
     let allowances = allow(req.kind);
     let origin = entry.origin.as_str();

@@ -53,8 +53,38 @@ pub const MIN_VALIDITY: u64 = 60;
 impl Request {
     /// The request as sent, or why it is not one.
     pub fn parse(value: &Value) -> Result<Request, String> {
+        // The interface lets `public_key` be unset (a `ca` request has none).
+        if let (Some(kind @ ("host" | "user")), None | Some(Value::Null)) = (
+            value.get("kind").and_then(Value::as_str),
+            value.get("public_key"),
+        ) {
+            return Err(format!("request: a {kind} certificate needs public_key"));
+        }
         Request::deserialize(value).map_err(|e| format!("request: {e}"))
     }
+}
+
+/// Whether `value` is `{"kind": "ca"}`: no certificate, only what is to be trusted (the
+/// CA key, its `@cert-authority` line and its KRL). The fields of a certificate request
+/// may be there as `null` (the NixOS module sends unset options so), nothing else.
+pub fn is_ca(value: &Value) -> Result<bool, String> {
+    let Some(fields) = value.as_object() else {
+        return Ok(false);
+    };
+    if fields.get("kind").and_then(Value::as_str) != Some("ca") {
+        return Ok(false);
+    }
+    const CERTIFICATE_FIELDS: [&str; 3] = ["public_key", "principals", "validity_seconds"];
+    for (name, v) in fields {
+        if name == "kind" || (CERTIFICATE_FIELDS.contains(&name.as_str()) && v.is_null()) {
+            continue;
+        }
+        return Err(format!(
+            "request: a {{\"kind\": \"ca\"}} request has no field {:?}; it certifies nothing",
+            truncate(name)
+        ));
+    }
+    Ok(true)
 }
 
 /// The key to certify, or why it may not be: its type must be one OpenSSH certifies
@@ -167,6 +197,7 @@ mod tests {
         for bad in [
             json!({"kind": "root", "public_key": ED}),
             json!({"kind": "user"}),
+            json!({"kind": "host", "public_key": null}),
             json!({"kind": "user", "public_key": ED, "extra": 1}),
             json!({"kind": "user", "public_key": ED, "principals": "root"}),
             json!({"kind": "user", "public_key": ED, "validity_seconds": -1}),
@@ -189,6 +220,25 @@ mod tests {
         let cert_line =
             "ssh-ed25519-cert-v01@openssh.com AAAAIHNzaC1lZDI1NTE5LWNlcnQtdjAxQG9wZW5zc2guY29t";
         assert!(public_key(cert_line).is_err());
+    }
+
+    #[test]
+    fn ca_requests_carry_nothing_to_certify() {
+        assert_eq!(is_ca(&json!({"kind": "ca"})), Ok(true));
+        let nulls =
+            json!({"kind": "ca", "public_key": null, "principals": null, "validity_seconds": null});
+        assert_eq!(is_ca(&nulls), Ok(true));
+        assert_eq!(is_ca(&json!({"kind": "host", "public_key": ED})), Ok(false));
+        assert_eq!(is_ca(&json!("ca")), Ok(false));
+        for bad in [
+            json!({"kind": "ca", "public_key": ED}),
+            json!({"kind": "ca", "principals": ["app"]}),
+            json!({"kind": "ca", "extra": null}),
+        ] {
+            assert!(is_ca(&bad).is_err(), "{bad}");
+        }
+        // Not a certificate request either: it never reaches the certificate checks.
+        assert!(Request::parse(&json!({"kind": "ca"})).is_err());
     }
 
     #[test]

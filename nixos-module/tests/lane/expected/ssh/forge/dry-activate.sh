@@ -7,10 +7,10 @@ if [ "${NIXOS_ACTION-}" = dry-activate ]; then
     fi
     echo "fort: what loading the new configuration would change:"
     /nix/store/8f30011c367bb18e206b12e3c42a2c71-fort-0.1.0/bin/fort-agent plan --config /etc/fort/agent.toml \
-      --new-config /nix/store/a449eba4be96733b9fc5ca57c542222d-fort-agent-checked.toml \
+      --new-config /nix/store/4fe682b2b6fb6f9babec7f18e3260c7a-fort-agent-checked.toml \
       --hosts /nix/store/9287ba1df5266c72eae9d9b3b1dfd002-fort-hosts.json \
       --needs /nix/store/bd8ff07b55d4ced48ea021b8b5bca122-fort-needs.json \
-      --capabilities /nix/store/f6c0fe89179136d1db5e9df01008a2b0-fort-capabilities.json ||
+      --capabilities /nix/store/09287cd94ca0a9c516761d0e5de35eee-fort-capabilities.json ||
       echo "fort: fort-agent plan failed (exit $?); dry-activate goes on"
   }
   fortPlan || true
