@@ -172,6 +172,41 @@ let
       )
   ) allNeeds;
 
+  # A need naming several providers of a capability fort ships (docs/handlers.md,
+  # "Several providers"): one that takes one provider refuses it; providers sharing a
+  # backend must name the same one and list each other as peers.
+  failoverAssertions = concatMap (
+    n:
+    let
+      policies = map (p: {
+        provider = p;
+        policy = policyOf (n // { from = p; });
+      }) (filter isHost n.providers);
+      known = filter (x: x.policy != null && x.policy ? failover) policies;
+      ofKind = kind: filter (x: x.policy.failover.kind == kind) known;
+      shared = ofKind "shared-backend";
+      first = lib.head shared;
+      sharers = map (x: x.provider) shared;
+    in
+    if length n.providers < 2 then
+      [ ]
+    else
+      map (
+        x:
+        check false "${optionOf n.key}.from names ${toString (length n.providers)} providers, but ${n.type} at ${x.provider} takes one: ${x.policy.failover.why}."
+      ) (ofKind "one-provider")
+      ++ concatMap (
+        x:
+        lib.optional (x.policy.failover.backend != first.policy.failover.backend) (
+          check false "${optionOf n.key}.from: ${x.provider} serves ${n.type} on ${x.policy.failover.backend}, ${first.provider} on ${first.policy.failover.backend}: the providers of one need must share one backend."
+        )
+        ++ map (
+          other:
+          check false "${optionOf n.key}.from: ${x.provider} does not list ${other} among its ${n.type} peers (fort.host.capabilities.${n.type}.postgres.peers on ${x.provider}), so it would not take over what ${other} made for this need."
+        ) (filter (o: o != x.provider && !(lib.elem o x.policy.failover.peers)) sharers)
+      ) shared
+  ) allNeeds;
+
   # docs/protocol.md §11.5: references and `after` name needs of this host, and never
   # come back around to the need itself.
   referenceAssertions = concatMap (
@@ -316,6 +351,6 @@ in
 {
   config = lib.mkIf cfg.enable {
     assertions =
-      basicAssertions ++ interfaceAssertions ++ policyAssertions ++ referenceAssertions ++ keyAssertions ++ [ cycleAssertion ] ++ fileAssertions;
+      basicAssertions ++ interfaceAssertions ++ policyAssertions ++ failoverAssertions ++ referenceAssertions ++ keyAssertions ++ [ cycleAssertion ] ++ fileAssertions;
   };
 }

@@ -55,7 +55,10 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
     let mut held = Held::default();
     let mut asked: BTreeMap<Served, serde_json::Map<String, Value>> = BTreeMap::new();
     let mut answers: BTreeMap<(PathBuf, String), Result<Vec<String>, String>> = BTreeMap::new();
-    let mut failovers: BTreeMap<(PathBuf, String), Result<(), String>> = BTreeMap::new();
+    let mut failovers: BTreeMap<(PathBuf, String, PathBuf), Result<Option<Backend>, String>> =
+        BTreeMap::new();
+    // Per need with several providers on a shared backend: each provider's backend.
+    let mut shared: BTreeMap<(String, String), Vec<(String, Backend)>> = BTreeMap::new();
     let mut later = 0usize;
     for consumer in hosts {
         let Ok(registry) = Registry::load(consumer.hosts) else {
@@ -95,16 +98,25 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
             // A need with several providers: the capability must be one that fails over.
             if spec.from.several() && served.handler.is_file() {
                 let said = failovers
-                    .entry((served.handler.clone(), served.name.clone()))
+                    .entry((
+                        served.handler.clone(),
+                        served.name.clone(),
+                        served.config.clone(),
+                    ))
                     .or_insert_with(|| failover_of(&served));
-                if let Err(why) = &*said {
-                    held.problems.push(format!(
+                match &*said {
+                    Err(why) => held.problems.push(format!(
                         "{} → {}: {key}: from names {} providers, but {} takes one: {why}",
                         consumer.name,
                         provider.name,
                         spec.from.all().len(),
                         key.kind()
-                    ));
+                    )),
+                    Ok(Some(backend)) => shared
+                        .entry((consumer.name.to_owned(), key.to_string()))
+                        .or_default()
+                        .push((provider.name.to_owned(), backend.clone())),
+                    Ok(None) => {}
                 }
             }
             // Each file's pointer must start at a member the capability's answers have.
@@ -150,6 +162,10 @@ pub fn hold(hosts: &[HostFiles<'_>]) -> Held {
                 .or_default()
                 .insert(entry, json!({"request": request}));
         }
+    }
+    for ((consumer, key), providers) in shared {
+        held.problems
+            .extend(shared_backend_problems(&consumer, &key, &providers));
     }
     for (served, entries) in asked {
         let what = format!(
@@ -207,24 +223,70 @@ fn members_of(served: &Served) -> Result<Vec<String>, String> {
     serde_json::from_slice(&out.stdout).map_err(|e| format!("{} --answers: {e}", served.name))
 }
 
-/// `fort-handler <name> --failover`: `Err(why)` when a need may name only one provider
-/// of it (docs/protocol.md §11.13). A handler that cannot say is taken at its word that
-/// it fails over: releases before this one had no such flag.
-fn failover_of(served: &Served) -> Result<(), String> {
+/// The backend a provider of a shared-backend capability says it uses.
+#[derive(Clone, serde::Deserialize)]
+struct Backend {
+    backend: String,
+    #[serde(default)]
+    peers: Vec<String>,
+}
+
+/// `fort-handler <name> --failover --config FILE`: `Err(why)` when a need may name only
+/// one provider of it (docs/protocol.md §11.13), the backend and peers of a capability
+/// whose providers share one. A handler that cannot say is taken at its word that it
+/// fails over: releases before this one had no such flag.
+fn failover_of(served: &Served) -> Result<Option<Backend>, String> {
     let Ok(out) = Command::new(&served.handler)
         .arg(&served.name)
         .arg("--failover")
+        .arg("--config")
+        .arg(&served.config)
         .env_clear()
         .output()
     else {
-        return Ok(());
+        return Ok(None);
     };
     let said: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    if said["failover"] == "one-provider" {
-        let why = said["why"].as_str().unwrap_or("its handler says so");
-        return Err(fort_core::text::printable(why, 300));
+    match said["failover"].as_str() {
+        Some("one-provider") => {
+            let why = said["why"].as_str().unwrap_or("its handler says so");
+            Err(fort_core::text::printable(why, 300))
+        }
+        Some("shared-backend") => serde_json::from_value(said)
+            .map(Some)
+            .map_err(|e| format!("its handler's --failover cannot be read: {e}")),
+        _ => Ok(None),
     }
-    Ok(())
+}
+
+/// Providers of one need that share a backend must name the same one, and each must list
+/// the others as peers: a standby takes over only what a listed peer made.
+fn shared_backend_problems(
+    consumer: &str,
+    key: &str,
+    providers: &[(String, Backend)],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let Some((first, first_backend)) = providers.first() else {
+        return problems;
+    };
+    for (provider, b) in providers {
+        if b.backend != first_backend.backend {
+            problems.push(format!(
+                "{consumer} → {provider}: {key}: {provider} serves it on {}, {first} on {}: providers of one need must share one backend",
+                fort_core::text::printable(&b.backend, 200),
+                fort_core::text::printable(&first_backend.backend, 200)
+            ));
+        }
+        for (other, _) in providers.iter().filter(|(o, _)| o != provider) {
+            if !b.peers.contains(other) {
+                problems.push(format!(
+                    "{consumer} → {provider}: {key}: {provider} does not list {other} among its peers, so it would not take over what {other} made for the need"
+                ));
+            }
+        }
+    }
+    problems
 }
 
 /// `fort-handler <name> --config FILE --vet --hosts HOSTS` with `entries` on stdin: entry

@@ -189,7 +189,49 @@ fn two_providers_for_a_capability_that_takes_one_fail_the_fleet_check() {
     );
     let (passed, report) = check(&f);
     assert!(passed, "{report}");
-    // postgres roles live on one server that a standby does not adopt.
+    // One DNS primary, whose records a standby does not adopt.
+    f.need_from(
+        "web",
+        "dns-record/www",
+        &["edge", "edge2"],
+        json!({"request": {"name": "www.web.example.test"}}),
+    );
+    let (passed, report) = check(&f);
+    assert!(!passed, "{report}");
+    for provider in ["edge", "edge2"] {
+        let line = format!(
+            "web → {provider}: dns-record/www: from names 2 providers, but dns-record takes one: its providers would share one"
+        );
+        assert!(report.contains(&line), "missing {line:?} in:\n{report}");
+    }
+    assert!(!report.contains("ssl-cert/site: from names"), "{report}");
+    assert!(report.contains("2 problem(s)"), "{report}");
+}
+
+/// edge's and edge2's postgres, each with its own config: `peers` and the server as
+/// given.
+fn postgres_at(f: &mut Fleet, cfg: &Path, provider: &str, host: &str, peers: &[&str]) {
+    let path = cfg.join(format!("postgres-{provider}.json"));
+    let config = json!({"state_file": cfg.join(format!("pg-{provider}.json")), "host": host,
+                        "allow": {"*": ["{origin}_extra"]}, "peers": peers});
+    std::fs::write(&path, config.to_string()).unwrap();
+    if !f.host(provider).capabilities.contains_key("postgres") {
+        f.capability(
+            provider,
+            "postgres",
+            json!({"handler": fort_tests::bin("fort-handler"),
+                   "args": ["postgres", "--config", path], "mode": "async"}),
+        );
+    }
+}
+
+#[test]
+fn providers_of_a_shared_backend_must_name_one_server_and_each_other() {
+    let mut f = Fleet::new();
+    let cfg = tempfile::tempdir().unwrap();
+    // Neither lists the other: neither would take over what the other made.
+    postgres_at(&mut f, cfg.path(), "edge", "db.example.test", &[]);
+    postgres_at(&mut f, cfg.path(), "edge2", "db.example.test", &[]);
     f.need_from(
         "web",
         "postgres/db",
@@ -198,12 +240,25 @@ fn two_providers_for_a_capability_that_takes_one_fail_the_fleet_check() {
     );
     let (passed, report) = check(&f);
     assert!(!passed, "{report}");
-    for provider in ["edge", "edge2"] {
+    for (p, other) in [("edge", "edge2"), ("edge2", "edge")] {
         let line = format!(
-            "web → {provider}: postgres/db: from names 2 providers, but postgres takes one: its providers would share one PostgreSQL server"
+            "web → {p}: postgres/db: {p} does not list {other} among its peers, so it would not take over what {other} made for the need"
         );
         assert!(report.contains(&line), "missing {line:?} in:\n{report}");
     }
-    assert!(!report.contains("ssl-cert/site: from names"), "{report}");
-    assert!(report.contains("2 problem(s)"), "{report}");
+    // Peers of each other, but on two servers.
+    postgres_at(&mut f, cfg.path(), "edge", "db.example.test", &["edge2"]);
+    postgres_at(&mut f, cfg.path(), "edge2", "db2.example.test", &["edge"]);
+    let (passed, report) = check(&f);
+    assert!(!passed, "{report}");
+    assert!(
+        report.contains(
+            "web → edge2: postgres/db: edge2 serves it on db2.example.test:5432 (fort_…), edge on db.example.test:5432 (fort_…): providers of one need must share one backend"
+        ),
+        "{report}"
+    );
+    // One server, each the other's peer: the standby takes over what the home made.
+    postgres_at(&mut f, cfg.path(), "edge2", "db.example.test", &["edge"]);
+    let (passed, report) = check(&f);
+    assert!(passed, "{report}");
 }

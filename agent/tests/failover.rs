@@ -2,7 +2,8 @@
 //! while the home answers, the standby never hears of the consumer; the home killed with
 //! `kill -9` while a need comes due, and the need is served by the standby; the old home
 //! back again releases its entry and touches nothing the standby issued; a home that
-//! flaps moves a need at most once per failover interval; the needs list says who serves.
+//! flaps moves a need at most once per failover interval; the needs list says who serves;
+//! where a need moved, when and why, survives a restart of the consumer.
 
 use std::time::{Duration, Instant};
 
@@ -133,6 +134,14 @@ async fn the_standby_serves_a_due_need_once_the_home_is_dead_and_the_home_back_r
     assert!(table.contains("e2 (moved "), "{table}");
     let list = needs_list(&f, "e2").await;
     assert_eq!(list["served_by"], json!({ NEED: "e2" }), "{list}");
+
+    // The move is part of the need's record: a restart of the consumer keeps it.
+    f.kill("app");
+    f.start_host("app");
+    let again = row(&f);
+    for field in ["from", "moves", "home_since", "moved_because"] {
+        assert_eq!(again[field], st[field], "{field} after a restart: {again}");
+    }
 
     // The old home comes back: it is not asked again, its redelivery (if any) changes
     // nothing, and its GC releases the entry the needs list says e2 serves.

@@ -12,6 +12,7 @@ mod converge;
 mod cycle;
 mod deliver;
 mod dns_record;
+mod failover;
 mod gc;
 mod oidc;
 mod openbao;
@@ -41,6 +42,7 @@ use clap::{Parser, Subcommand};
   fort-bench status --stall 300
   fort-bench status --target https://10.0.0.5:7770 --host forge --key ~/.ssh/id_ed25519 --origin alice --hosts /etc/fort/hosts.json
   fort-bench burst --consumers 20 --needs 50
+  fort-bench failover --consumers 500 --needs 2
   fort-bench fulfill-cycle --needs 500
   fort-bench deliver --needs 500 --units 5
   fort-bench gc --origins 200
@@ -82,6 +84,10 @@ enum Cmd {
     /// N consumers × M needs at once against one provider: time until every need is
     /// called back, provider CPU per need, state writes, peak memory.
     Burst(burst::BurstArgs),
+    /// K consumers × M needs from two providers, the home killed with kill -9 as every
+    /// need comes due: time until the standby serves them all, and the connections that
+    /// reach the dead home's address.
+    Failover(failover::FailoverArgs),
     /// One consumer's fulfiller: CPU of a steady cycle, and N needs all due at once.
     FulfillCycle(cycle::CycleArgs),
     /// One consumer with N needs delivering files, answered in one burst and then all
@@ -145,6 +151,7 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Status(a) => status::run(a, json).await,
             Cmd::Burst(a) => burst::run(a, json).await,
+            Cmd::Failover(a) => failover::run(a, json).await,
             Cmd::FulfillCycle(a) => cycle::run(a, json).await,
             Cmd::Deliver(a) => deliver::run(a, json).await,
             Cmd::Gc(a) => gc::run(a, json).await,

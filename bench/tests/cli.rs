@@ -15,6 +15,7 @@ fn help_lists_every_benchmark() {
     for command in [
         "status",
         "burst",
+        "failover",
         "fulfill-cycle",
         "deliver",
         "gc",

@@ -529,6 +529,8 @@ impl Fulfiller {
         if phase == Phase::Satisfied {
             st.renewal_sought_at = None;
         }
+        // Only the home's payloads are applied: the new home has answered.
+        st.renew_at_home = false;
         st.payload_sha256 = Some(digest.to_owned());
         st.received += 1;
         st.received_at = Some(now);

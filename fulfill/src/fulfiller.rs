@@ -335,6 +335,10 @@ impl Fulfiller {
                         // payload for the old declaration must never take a new
                         // payload's number for its own.
                         seq: st.seq.saturating_add(1),
+                        // Where the need has been served stays its history.
+                        moved_at: st.moved_at,
+                        moved_because: st.moved_because.take(),
+                        moves: st.moves,
                         ..Default::default()
                     };
                     c.put(key.to_string(), st);
@@ -800,8 +804,8 @@ impl Fulfiller {
                 return;
             }
         }
-        self.request(key, resolved, resolved_hash, renewal.is_some())
-            .await;
+        let renew = renewal.is_some() || st.renew_at_home;
+        self.request(key, resolved, resolved_hash, renew).await;
     }
 
     /// Bookkeeping nobody waits on: `f` edits the need's state and says whether it changed.

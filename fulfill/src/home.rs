@@ -1,8 +1,9 @@
 //! Several providers for one need (docs/protocol.md §11.13): each need is served by its
 //! home, kept in the need's state (`from`); a due need moves to the next provider only
 //! once its home has failed for the need's `failover_after`, and at most once per that
-//! time. Which providers fail, and when and why each need last moved, is kept in memory:
-//! a restart starts with every provider healthy, which can only delay a move.
+//! time. Which providers fail is kept in memory: a restart starts with every provider
+//! healthy, which can only delay a move. When, why and how often each need moved is kept
+//! in its state, across restarts.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,23 +22,21 @@ struct Failing {
     since: Instant,
     since_unix: u64,
     error: String,
-}
-
-/// The last move of a need.
-struct Moved {
-    at: Instant,
-    at_unix: u64,
-    reason: String,
-    count: u64,
+    /// When the last request to it went out, and how many went out since it failed:
+    /// while it fails, one request per probe interval is let through (§11.13).
+    probed_at: Instant,
+    probes: u32,
 }
 
 #[derive(Default)]
 pub(crate) struct Homes {
     failing: HashMap<String, Failing>,
-    moved: HashMap<NeedKey, Moved>,
+    /// When each need last moved since the agent started, on the monotonic clock (its
+    /// state keeps the wall-clock time, which rules a need moved before a restart).
+    moved: HashMap<NeedKey, Instant>,
 }
 
-/// How a need's home moved last: unix seconds, why, and how often since start.
+/// How a need's home moved last: unix seconds, why, and how often since it was declared.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LastMove {
     pub at: u64,
@@ -100,14 +99,33 @@ impl Fulfiller {
         })
     }
 
-    /// When and why `key` last moved since the agent started.
+    /// When and why `key` last moved, and how often it has.
     pub fn last_move(&self, key: &NeedKey) -> Option<LastMove> {
-        let view = self.inner.view.lock();
-        view.homes.moved.get(key).map(|m| LastMove {
-            at: m.at_unix,
-            reason: m.reason.clone(),
-            count: m.count,
+        let st = self.state(key);
+        Some(LastMove {
+            at: st.moved_at?,
+            reason: st.moved_because.unwrap_or_default(),
+            count: st.moves,
         })
+    }
+
+    /// Whether a request to `provider` may go out now: always while it is not failing;
+    /// while it is, one per probe interval (the fulfiller's back-off doubling with each
+    /// probe, at most `nag`), so a dead provider is probed, not asked once per need.
+    /// `Err` holds the provider's last error, for a request held back.
+    pub(crate) fn may_ask(&self, provider: &str, nag: std::time::Duration) -> Result<(), String> {
+        let mut view = self.inner.view.lock();
+        let Some(f) = view.homes.failing.get_mut(provider) else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let interval = crate::schedule::backoff(self.inner.opts.backoff, f.probes, nag);
+        if now.saturating_duration_since(f.probed_at) < interval {
+            return Err(f.error.clone());
+        }
+        f.probed_at = now;
+        f.probes = f.probes.saturating_add(1);
+        Ok(())
     }
 
     /// `provider` answered a request: it is not failing (any more).
@@ -140,6 +158,8 @@ impl Fulfiller {
                     since: now,
                     since_unix: unix_now(),
                     error: error.to_owned(),
+                    probed_at: now,
+                    probes: 1,
                 });
             failing.error = error.to_owned();
             let failed_for = now.saturating_duration_since(failing.since);
@@ -155,7 +175,7 @@ impl Fulfiller {
                 .homes
                 .moved
                 .get(key)
-                .is_some_and(|m| now.saturating_duration_since(m.at) < after);
+                .is_some_and(|at| now.saturating_duration_since(*at) < after);
             if recently {
                 return None;
             }
@@ -165,6 +185,11 @@ impl Fulfiller {
             )
         };
         if next == home {
+            return None;
+        }
+        // Moved before a restart: the wall clock says how long ago.
+        let moved_at = self.state(key).moved_at;
+        if moved_at.is_some_and(|at| unix_now().saturating_sub(at) < after.as_secs()) {
             return None;
         }
         match self.move_home(key, spec, home, &next, &reason).await {
@@ -177,27 +202,12 @@ impl Fulfiller {
         }
         {
             let mut view = self.inner.view.lock();
-            let count = view.homes.moved.get(key).map_or(0, |m| m.count);
-            view.homes.moved.insert(
-                key.clone(),
-                Moved {
-                    at: now,
-                    at_unix: unix_now(),
-                    reason: reason.clone(),
-                    count: count.saturating_add(1),
-                },
-            );
+            view.homes.moved.insert(key.clone(), now);
             view.clear_failures(key);
         }
+        // No release goes to the old home: it is failing, and learns that it no longer
+        // serves the need from the needs list's `served_by` when it is back (§11.13).
         tracing::warn!(need = %key, from = home, to = %next, reason = %reason, "need moved to another provider");
-        // The old home learns it no longer serves the need; a dead one learns it from the
-        // needs list's `served_by` when it is back (§11.13).
-        let me = self.clone();
-        let (old, need) = (home.to_owned(), key.to_string());
-        let registry = self.inner.view.lock().registry.clone();
-        self.inner.tasks.spawn(async move {
-            me.release(&need, &old, &registry, "need moved").await;
-        });
         Some(next)
     }
 
@@ -229,6 +239,10 @@ impl Fulfiller {
                 st.renewal_sought_at = None;
                 st.attempts = 0;
                 st.last_error = Some(note);
+                st.moved_at = Some(unix_now());
+                st.moved_because = Some(reason.to_owned());
+                st.moves = st.moves.saturating_add(1);
+                st.renew_at_home = true;
                 c.put(key_s.clone(), st);
                 true
             })
@@ -257,6 +271,8 @@ mod tests {
                         since: Instant::now(),
                         since_unix: 0,
                         error: String::new(),
+                        probed_at: Instant::now(),
+                        probes: 1,
                     },
                 )
             })

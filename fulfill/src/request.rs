@@ -36,6 +36,14 @@ impl Fulfiller {
         let Some(address) = peer.address.as_deref() else {
             return;
         };
+        // A failing home of needs with several providers is probed by one request per
+        // probe interval; this need's is held back, and counts as failed with the home's
+        // last error (§11.13). A need naming one provider asks as it always did.
+        if spec.from.several() {
+            if let Err(error) = self.may_ask(&home, nag(spec)) {
+                return self.transport_failure(key, spec, &home, error).await;
+            }
+        }
         let batched =
             self.inner.opts.batches && self.inner.batcher.takes_batches(&home, key.kind());
         // One of the provider's slots per request in flight: a batch takes it when it is

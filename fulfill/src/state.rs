@@ -110,6 +110,20 @@ pub struct NeedState {
     /// per nag interval, whatever the provider answers meanwhile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renewal_sought_at: Option<u64>,
+    /// The need's last move to another provider (§11.13): unix seconds, why, and how
+    /// many moves since it was first declared; kept across restarts and changes of the
+    /// need.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_because: Option<String>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub moves: u64,
+    /// The need moved and its new home's payload is not applied yet: its requests ask
+    /// for renewal (`renew: true`), so a provider still holding an entry from when it
+    /// served the need before issues afresh instead of answering what it held.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub renew_at_home: bool,
     /// Per key the need declares, the public key and the CSR its requests carry
     /// (§11.10); never a private key.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -119,6 +133,10 @@ pub struct NeedState {
     /// neither encrypted nor written again. Never the content.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub credentials: BTreeMap<String, crate::credentials::CredentialRecord>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A payload waiting to be applied.

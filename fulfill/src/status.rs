@@ -16,11 +16,11 @@ pub struct NeedStatus {
     pub from: String,
     /// The providers as declared, in order (one for a single `from`).
     pub providers: Vec<String>,
-    /// Unix seconds of the need's last move to another provider since the agent
-    /// started, and why it moved; `None`: it has not moved.
+    /// Unix seconds of the need's last move to another provider, and why it moved;
+    /// `None`: it has never moved (kept across restarts and changes of the need).
     pub home_since: Option<u64>,
     pub moved_because: Option<String>,
-    /// Moves since the agent started.
+    /// Moves since the need was first declared.
     pub moves: u64,
     /// `pending`, `waiting`, `satisfied`, `failed`, `expiring` or `expired`.
     pub state: Phase,

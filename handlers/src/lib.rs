@@ -46,14 +46,31 @@ pub struct Capability {
 }
 
 /// How a capability serves a need that moved to it from another provider.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub enum Failover {
     /// Each provider issues on its own (its own ACME account, its own SSH CA, its own
     /// client at the OpenID provider): a standby serves a moved need by issuing anew, and
     /// the old home's GC releases what it issued.
     Independent,
+    /// The providers share one backend (a database server): a standby takes over what
+    /// another provider of the need made there for that caller and need, and only that,
+    /// with a new secret. Each provider's config names the others (`peers`); the function
+    /// reads, from a config, which backend it is and who its peers are, so the fleet
+    /// check can hold every provider of a need to the same backend and to each other.
+    SharedBackend(fn(&Path) -> anyhow::Result<Backend>),
     /// A need names one provider of it: why a standby could not take over.
     OneProvider(&'static str),
+}
+
+/// The backend a provider of a [`Failover::SharedBackend`] capability uses, as its
+/// config says.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Backend {
+    /// What names the backend and the objects' names on it alike for every provider that
+    /// shares it (for postgres: `host:port` as consumers reach it, and the name prefix).
+    pub backend: String,
+    /// The other providers whose objects it takes over.
+    pub peers: Vec<String>,
 }
 
 /// Entry key → why it is refused.

@@ -42,8 +42,10 @@ struct Cli {
     #[arg(long)]
     answers: bool,
     /// Print whether a need may name several providers of this capability (JSON:
-    /// `{"failover": "independent"}` or `{"failover": "one-provider", "why": …}`), then
-    /// exit; the config is not read.
+    /// `{"failover": "independent"}`, `{"failover": "shared-backend"}` or
+    /// `{"failover": "one-provider", "why": …}`), then exit. With `--config`, a
+    /// shared backend also says which it is and the peers the config names
+    /// (`"backend"`, `"peers"`); nothing is contacted.
     #[arg(long)]
     failover: bool,
 }
@@ -95,6 +97,17 @@ fn main() -> ExitCode {
     if cli.failover {
         let said = match cap.failover {
             fort_handlers::Failover::Independent => serde_json::json!({"failover": "independent"}),
+            fort_handlers::Failover::SharedBackend(backend) => match &cli.config {
+                None => serde_json::json!({"failover": "shared-backend"}),
+                Some(path) => match backend(path) {
+                    Ok(b) => serde_json::json!({"failover": "shared-backend",
+                                                "backend": b.backend, "peers": b.peers}),
+                    Err(e) => {
+                        eprintln!("fort-handler: {e:#}");
+                        return ExitCode::from(2);
+                    }
+                },
+            },
             fort_handlers::Failover::OneProvider(why) => {
                 serde_json::json!({"failover": "one-provider", "why": why})
             }

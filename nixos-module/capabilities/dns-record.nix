@@ -155,6 +155,11 @@ in
             policy = {
               handler = "dns-record";
               inherit (config.dnsRecord) allow;
+              # As `fort-handler dns-record --failover` says.
+              failover = {
+                kind = "one-provider";
+                why = "its providers would share one DNS primary, and a standby does not adopt the records another provider made there";
+              };
               response = [ "name" "type" "values" "ttl" ];
             };
             interface = mkDefault ../interfaces/dns-record.nix;

@@ -114,6 +114,18 @@ let
             are refused all the same.
           '';
         };
+        peers = mkOption {
+          type = types.listOf (types.strMatching "[a-z0-9][a-z0-9-]{0,62}");
+          default = [ ];
+          example = [ "db2" ];
+          description = ''
+            The other fort hosts whose `postgres` capability serves this same server, for
+            needs that name them all (`from = [ "db1" "db2" ]`): a role and database one of
+            them made for an entry is taken over, with a new password, when the entry
+            moves here, and its release there leaves them alone. Every provider of such a
+            need lists the others, with the same `host`, port and `namePrefix`.
+          '';
+        };
         runBudget = mkOption {
           type = types.str;
           default = "40s";
@@ -142,6 +154,7 @@ let
           on_release = s.onRelease;
           run_budget = s.runBudget;
         }
+        // lib.optionalAttrs (s.peers != [ ]) { inherit (s) peers; }
         // lib.optionalAttrs (s.publicPort != null) { public_port = s.publicPort; }
         // lib.optionalAttrs (s.adminPasswordFile != null) { admin_password_file = s.adminPasswordFile; }
         // lib.optionalAttrs (s.connectionLimit != null) { connection_limit = s.connectionLimit; }
@@ -180,6 +193,15 @@ in
             policy = {
               handler = "postgres";
               inherit (config.postgres) allow;
+              # As `fort-handler postgres --failover --config …` says: providers of one
+              # need must name one server and list each other.
+              failover = {
+                kind = "shared-backend";
+                backend = "${config.postgres.host}:${
+                  toString (if config.postgres.publicPort != null then config.postgres.publicPort else config.postgres.port)
+                } (${config.postgres.namePrefix}_…)";
+                inherit (config.postgres) peers;
+              };
               response = [ "host" "port" "dbname" "user" "password" "uri" ];
             };
             interface = mkDefault ../interfaces/postgres.nix;
@@ -206,6 +228,10 @@ in
       {
         assertion = lib.hasPrefix "/" c.postgres.socketDir && lib.hasPrefix "/" c.postgres.stateFile;
         message = "fort.host.capabilities.${name}.postgres: socketDir and stateFile must be absolute paths.";
+      }
+      {
+        assertion = c.postgres.peers == [ ] || c.postgres.onRelease != "drop";
+        message = "fort.host.capabilities.${name}.postgres: onRelease = \"drop\" cannot go with peers (a need that moved to a peer is released here, maybe before the peer took its database over); use \"disable\".";
       }
       {
         assertion = builtins.match "[0-9]+(ms|s|m|h)" c.postgres.runBudget != null;

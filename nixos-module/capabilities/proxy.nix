@@ -274,6 +274,11 @@ in
             policy = {
               handler = "proxy";
               inherit (config.proxy) allow;
+              # As `fort-handler proxy --failover` says.
+              failover = {
+                kind = "one-provider";
+                why = "two edges serving the same names would each hold the vhost, and a standby does not adopt what another edge made";
+              };
               response = [ "server_names" "upstream" "tls" ];
             };
             # The fleet's interface of this name when it declares one (it may extend the

@@ -70,6 +70,12 @@ pub struct Config {
     /// Unset: 40 s (the agent kills a handler after 60).
     #[serde(default = "default_budget", with = "humantime_serde")]
     pub run_budget: Duration,
+    /// The other providers (fort host names) whose handlers make roles on this same
+    /// server for needs that may move between them (docs/protocol.md §11.13): a role
+    /// one of them made for an entry is taken over when that entry comes here, and
+    /// never another entry's. Unset: none, the server is this provider's alone.
+    #[serde(default)]
+    pub peers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -105,6 +111,9 @@ fn default_prefix() -> String {
 fn default_budget() -> Duration {
     Duration::from_secs(40)
 }
+
+/// The most peers one provider may list (as a need may name at most 8 providers).
+const MAX_PEERS: usize = 7;
 
 /// Largest `CONNECTION LIMIT` accepted (the server takes any int; more is a typo).
 const MAX_CONNECTION_LIMIT: u32 = 100_000;
@@ -171,6 +180,26 @@ impl Config {
             return Err("run_budget: more than 0 s, at most an hour".into());
         }
         self.allow.validate()?;
+        if self.peers.len() > MAX_PEERS {
+            return Err(format!("peers: at most {MAX_PEERS}"));
+        }
+        for (i, peer) in self.peers.iter().enumerate() {
+            if !fort_core::names::is_host_name(peer) {
+                return Err(format!("peers: {peer:?} is not a fort host name"));
+            }
+            if self.peers[..i].contains(peer) {
+                return Err(format!("peers: {peer} is named twice"));
+            }
+        }
+        if !self.peers.is_empty() && self.on_release == OnRelease::Drop {
+            // A need that moved to a peer is released here, possibly before the peer
+            // took its database over: dropping it would lose the data the peer is
+            // about to serve.
+            return Err(
+                "on_release: drop cannot go with peers (a need that moved to a peer is released here, maybe before the peer took its database over); use disable"
+                    .into(),
+            );
+        }
         Ok(())
     }
 
@@ -245,9 +274,14 @@ mod tests {
             r#"{"state_file": "/x", "host": "db.lan", "on_release": "delete"}"#,
             r#"{"state_file": "/x", "host": "db.lan", "colour": 1}"#,
             r#"{"state_file": "/x", "host": "db.lan", "allow": {"app": ["*"]}}"#,
+            r#"{"state_file": "/x", "host": "db.lan", "peers": ["db_2"]}"#,
+            r#"{"state_file": "/x", "host": "db.lan", "peers": ["db2", "db2"]}"#,
+            r#"{"state_file": "/x", "host": "db.lan", "peers": ["db2"], "on_release": "drop"}"#,
         ] {
             assert!(parse(bad).is_err(), "{bad}");
         }
         assert!(parse(r#"{"state_file": "/x", "host": "fd00::1"}"#).is_ok());
+        let shared = parse(r#"{"state_file": "/x", "host": "db.lan", "peers": ["db2"]}"#).unwrap();
+        assert_eq!(shared.peers, ["db2"]);
     }
 }

@@ -9,6 +9,7 @@
 //! the role) are ever changed.
 
 pub mod config;
+mod drift;
 pub mod names;
 pub mod reconcile;
 pub mod request;
@@ -26,10 +27,23 @@ pub const CAPABILITY: Capability = Capability {
     run,
     vet,
     answers: &["host", "port", "dbname", "user", "password", "uri"],
-    failover: crate::Failover::OneProvider(
-        "its providers would share one PostgreSQL server, and a standby does not adopt the roles and databases another provider made there",
-    ),
+    failover: crate::Failover::SharedBackend(backend),
 };
+
+/// The server as consumers reach it and the names made there: providers sharing one
+/// server give the same, and each lists the others as `peers`.
+fn backend(path: &Path) -> anyhow::Result<crate::Backend> {
+    let config = config::Config::load_policy(path)?;
+    Ok(crate::Backend {
+        backend: format!(
+            "{}:{} ({}_…)",
+            config.host,
+            config.public_port(),
+            config.name_prefix
+        ),
+        peers: config.peers,
+    })
+}
 
 fn check(path: &Path) -> anyhow::Result<()> {
     config::Config::load(path).map(|_| ())
@@ -58,11 +72,12 @@ fn run(path: &Path, entries: Vec<Entry>, trigger: Trigger) -> RunFuture<'_> {
         }
         let c = &done.counts;
         tracing::info!(
-            "{} entries: {} kept, {} created, {} rotated, {} new connection limits, {} refused, {} pending; {} released",
+            "{} entries: {} kept, {} created, {} rotated, {} taken over from peers, {} new connection limits, {} refused, {} pending; {} released",
             entries.len(),
             c.kept,
             c.created,
             c.rotated,
+            c.taken_over,
             c.limited,
             c.refused,
             c.pending,

@@ -99,6 +99,13 @@ pub fn marker(provider: &str, entry: &str) -> String {
     format!("made by fort on {provider} for {entry}; released entries keep their data")
 }
 
+/// The markers `peers` (providers sharing the server) put on what they made for `entry`:
+/// the only roles this handler takes over, since each names both a peer the operator
+/// listed and this very entry, so another caller's role never matches.
+pub fn peer_markers(peers: &[String], entry: &str) -> Vec<String> {
+    peers.iter().map(|p| marker(p, entry)).collect()
+}
+
 /// A new password: 43 characters from a CSPRNG over `[A-Za-z0-9]` (256 bits), safe in a
 /// URI, a shell and a `.pgpass` line without escaping.
 pub fn new_password() -> String {
@@ -178,6 +185,15 @@ mod tests {
         assert_eq!(quote_literal("it's").unwrap(), "'it''s'");
         assert_eq!(quote_literal("a\\'b").unwrap(), " E'a\\\\''b'");
         assert_eq!(quote_literal("\0"), None);
+    }
+
+    #[test]
+    fn a_peer_marker_names_the_peer_and_the_entry() {
+        let peers = ["db2".to_owned()];
+        let m = peer_markers(&peers, "app:postgres/wiki");
+        assert_eq!(m, [marker("db2", "app:postgres/wiki")]);
+        assert!(!m.contains(&marker("db2", "web:postgres/wiki")));
+        assert!(!m.contains(&marker("db3", "app:postgres/wiki")));
     }
 
     #[test]

@@ -10,9 +10,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::config::{Config, OnRelease};
+use super::drift::find_drift;
 use super::names;
 use super::request::Request;
-use super::server::{Failure, Released, Server};
+use super::server::{Ensured, Failure, Released, Server};
 use crate::common::{Entry, Output, Trigger};
 
 /// The state file's version.
@@ -61,25 +62,28 @@ pub enum Why {
 }
 
 #[derive(Debug)]
-struct Work {
-    entry: usize,
-    name: String,
-    rotate: u64,
-    why: Why,
+pub(super) struct Work {
+    pub(super) entry: usize,
+    pub(super) name: String,
+    pub(super) rotate: u64,
+    pub(super) why: Why,
     /// The entry was refused this run and its role stays in service: only its limit is
     /// brought in line, and the refusal stays its answer.
-    refused: bool,
+    pub(super) refused: bool,
 }
 
 /// The decisions that need no server.
 #[derive(Debug, Default)]
-struct Plan {
-    keep: Vec<(usize, String)>,
-    work: Vec<Work>,
+pub(super) struct Plan {
+    pub(super) keep: Vec<(usize, String)>,
+    pub(super) work: Vec<Work>,
+    /// Kept entries whose role a peer took over since (entry, the peer): this handler
+    /// answers no password for them, and takes them back only when asked to renew.
+    pub(super) taken: Vec<(usize, String)>,
     /// Roles of the state that no entry wants.
     release: Vec<String>,
     /// Role → its `CONNECTION LIMIT`, for every role in service after this run.
-    limits: HashMap<String, i32>,
+    pub(super) limits: HashMap<String, i32>,
     /// Callers with a role in service after this run.
     callers: usize,
 }
@@ -95,6 +99,8 @@ pub struct Counts {
     pub refused: usize,
     pub pending: usize,
     pub released: usize,
+    /// Roles a peer sharing the server made for the entry, taken over (new password).
+    pub taken_over: usize,
 }
 
 /// The outcome of a run: the output, whether the state changed (save it), and the
@@ -120,7 +126,10 @@ pub async fn reconcile(
     let budget = config.run_budget;
     let mut out = Reconciled::default();
     let mut plan = plan(config, state, entries, &mut out);
-    let reconciling = trigger.reconciles() && !plan.keep.is_empty();
+    // With peers on the server, a kept role may have been taken over by one of them
+    // since: each run reads its kept roles (one query) rather than answer a password
+    // that no longer works.
+    let reconciling = (trigger.reconciles() || !config.peers.is_empty()) && !plan.keep.is_empty();
     if plan.work.is_empty() && plan.release.is_empty() && !reconciling {
         respond_kept(config, state, entries, &plan.keep, &mut out);
         return out;
@@ -134,9 +143,16 @@ pub async fn reconcile(
     };
     note_capacity(config, &server, &plan).await;
     if reconciling {
-        if let Err(e) = find_drift(provider, state, entries, &server, &mut plan).await {
+        if let Err(e) = find_drift(config, provider, state, entries, &server, &mut plan).await {
             out.failure = Some(e);
             return out;
+        }
+        for (i, peer) in std::mem::take(&mut plan.taken) {
+            out.counts.pending += 1;
+            out.output.pending(
+                &entries[i],
+                format!("{peer} took this database over (it shares the server); asked to renew, this provider takes it back"),
+            );
         }
     }
     respond_kept(config, state, entries, &plan.keep, &mut out);
@@ -179,11 +195,14 @@ pub async fn reconcile(
             _ => names::new_password(),
         };
         let marker = names::marker(provider, &entry.key);
+        let adopt = names::peer_markers(&config.peers, &entry.key);
         let limit = plan.limits.get(&work.name).copied().unwrap_or(1);
-        let outcome = server.ensure(&work.name, &marker, &password, limit).await;
+        let outcome = server
+            .ensure(&work.name, &marker, &adopt, &password, limit)
+            .await;
         if work.refused {
             match outcome {
-                Ok(()) => {
+                Ok(_) => {
                     if let Some(m) = state.roles.get_mut(&work.name) {
                         m.connection_limit = limit;
                         out.counts.limited += 1;
@@ -209,7 +228,15 @@ pub async fn reconcile(
             continue;
         }
         match outcome {
-            Ok(()) => {
+            Ok(ensured) => {
+                if ensured == Ensured::TakenOver {
+                    tracing::info!(
+                        "{}: taken over from the peer that made it for {}, with a new password",
+                        work.name,
+                        entry.key
+                    );
+                    out.counts.taken_over += 1;
+                }
                 let response = response(config, &work.name, &password);
                 state.roles.insert(
                     work.name.clone(),
@@ -542,50 +569,6 @@ fn decide(
 fn permitted(config: &Config, entry: &Entry, name: &str) -> bool {
     name == names::derived(&config.name_prefix, &entry.origin, entry.need.id())
         || config.allow.permits(&entry.origin, name)
-}
-
-/// One query over the kept entries' roles; whatever the server no longer holds as the
-/// state says is redone with the same password.
-async fn find_drift(
-    provider: &str,
-    state: &State,
-    entries: &[Entry],
-    server: &Server,
-    plan: &mut Plan,
-) -> anyhow::Result<()> {
-    let names: Vec<String> = plan.keep.iter().map(|(_, n)| n.clone()).collect();
-    let seen = match server.survey(&names).await {
-        Ok(s) => s,
-        Err(Failure::Refused(r) | Failure::Waited(r)) => {
-            anyhow::bail!("cannot read the roles: {r}")
-        }
-        Err(Failure::Down(e)) => return Err(e),
-    };
-    let mut keep = Vec::with_capacity(plan.keep.len());
-    for (i, name) in std::mem::take(&mut plan.keep) {
-        let marker = names::marker(provider, &entries[i].key);
-        let intact = seen.get(&name).is_some_and(|s| {
-            s.can_login
-                && s.database
-                && Some(&s.connection_limit) == plan.limits.get(&name)
-                && s.comment.as_deref() == Some(marker.as_str())
-        });
-        if intact {
-            keep.push((i, name));
-        } else {
-            tracing::info!("{name}: not as this handler left it; set up again");
-            let rotate = state.roles.get(&name).map_or(0, |m| m.rotate);
-            plan.work.push(Work {
-                entry: i,
-                name,
-                rotate,
-                why: Why::Repair,
-                refused: false,
-            });
-        }
-    }
-    plan.keep = keep;
-    Ok(())
 }
 
 fn respond_kept(

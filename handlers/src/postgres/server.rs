@@ -68,7 +68,25 @@ pub enum Released {
 
 pub struct Server {
     client: Client,
+    /// Other providers make roles on this server too (`peers`): each role's work runs
+    /// under the server's advisory lock for its name, so a peer's takeover and this
+    /// handler's release of one role never interleave.
+    shared: bool,
 }
+
+/// What `ensure` did to a role that existed already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ensured {
+    /// Made, or this handler's own: set up as asked.
+    Ours,
+    /// Made by a peer for this very entry: marked as this handler's and set up as asked.
+    TakenOver,
+}
+
+/// The advisory lock class of this handler's per-role locks ("fort"), the second key
+/// being the hash of the role's name: apart from any lock the server's other users take
+/// with one key.
+const LOCK_CLASS: i32 = 0x666f_7274;
 
 /// How many connections the server has, and how many of them the callers' roles share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,7 +177,42 @@ impl Server {
             .batch_execute("SET lock_timeout = '5s'; SET statement_timeout = '30s'")
             .await
             .map_err(|e| anyhow::anyhow!("cannot set up the admin session: {e}"))?;
-        Ok(Server { client })
+        Ok(Server {
+            client,
+            shared: !config.peers.is_empty(),
+        })
+    }
+
+    /// Holds the advisory lock of role `name` (waiting at most `lock_timeout`) while
+    /// `work` runs, when peers share the server; released after it, or with the session.
+    async fn locked<T>(
+        &self,
+        name: &str,
+        work: impl std::future::Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Failure> {
+        if !self.shared {
+            return work.await;
+        }
+        self.client
+            .execute(
+                "SELECT pg_advisory_lock($1, hashtext($2))",
+                &[&LOCK_CLASS, &name],
+            )
+            .await
+            .map_err(|e| Failure::from_pg("waiting for a peer's work on the role", e))?;
+        let done = work.await;
+        if let Err(e) = self
+            .client
+            .execute(
+                "SELECT pg_advisory_unlock($1, hashtext($2))",
+                &[&LOCK_CLASS, &name],
+            )
+            .await
+        {
+            // Released with the session at the end of the run at the latest.
+            tracing::warn!("{name}: cannot release its advisory lock: {e}");
+        }
+        done
     }
 
     /// Whether the admin connection still answers: after one entry's statement failed
@@ -222,15 +275,33 @@ impl Server {
 
     /// Makes role `name` and its database exist, marked `marker`, with `LOGIN`, the
     /// password `password` (sent as its SCRAM-SHA-256 verifier) and `connection_limit`.
-    /// A role or database of that name that this handler did not make is never touched:
-    /// the entry is refused instead.
+    /// A role that carries one of `adopt` (a peer's marker for this same entry) is taken
+    /// over: marked as this handler's, with the new password. Any other role or database
+    /// of that name that this handler did not make is never touched: the entry is
+    /// refused instead.
     pub async fn ensure(
         &self,
         name: &str,
         marker: &str,
+        adopt: &[String],
         password: &str,
         connection_limit: i32,
-    ) -> Result<(), Failure> {
+    ) -> Result<Ensured, Failure> {
+        self.locked(
+            name,
+            self.ensure_now(name, marker, adopt, password, connection_limit),
+        )
+        .await
+    }
+
+    async fn ensure_now(
+        &self,
+        name: &str,
+        marker: &str,
+        adopt: &[String],
+        password: &str,
+        connection_limit: i32,
+    ) -> Result<Ensured, Failure> {
         let ident = ident(name)?;
         let role = self
             .client
@@ -241,13 +312,16 @@ impl Server {
             .await
             .map_err(|e| Failure::from_pg("reading the role", e))?
             .map(|r| r.get::<_, Option<String>>(0));
-        if let Some(comment) = &role {
-            if comment.as_deref() != Some(marker) {
+        let taken_over = match &role {
+            Some(Some(comment)) if comment == marker => false,
+            Some(Some(comment)) if adopt.contains(comment) => true,
+            Some(_) => {
                 return Err(Failure::Refused(format!(
                     "role {name} exists and was not made by fort for this entry"
                 )));
             }
-        }
+            None => false,
+        };
         let owner = self
             .client
             .query_opt(
@@ -304,6 +378,21 @@ impl Server {
             )
             .await?;
         }
+        if taken_over && owner.is_some() {
+            // Marked as this handler's before it gets a password: the peer, back again,
+            // then finds its marker gone and leaves the role and its data alone.
+            self.exec(
+                "taking the role over",
+                &format!("COMMENT ON ROLE {ident} IS {comment}; COMMENT ON DATABASE {ident} IS {comment}"),
+            )
+            .await?;
+        } else if taken_over {
+            self.exec(
+                "taking the role over",
+                &format!("COMMENT ON ROLE {ident} IS {comment}"),
+            )
+            .await?;
+        }
         let verifier = literal(&postgres_protocol::password::scram_sha_256(
             password.as_bytes(),
         ))?;
@@ -313,13 +402,23 @@ impl Server {
                 "ALTER ROLE {ident} WITH LOGIN PASSWORD {verifier} CONNECTION LIMIT {connection_limit}"
             ),
         )
-        .await
+        .await?;
+        Ok(if taken_over {
+            Ensured::TakenOver
+        } else {
+            Ensured::Ours
+        })
     }
 
     /// Releases role `name` if it still carries `marker`: `drop` drops its database (if
     /// the role owns it) and the role; otherwise the role loses `LOGIN` and its password
     /// and its sessions end, and the data stays.
     pub async fn release(&self, name: &str, marker: &str, drop: bool) -> Result<Released, Failure> {
+        self.locked(name, self.release_now(name, marker, drop))
+            .await
+    }
+
+    async fn release_now(&self, name: &str, marker: &str, drop: bool) -> Result<Released, Failure> {
         let ident = ident(name)?;
         let Some(row) = self
             .client
