@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use fort_core::sealed::{self, StateKey, CREDENTIAL_NAME};
+use fort_core::store::Resealed;
 
 use crate::config::Config;
+use crate::provider::sealing::SealedResponses;
 
 /// Where the key is to be read from: `state_key_file`, else systemd's credential, else
 /// nowhere (with the reason, for the log).
@@ -83,6 +85,21 @@ pub fn rotate(
     let mut dirs = vec![config.state_dir.clone()];
     dirs.extend(extra_dirs.iter().cloned());
     let (mut resealed, mut already) = (0usize, 0usize);
+    // The provider's cached responses, sealed inside a file that is otherwise plain.
+    let provider = config.state_dir.join(crate::provider::state::FILE);
+    let sealing = SealedResponses::sealing;
+    match fort_core::store::reseal(
+        &provider,
+        crate::provider::state::FIELD,
+        sealing(old.as_ref(), &provider),
+        Arc::new(SealedResponses::new(&new, &provider)),
+    )
+    .map_err(|e| e.to_string())?
+    {
+        Resealed::Resealed => resealed += 1,
+        Resealed::Already => already += 1,
+        Resealed::Plain | Resealed::Absent => {}
+    }
     for dir in &dirs {
         let files = sealed::sealed_files(dir)
             .map_err(|e| format!("cannot look for sealed files in {}: {e}", dir.display()))?;
