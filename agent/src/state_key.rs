@@ -1,6 +1,6 @@
-//! The state key (docs/at-rest.md): where the agent finds it, the check at start that
-//! every sealed file under the state directory opens with it, and `fort-agent state-key`
-//! (a new key; re-sealing everything with another).
+//! The state key (docs/at-rest.md): where the agent finds it, the check at start that it
+//! is private and that every sealed file under the state directory opens with it, and
+//! `fort-agent state-key` (a new key; re-sealing everything with another).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -41,7 +41,10 @@ pub fn source(config: &Config) -> Result<PathBuf, String> {
 /// the way on. `None` (logged) when there is no key.
 pub fn load_and_check(config: &Config) -> Result<Option<Arc<StateKey>>, String> {
     let key = match source(config) {
-        Ok(file) => Arc::new(StateKey::load(&file)?),
+        Ok(file) => {
+            check_private(&file)?;
+            Arc::new(StateKey::load(&file)?)
+        }
         Err(why) => {
             tracing::warn!(
                 "state is kept in plaintext: {why}. Secrets the handlers keep (CA and account keys, passwords, tokens) are readable from a copy of {}; see docs/at-rest.md",
@@ -55,6 +58,30 @@ pub fn load_and_check(config: &Config) -> Result<Option<Arc<StateKey>>, String> 
     let files = check(&config.state_dir, Some(&key))?;
     tracing::info!(key = key.id(), file = %key.source().display(), sealed_files = files, "state is sealed with the state key");
     Ok(Some(key))
+}
+
+/// A key file that others than its owner may read (or replace) gives away every sealed
+/// file, so the agent does not start with it. A systemd credential is exempt: systemd
+/// decrypts it into the unit's own `$CREDENTIALS_DIRECTORY` and decides its mode.
+fn check_private(file: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") {
+        if file.starts_with(Path::new(&dir)) {
+            return Ok(());
+        }
+    }
+    let shown = file.display();
+    let mode = std::fs::metadata(file)
+        .map_err(|e| format!("cannot read the state key {shown}: {e}"))?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "the state key {shown} has mode {mode:04o}: its group or others may read it, and whoever reads it opens every sealed file. The agent does not start with it: make it its owner's alone (`chmod 600 {shown}`), or give it as a systemd credential (LoadCredentialEncrypted=, read from $CREDENTIALS_DIRECTORY)"
+        ));
+    }
+    Ok(())
 }
 
 /// Opens every sealed file under `dir` with `key`; the number of them.

@@ -3,7 +3,7 @@
 //! consumer notices nothing; no file of the provider's state holds a response in the
 //! clear, in the snapshot or the logs; another key, no key and a changed response stop
 //! the start with the file and the way on; `fort-agent state-key rotate` moves it to a
-//! new key.
+//! new key. A key file others may read is refused, unless systemd's credentials hold it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -254,4 +254,45 @@ async fn another_key_no_key_and_a_changed_response_stop_the_start_and_rotate_mov
     f.start_host("p");
     assert!(satisfied(&f).await);
     assert_eq!(clear_copies(&f), Vec::<PathBuf>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_others_may_read_is_refused_unless_systemd_holds_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let (mut f, _) = fleet();
+    f.write_files();
+    let key = new_key(&f, "k");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    use_key(&mut f, Some(&key));
+    let why = refused(&mut f);
+    let shown = key.display();
+    assert!(
+        why.contains(&format!("the state key {shown} has mode 0644")),
+        "{why}"
+    );
+    assert!(why.contains(&format!("chmod 600 {shown}")), "{why}");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    f.start_host("p");
+    f.stop("p");
+
+    // The same key as systemd's credential: systemd decides its mode.
+    let creds = f.dir.path().join("credentials");
+    std::fs::create_dir(&creds).unwrap();
+    std::fs::copy(&key, creds.join("state-key")).unwrap();
+    std::fs::set_permissions(
+        creds.join("state-key"),
+        std::fs::Permissions::from_mode(0o440),
+    )
+    .unwrap();
+    use_key(&mut f, None);
+    f.host("p")
+        .spawn
+        .env
+        .push(("CREDENTIALS_DIRECTORY".into(), creds.display().to_string()));
+    f.start_host("p");
+    assert!(
+        log(&f).contains("state is sealed with the state key"),
+        "{}",
+        log(&f)
+    );
 }

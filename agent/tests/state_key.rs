@@ -120,6 +120,8 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
     // A key file that is not one.
     let bad = f.dir.path().join("bad");
     std::fs::write(&bad, "not a key").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o600)).unwrap();
     use_key(&mut f, Some(&bad));
     let why = refused(&mut f);
     assert!(why.contains("must be 32 bytes"), "{why}");
