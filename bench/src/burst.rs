@@ -45,8 +45,20 @@ pub struct BurstArgs {
     audit_off: bool,
     /// Run the burst twice, side by side in one run: first with every agent's audit
     /// trail off, then on; report each and their ratios.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "compare_sealed")]
     compare_audit: bool,
+    /// Run the burst twice, side by side in one run: first with the provider's state in
+    /// plaintext, then sealed with a state key (its cached responses, docs/at-rest.md);
+    /// report each and their ratios.
+    #[arg(long)]
+    compare_sealed: bool,
+}
+
+/// What one side of a comparison turns on.
+#[derive(Clone, Copy)]
+struct Setup {
+    audit: bool,
+    sealed: bool,
 }
 
 /// What one burst measured.
@@ -68,9 +80,28 @@ const CAP: &str = "burst";
 pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
     util::require_jq()?;
     if args.compare_audit {
-        return compare_audit(&args, json_out).await;
+        let off = Setup {
+            audit: false,
+            sealed: false,
+        };
+        return compare(&args, json_out, "audit", off, Setup { audit: true, ..off }).await;
     }
-    let m = measure(&args, !args.audit_off).await?;
+    if args.compare_sealed {
+        let plain = Setup {
+            audit: !args.audit_off,
+            sealed: false,
+        };
+        let sealed = Setup {
+            sealed: true,
+            ..plain
+        };
+        return compare(&args, json_out, "sealed", plain, sealed).await;
+    }
+    let setup = Setup {
+        audit: !args.audit_off,
+        sealed: false,
+    };
+    let m = measure(&args, setup).await?;
     let total = (args.consumers * args.needs) as u64;
     let mut r = Report::new("burst", json_out);
     r.line("consumers", args.consumers, args.consumers);
@@ -123,18 +154,24 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
     Ok(())
 }
 
-/// The same burst with every agent's audit trail off, then on, in one run: each side's
-/// time and CPU, and on/off as ratios.
-async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
-    let off = measure(args, false).await?;
-    let on = measure(args, true).await?;
+/// The same burst without `what` (every agent's audit trail, or the provider's state key),
+/// then with it, in one run: each side's time and CPU, and on/off as ratios.
+async fn compare(
+    args: &BurstArgs,
+    json_out: bool,
+    what: &str,
+    without: Setup,
+    with: Setup,
+) -> Result<()> {
+    let off = measure(args, without).await?;
+    let on = measure(args, with).await?;
     let total = (args.consumers * args.needs) as u64;
-    let mut r = Report::new("burst --compare-audit", json_out);
+    let mut r = Report::new(&format!("burst --compare-{what}"), json_out);
     r.line("consumers", args.consumers, args.consumers);
     r.batches(args.one_by_one);
     r.line("needs_total", total, total);
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
-    for (key, what, off_v, on_v) in [
+    for (key, measured, off_v, on_v) in [
         (
             "all_called_back_ms",
             "SIGHUP → every consumer satisfied",
@@ -150,36 +187,36 @@ async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
         ),
     ] {
         r.line(
-            &format!("{key}_audit_off"),
+            &format!("{key}_{what}_off"),
             ms(off_v),
-            format!("{:.0} ms ({what}, audit off)", ms(off_v)),
+            format!("{:.0} ms ({measured}, {what} off)", ms(off_v)),
         );
         r.line(
-            &format!("{key}_audit_on"),
+            &format!("{key}_{what}_on"),
             ms(on_v),
-            format!("{:.0} ms ({what}, audit on)", ms(on_v)),
+            format!("{:.0} ms ({measured}, {what} on)", ms(on_v)),
         );
         let x = ratio(on_v, off_v);
         r.line(&format!("{key}_ratio"), x, format!("{x:.3}× (on / off)"));
     }
     r.line(
-        "provider_peak_rss_kb_audit_off_on",
+        &format!("provider_peak_rss_kb_{what}_off_on"),
         json!([off.hwm, on.hwm]),
         format!("{} / {} KiB (VmHWM, off / on)", off.hwm, on.hwm),
     );
     r.target(
-        "audit on ≤ 1.15× off (time)",
+        &format!("{what} on ≤ 1.15× off (time)"),
         ratio(on.elapsed, off.elapsed) <= 1.15,
     );
     r.target(
-        "audit on ≤ 1.15× off (provider CPU)",
+        &format!("{what} on ≤ 1.15× off (provider CPU)"),
         ratio(on.cpu, off.cpu) <= 1.15,
     );
     r.finish();
     Ok(())
 }
 
-async fn measure(args: &BurstArgs, audit: bool) -> Result<Measured> {
+async fn measure(args: &BurstArgs, setup: Setup) -> Result<Measured> {
     let mut fleet = util::new_fleet();
     let handler = util::ok_handler(&fleet, None);
     let sink = fleet.script("sink", "cat >/dev/null");
@@ -199,7 +236,14 @@ async fn measure(args: &BurstArgs, audit: bool) -> Result<Measured> {
         if args.one_by_one {
             toml.push_str("batches = false\n");
         }
-        if !audit {
+        if setup.sealed && name == "forge" {
+            use std::os::unix::fs::PermissionsExt;
+            let key = fleet.dir.path().join("state-key");
+            std::fs::write(&key, fort_core::sealed::StateKey::generate_hex().as_bytes())?;
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+            toml.insert_str(0, &format!("state_key_file = \"{}\"\n", key.display()));
+        }
+        if !setup.audit {
             toml.push_str("[audit]\nenable = false\n");
         }
         fleet.host(&name).extra_toml = toml;
