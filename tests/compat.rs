@@ -409,6 +409,59 @@ async fn the_lane_catches_a_state_the_previous_release_cannot_read() {
     );
 }
 
+/// Sealed provider state (snapshot version 3, written only with a state key,
+/// docs/at-rest.md) is a format the previous release cannot read: it refuses it by name
+/// and changes nothing, and the tree with its key goes on with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_previous_release_refuses_sealed_provider_state_by_name_and_loses_nothing() {
+    let test = "the_previous_release_refuses_sealed_provider_state_by_name_and_loses_nothing";
+    let Some(old) = previous(test) else {
+        return;
+    };
+    let (mut f, _) = settled_tree_fleet().await;
+    let key = f.dir.path().join("state-key");
+    let made = std::process::Command::new(fort_tests::bin("fort-agent"))
+        .args(["state-key", "new"])
+        .arg(&key)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    let without_key = f.host("p").extra_toml.clone();
+    let with_key = format!("state_key_file = \"{}\"\n{without_key}", key.display());
+    f.host("p").extra_toml = with_key.clone();
+    f.write_files();
+    f.start_host("p");
+    stop(&mut f, "p");
+    assert_eq!(snapshot(&f, "p", "provider-state.json")["version"], 3);
+    let state_dir = f.host_dir("p").join("state");
+    let files = || -> Vec<(PathBuf, Vec<u8>)> {
+        fort_tests::files_under(&state_dir)
+            .into_iter()
+            .filter(|p| p.to_string_lossy().contains("provider-state"))
+            .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
+            .collect()
+    };
+    let before = files();
+    // A rollback brings back the previous generation's agent.toml, which has no key.
+    f.host("p").extra_toml = without_key;
+    f.write_files();
+    let refused = previous_release_starts(&mut f, "p", &old)
+        .expect_err("the previous release must refuse sealed provider state");
+    for part in [
+        "provider-state.json: version: format version 3; this release reads versions [1, 2]",
+        &format!("written by fort {}", fort_core::compat::RELEASE),
+    ] {
+        assert!(refused.contains(part), "{part:?} not in:\n{refused}");
+    }
+    assert_eq!(files(), before, "nothing changed");
+    f.host("p").extra_toml = with_key;
+    f.write_files();
+    f.start_host("p");
+    f.start_host("c");
+    assert!(satisfied(&f, "c", "cred/x").await);
+    assert_eq!(f.entries("p"), ["c:cred/x", "c:cred/y"]);
+}
+
 /// More than one release back is outside what may be mixed: the first build of 0.1.0 (3829ed3)
 /// refuses the need state of 3833b22 and later (`seq` and more), naming file and field,
 /// and does not start. The ways on the README gives work: the tree's `set-aside` moves the

@@ -10,7 +10,7 @@ use arc_swap::ArcSwap;
 use fort_core::client::{ClientOptions, SignedClient};
 use fort_core::schema::Mode;
 use fort_core::sign::Signer;
-use fort_core::store::Store;
+use fort_core::store::{Sealing, Store};
 use fort_core::wire::unix_now;
 use fort_fulfill::{FulfillOptions, Fulfiller};
 use tokio::sync::Semaphore;
@@ -98,7 +98,9 @@ pub struct StateRefused {
 impl StateRefused {
     fn new(error: fort_core::store::LoadError, config: &Config, file: &str) -> StateRefused {
         let cfg = config.config_file.display();
-        let advice = if error.recoverable() {
+        let advice = if let fort_core::store::LoadError::Sealed(_) = &error {
+            format!(" To move it aside: `fort-agent set-aside --config {cfg} {file}`")
+        } else if error.recoverable() {
             format!(
                 " To go on: run the release that wrote it again; or start once with `fort-agent serve --recover --config {cfg}`, which moves the file aside (under {dir}/set-aside/) and keeps every record this release can read; or move it aside and start without it: `fort-agent set-aside --config {cfg} {file}`",
                 dir = config.state_dir.display()
@@ -116,12 +118,13 @@ fn open_state<V>(
     path: &std::path::Path,
     field: &'static str,
     config: &Config,
+    sealing: Sealing<V>,
 ) -> Result<Store<V>, StartError>
 where
     V: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + Sync + 'static,
 {
     let file = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
-    let (store, recovery) = Store::open_with(path, field, config.recover)
+    let (store, recovery) = Store::open_with(path, field, config.recover, sealing)
         .map_err(|e| StateRefused::new(e, config, file))?;
     if let Some(r) = recovery {
         tracing::warn!(
@@ -287,9 +290,12 @@ impl App {
             (path.clone(), field)
         };
         let (path, field) = open_store(crate::provider::state::FILE, crate::provider::state::FIELD);
-        let provider_store = open_state(&path, field, &config)?;
+        // Its cached responses are sealed with the state key (docs/at-rest.md).
+        let sealing =
+            crate::provider::sealing::SealedResponses::sealing(state_key.as_deref(), &path);
+        let provider_store = open_state(&path, field, &config, sealing)?;
         let (path, field) = open_store(fort_fulfill::state::FILE, fort_fulfill::state::FIELD);
-        let fulfill_store = open_state(&path, field, &config)?;
+        let fulfill_store = open_state(&path, field, &config, Sealing::Never)?;
         let flush_stop = CancellationToken::new();
         tasks.spawn(provider_store.clone().run_flusher(flush_stop.clone()));
         tasks.spawn(fulfill_store.clone().run_flusher(flush_stop.clone()));

@@ -1,13 +1,15 @@
-//! The state key (docs/at-rest.md): where the agent finds it, the check at start that
-//! every sealed file under the state directory opens with it, and `fort-agent state-key`
-//! (a new key; re-sealing everything with another).
+//! The state key (docs/at-rest.md): where the agent finds it, the check at start that it
+//! is private and that every sealed file under the state directory opens with it, and
+//! `fort-agent state-key` (a new key; re-sealing everything with another).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use fort_core::sealed::{self, StateKey, CREDENTIAL_NAME};
+use fort_core::store::Resealed;
 
 use crate::config::Config;
+use crate::provider::sealing::SealedResponses;
 
 /// Where the key is to be read from: `state_key_file`, else systemd's credential, else
 /// nowhere (with the reason, for the log).
@@ -39,7 +41,10 @@ pub fn source(config: &Config) -> Result<PathBuf, String> {
 /// the way on. `None` (logged) when there is no key.
 pub fn load_and_check(config: &Config) -> Result<Option<Arc<StateKey>>, String> {
     let key = match source(config) {
-        Ok(file) => Arc::new(StateKey::load(&file)?),
+        Ok(file) => {
+            check_private(&file)?;
+            Arc::new(StateKey::load(&file)?)
+        }
         Err(why) => {
             tracing::warn!(
                 "state is kept in plaintext: {why}. Secrets the handlers keep (CA and account keys, passwords, tokens) are readable from a copy of {}; see docs/at-rest.md",
@@ -53,6 +58,30 @@ pub fn load_and_check(config: &Config) -> Result<Option<Arc<StateKey>>, String> 
     let files = check(&config.state_dir, Some(&key))?;
     tracing::info!(key = key.id(), file = %key.source().display(), sealed_files = files, "state is sealed with the state key");
     Ok(Some(key))
+}
+
+/// A key file that others than its owner may read (or replace) gives away every sealed
+/// file, so the agent does not start with it. A systemd credential is exempt: systemd
+/// decrypts it into the unit's own `$CREDENTIALS_DIRECTORY` and decides its mode.
+fn check_private(file: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") {
+        if file.starts_with(Path::new(&dir)) {
+            return Ok(());
+        }
+    }
+    let shown = file.display();
+    let mode = std::fs::metadata(file)
+        .map_err(|e| format!("cannot read the state key {shown}: {e}"))?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "the state key {shown} has mode {mode:04o}: its group or others may read it, and whoever reads it opens every sealed file. The agent does not start with it: make it its owner's alone (`chmod 600 {shown}`), or give it as a systemd credential (LoadCredentialEncrypted=, read from $CREDENTIALS_DIRECTORY)"
+        ));
+    }
+    Ok(())
 }
 
 /// Opens every sealed file under `dir` with `key`; the number of them.
@@ -83,6 +112,21 @@ pub fn rotate(
     let mut dirs = vec![config.state_dir.clone()];
     dirs.extend(extra_dirs.iter().cloned());
     let (mut resealed, mut already) = (0usize, 0usize);
+    // The provider's cached responses, sealed inside a file that is otherwise plain.
+    let provider = config.state_dir.join(crate::provider::state::FILE);
+    let sealing = SealedResponses::sealing;
+    match fort_core::store::reseal(
+        &provider,
+        crate::provider::state::FIELD,
+        sealing(old.as_ref(), &provider),
+        Arc::new(SealedResponses::new(&new, &provider)),
+    )
+    .map_err(|e| e.to_string())?
+    {
+        Resealed::Resealed => resealed += 1,
+        Resealed::Already => already += 1,
+        Resealed::Plain | Resealed::Absent => {}
+    }
     for dir in &dirs {
         let files = sealed::sealed_files(dir)
             .map_err(|e| format!("cannot look for sealed files in {}: {e}", dir.display()))?;

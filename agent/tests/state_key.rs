@@ -120,6 +120,8 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
     // A key file that is not one.
     let bad = f.dir.path().join("bad");
     std::fs::write(&bad, "not a key").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o600)).unwrap();
     use_key(&mut f, Some(&bad));
     let why = refused(&mut f);
     assert!(why.contains("must be 32 bytes"), "{why}");
@@ -137,14 +139,16 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
             .output()
             .unwrap()
     };
-    // The CA key and whatever state the handler keeps beside it.
+    // The CA key and whatever state the handler keeps beside it, and the provider's
+    // cached responses (sealed inside provider-state.json, which is otherwise plain).
     let files = fort_core::sealed::sealed_files(&f.host_dir("forge").join("state")).unwrap();
     assert!(files.contains(&ca_key), "{files:?}");
+    let sealed_count = files.len() + 1;
     let out = rotate(&k1, &k2);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(
-        text.contains(&format!("sealed {} file(s)", files.len())),
+        text.contains(&format!("sealed {sealed_count} file(s)")),
         "{text}"
     );
     // Again: nothing left to do, and nothing done twice.
@@ -152,7 +156,7 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("sealed 0 file(s) with the state key")
-            && text.contains(&format!("({} already were)", files.len())),
+            && text.contains(&format!("({sealed_count} already were)")),
         "{text}"
     );
     use_key(&mut f, Some(&k2));

@@ -46,11 +46,23 @@ pub struct BurstArgs {
     audit_off: bool,
     /// Run the burst with every agent's audit trail on and with it off, side by side in
     /// one run (alternating rounds); report each side's median and the ratios.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "compare_sealed")]
     compare_audit: bool,
-    /// Rounds of --compare-audit: each is one burst with the trail on and one with it off.
+    /// Run the burst with the provider's state sealed with a state key (its cached
+    /// responses, docs/at-rest.md) and in plaintext, side by side in one run
+    /// (alternating rounds); report each side's median and the ratios.
+    #[arg(long)]
+    compare_sealed: bool,
+    /// Rounds of --compare-audit and --compare-sealed: each is one burst of either kind.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+}
+
+/// What one side of a comparison turns on.
+#[derive(Clone, Copy)]
+struct Setup {
+    audit: bool,
+    sealed: bool,
 }
 
 /// What one burst measured.
@@ -72,9 +84,28 @@ const CAP: &str = "burst";
 pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
     util::require_jq()?;
     if args.compare_audit {
-        return compare_audit(&args, json_out).await;
+        let off = Setup {
+            audit: false,
+            sealed: false,
+        };
+        return compare(&args, json_out, "audit", off, Setup { audit: true, ..off }).await;
     }
-    let m = measure(&args, !args.audit_off).await?;
+    if args.compare_sealed {
+        let plain = Setup {
+            audit: !args.audit_off,
+            sealed: false,
+        };
+        let sealed = Setup {
+            sealed: true,
+            ..plain
+        };
+        return compare(&args, json_out, "sealed", plain, sealed).await;
+    }
+    let setup = Setup {
+        audit: !args.audit_off,
+        sealed: false,
+    };
+    let m = measure(&args, setup).await?;
     let total = (args.consumers * args.needs) as u64;
     let mut r = Report::new("burst", json_out);
     r.line("consumers", args.consumers, args.consumers);
@@ -130,13 +161,22 @@ pub async fn run(args: BurstArgs, json_out: bool) -> Result<()> {
 /// One figure of a burst.
 type Pick = fn(&Measured) -> Duration;
 
-/// The same burst with every agent's audit trail on and off, side by side in one run
-/// (alternating rounds, see [`paired`]): each side's median, and on/off as the median of
-/// the rounds' ratios.
-async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
-    let pairs = paired::rounds(args.rounds, |side| measure(args, side == Side::A)).await?;
+/// The same burst with `what` (every agent's audit trail, or the provider's state key)
+/// and without it, side by side in one run (alternating rounds, see [`paired`]): each
+/// side's median, and on/off as the median of the rounds' ratios.
+async fn compare(
+    args: &BurstArgs,
+    json_out: bool,
+    what: &str,
+    without: Setup,
+    with: Setup,
+) -> Result<()> {
+    let pairs = paired::rounds(args.rounds, |side| {
+        measure(args, if side == Side::A { with } else { without })
+    })
+    .await?;
     let total = (args.consumers * args.needs) as u64;
-    let mut r = Report::new("burst --compare-audit", json_out);
+    let mut r = Report::new(&format!("burst --compare-{what}"), json_out);
     r.line("consumers", args.consumers, args.consumers);
     r.batches(args.one_by_one);
     r.line("needs_total", total, total);
@@ -158,7 +198,7 @@ async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
         }),
     ];
     let mut medians = Vec::new();
-    for (key, what, f) in metrics {
+    for (key, measured, f) in metrics {
         for (side, pick) in [("on", 0), ("off", 1)] {
             let v = paired::median(
                 pairs
@@ -167,9 +207,9 @@ async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
                     .collect(),
             );
             r.line(
-                &format!("{key}_audit_{side}"),
+                &format!("{key}_{what}_{side}"),
                 v.round(),
-                format!("{v:.0} ms ({what}, audit {side}, median)"),
+                format!("{v:.0} ms ({measured}, {what} {side}, median)"),
             );
         }
         let (each, x) = paired::ratios(&pairs, |m| secs(f(m)));
@@ -181,20 +221,23 @@ async fn compare_audit(args: &BurstArgs, json_out: bool) -> Result<()> {
         medians.push(x);
     }
     r.line(
-        "provider_peak_rss_kb_audit_on_off",
+        &format!("provider_peak_rss_kb_{what}_on_off"),
         json!([pairs[0].0.hwm, pairs[0].1.hwm]),
         format!(
             "{} / {} KiB (VmHWM, on / off, first round)",
             pairs[0].0.hwm, pairs[0].1.hwm
         ),
     );
-    r.target("audit on ≤ 1.15× off (time)", medians[0] <= 1.15);
-    r.target("audit on ≤ 1.15× off (provider CPU)", medians[1] <= 1.15);
+    r.target(&format!("{what} on ≤ 1.15× off (time)"), medians[0] <= 1.15);
+    r.target(
+        &format!("{what} on ≤ 1.15× off (provider CPU)"),
+        medians[1] <= 1.15,
+    );
     r.finish();
     Ok(())
 }
 
-async fn measure(args: &BurstArgs, audit: bool) -> Result<Measured> {
+async fn measure(args: &BurstArgs, setup: Setup) -> Result<Measured> {
     let mut fleet = util::new_fleet();
     let handler = util::ok_handler(&fleet, None);
     let sink = fleet.script("sink", "cat >/dev/null");
@@ -214,7 +257,14 @@ async fn measure(args: &BurstArgs, audit: bool) -> Result<Measured> {
         if args.one_by_one {
             toml.push_str("batches = false\n");
         }
-        if !audit {
+        if setup.sealed && name == "forge" {
+            use std::os::unix::fs::PermissionsExt;
+            let key = fleet.dir.path().join("state-key");
+            std::fs::write(&key, fort_core::sealed::StateKey::generate_hex().as_bytes())?;
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+            toml.insert_str(0, &format!("state_key_file = \"{}\"\n", key.display()));
+        }
+        if !setup.audit {
             toml.push_str("[audit]\nenable = false\n");
         }
         fleet.host(&name).extra_toml = toml;

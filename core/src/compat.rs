@@ -71,7 +71,7 @@ pub const FORMATS: &[Format] = &[
     Format {
         file: "fulfillment-state.json",
         writes: crate::store::SNAPSHOT_VERSION,
-        reads: &crate::store::SNAPSHOT_READS,
+        reads: &crate::store::PLAIN_SNAPSHOT_READS,
     },
     Format {
         file: "nonces.log",

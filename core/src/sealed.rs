@@ -206,6 +206,101 @@ impl StateKey {
     }
 }
 
+/// The label of a value sealed alone inside a file that is otherwise plain (a provider
+/// entry's cached response, docs/at-rest.md).
+pub const VALUE_FORMAT: &str = "fort-sealed-value-1";
+
+/// Seals and opens values inside one file, each bound to that file and to what it belongs
+/// to there (its `context`: an entry's key and hash), so that a sealed value copied to
+/// another entry, or another file, does not open. Made once per file: the file's part of
+/// the associated data and the cipher's key schedule are computed once, not per value.
+pub struct ValueSealer {
+    cipher: XChaCha20Poly1305,
+    aad_prefix: Vec<u8>,
+    key_id: String,
+}
+
+impl StateKey {
+    /// A [`ValueSealer`] for values inside the file at `path`.
+    pub fn value_sealer(&self, path: &Path) -> ValueSealer {
+        use std::os::unix::ffi::OsStrExt;
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+        let mut aad_prefix = Vec::new();
+        aad_prefix.extend_from_slice(VALUE_FORMAT.as_bytes());
+        aad_prefix.push(0);
+        push_part(&mut aad_prefix, abs.as_os_str().as_bytes());
+        ValueSealer {
+            cipher: XChaCha20Poly1305::new(self.key.as_slice().into()),
+            aad_prefix,
+            key_id: self.id.clone(),
+        }
+    }
+}
+
+/// Appends one length-prefixed part: no choice of parts can make two contexts' bytes equal.
+fn push_part(out: &mut Vec<u8>, part: &[u8]) {
+    out.extend_from_slice(&(part.len() as u64).to_be_bytes());
+    out.extend_from_slice(part);
+}
+
+impl ValueSealer {
+    /// The id of the key it seals with.
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    fn aad(&self, context: &[&str]) -> Vec<u8> {
+        let mut aad = self.aad_prefix.clone();
+        for part in context {
+            push_part(&mut aad, part.as_bytes());
+        }
+        aad
+    }
+
+    /// `plain` sealed for `context`: base64 of a random 192-bit nonce and the ciphertext.
+    pub fn seal(&self, context: &[&str], plain: &[u8]) -> String {
+        let nonce = XChaCha20Poly1305::generate_nonce(&mut OsRng);
+        let aad = self.aad(context);
+        let data = self
+            .cipher
+            .encrypt(
+                &nonce,
+                Payload {
+                    msg: plain,
+                    aad: &aad,
+                },
+            )
+            .expect("XChaCha20-Poly1305 seals any length a value can have");
+        let mut out = Vec::with_capacity(nonce.len() + data.len());
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&data);
+        base64::engine::general_purpose::STANDARD.encode(out)
+    }
+
+    /// The plain bytes of `sealed`, if it was sealed with this key for this file and
+    /// `context` and nothing of it changed.
+    pub fn open(&self, context: &[&str], sealed: &str) -> Option<Zeroizing<Vec<u8>>> {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(sealed)
+            .ok()?;
+        if bytes.len() < 24 {
+            return None;
+        }
+        let (nonce, data) = bytes.split_at(24);
+        let aad = self.aad(context);
+        self.cipher
+            .decrypt(
+                XNonce::from_slice(nonce),
+                Payload {
+                    msg: data,
+                    aad: &aad,
+                },
+            )
+            .ok()
+            .map(Zeroizing::new)
+    }
+}
+
 /// `fort-sealed-1\0` and the file's absolute path: a sealed file only opens where it was
 /// written, under the format it was written in.
 fn associated_data(path: &Path) -> Vec<u8> {
@@ -410,6 +505,24 @@ mod tests {
         // A plain file reads as it is, and says so.
         std::fs::write(&path, secret).unwrap();
         assert!(read(&path, Some(&k)).unwrap().unwrap().was_plain);
+    }
+
+    #[test]
+    fn values_open_only_where_they_were_sealed() {
+        let k = key(1);
+        let here = k.value_sealer(Path::new("/state/provider-state.json"));
+        let sealed = here.seal(&["app:oidc/wiki", "5b0c"], b"{\"secret\":\"s3cr3t\"}");
+        assert!(!sealed.contains("s3cr3t"));
+        let back = here.open(&["app:oidc/wiki", "5b0c"], &sealed).unwrap();
+        assert_eq!(&back[..], b"{\"secret\":\"s3cr3t\"}");
+        // Another entry, another hash, another file, another key: none opens it.
+        assert!(here.open(&["app:oidc/wik", "i5b0c"], &sealed).is_none());
+        assert!(here.open(&["app:oidc/wiki", "5b0d"], &sealed).is_none());
+        let there = k.value_sealer(Path::new("/state/other.json"));
+        assert!(there.open(&["app:oidc/wiki", "5b0c"], &sealed).is_none());
+        let other = key(2).value_sealer(Path::new("/state/provider-state.json"));
+        assert!(other.open(&["app:oidc/wiki", "5b0c"], &sealed).is_none());
+        assert!(here.open(&["app:oidc/wiki", "5b0c"], "AAAA").is_none());
     }
 
     #[test]

@@ -34,7 +34,16 @@ struct Run {
 }
 
 fn run(config: &Path, input: &Value) -> Run {
-    let mut child = Command::new(fort_tests::bin("fort-handler"))
+    run_keyed(config, input, None)
+}
+
+/// [`run`] with the state key `key` (`FORT_STATE_KEY_FILE`): the state sealed.
+fn run_keyed(config: &Path, input: &Value, key: Option<&Path>) -> Run {
+    let mut command = Command::new(fort_tests::bin("fort-handler"));
+    if let Some(k) = key {
+        command.env(fort_core::sealed::KEY_FILE_ENV, k);
+    }
+    let mut child = command
         .args(["acme", "--config"])
         .arg(config)
         .env("FORT_TRIGGER", "request")
@@ -65,13 +74,24 @@ fn issue(
     previous: Option<&Value>,
     renew: bool,
 ) -> (Value, Vec<Run>) {
+    issue_keyed(config, request, previous, renew, None)
+}
+
+/// [`issue`] with the state key `key`.
+fn issue_keyed(
+    config: &Path,
+    request: &Value,
+    previous: Option<&Value>,
+    renew: bool,
+    key: Option<&Path>,
+) -> (Value, Vec<Run>) {
     let mut runs = Vec::new();
     for _ in 0..40 {
         let mut entry = json!({"request": request, "response": previous});
         if renew {
             entry["renew"] = json!(true);
         }
-        let r = run(config, &json!({ KEY: entry }));
+        let r = run_keyed(config, &json!({ KEY: entry }), key);
         assert!(r.ok, "the run failed: {}", r.stderr);
         let answer = r.out[KEY].clone();
         if answer.get("certificate").is_some() {
@@ -718,4 +738,97 @@ fn acme_a_callers_failing_orders_cannot_spend_the_accounts_orders() {
         web_response["certificate"].is_string(),
         "web was not served"
     );
+}
+
+/// With a state key (docs/at-rest.md): no file the handler keeps holds the ACME account
+/// key; a second run over the sealed state keeps the certificate without a request to the
+/// CA; a changed state file fails the run before any request, and the file stays.
+#[test]
+fn acme_sealed_state_holds_no_account_key_and_a_changed_file_is_refused() {
+    const T: &str = "acme_sealed_state_holds_no_account_key_and_a_changed_file_is_refused";
+    let Some(Ca {
+        dns: _dns,
+        pebble,
+        web,
+    }) = Ca::start(T, "app IN A 127.0.0.1\n", None)
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state/acme.json");
+    let key_file = fort_tests::state_key_file(&dir.path().join("state-key"));
+    let config_for = |directory: &str| {
+        write_config(
+            dir.path(),
+            json!({"directory": directory, "ca_root": pebble.tls_root,
+                   "allow": {"app": ["app.example.test"]},
+                   "http01": {"webroot": web.path()}, "rerun_seconds": 1, "state": state}),
+        )
+    };
+    let config = config_for(&pebble.directory);
+    let names = ["app.example.test"];
+    let (key, csr_pem) = csr(&names);
+    let request = json!({"csr": csr_pem});
+    let (first, _) = issue_keyed(&config, &request, None, false, Some(&key_file));
+    assert_issued(&first, &pebble.root(), &key, &names);
+
+    // The account key, as the handler keeps it (opened with the state key): in no file.
+    let opened = fort_core::sealed::read(
+        &state,
+        Some(&fort_core::sealed::StateKey::load(&key_file).unwrap()),
+    )
+    .unwrap()
+    .unwrap();
+    assert!(!opened.was_plain);
+    let doc: Value = serde_json::from_slice(&opened.plain).unwrap();
+    let credentials = doc["state"]["account"]["credentials"].as_object().unwrap();
+    let account_key = credentials
+        .iter()
+        .find(|(k, v)| k.contains("key") && v.is_string())
+        .map(|(_, v)| v.as_str().unwrap().to_owned())
+        .unwrap_or_else(|| panic!("no account key in {credentials:?}"));
+    assert!(account_key.len() > 40);
+    for secret in [account_key.as_bytes(), b"PRIVATE KEY"] {
+        assert_eq!(
+            fort_tests::files_holding(&dir.path().join("state"), secret),
+            Vec::<PathBuf>::new(),
+            "the account key is readable from a copy of the state"
+        );
+    }
+
+    // Over the sealed state, with the directory where nothing listens (any request to
+    // the CA would fail the run): the certificate is kept.
+    let dead = config_for("https://127.0.0.1:9/dir");
+    let entry = json!({ KEY: {"request": request, "response": first} });
+    let again = run_keyed(&dead, &entry, Some(&key_file));
+    assert!(again.ok, "{}", again.stderr);
+    assert_eq!(again.out[KEY], first);
+
+    // A changed state file: the run fails naming it, before any request to the CA.
+    fort_tests::change_sealed_member(&state, "data");
+    let changed = std::fs::read(&state).unwrap();
+    let config = config_for(&pebble.directory);
+    let fetched = web.access_log();
+    let refused = run_keyed(
+        &config,
+        &json!({ KEY: {"request": request}}),
+        Some(&key_file),
+    );
+    assert!(
+        !refused.ok,
+        "a run on a changed state file succeeded: {}",
+        refused.out
+    );
+    assert!(
+        refused
+            .stderr
+            .contains("authentication of the sealed contents failed")
+            && refused.stderr.contains(&state.display().to_string()),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(std::fs::read(&state).unwrap(), changed, "the file stays");
+    // Nor did an order reach the CA: pebble validates one by fetching from the webroot.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(web.access_log(), fetched, "the CA was asked for something");
 }

@@ -26,6 +26,8 @@ struct Setup {
     op: OidcProvider,
     dir: tempfile::TempDir,
     config: PathBuf,
+    /// The state key the runs get (`FORT_STATE_KEY_FILE`); none: plaintext state.
+    state_key: Option<PathBuf>,
 }
 
 impl Setup {
@@ -52,23 +54,34 @@ impl Setup {
             op,
             dir,
             config: path,
+            state_key: None,
         }
     }
 
+    fn state_file(&self) -> PathBuf {
+        self.dir.path().join("state/oidc.json")
+    }
+
+    /// The handler's state, opened with the state key when the runs get one.
     fn state(&self) -> Value {
-        let text = std::fs::read_to_string(self.dir.path().join("state/oidc.json")).unwrap();
-        serde_json::from_str(&text).unwrap()
+        let key = self
+            .state_key
+            .as_ref()
+            .map(|k| fort_core::sealed::StateKey::load(k).unwrap());
+        let read = fort_core::sealed::read(&self.state_file(), key.as_ref())
+            .unwrap()
+            .unwrap();
+        serde_json::from_slice(&read.plain).unwrap()
     }
 
     /// One handler run as the agent makes it: (exit ok, stdout as JSON, stderr).
     fn run(&self, input: &Value) -> (bool, Value, String) {
-        fort_tests::run_handler(
-            "oidc",
-            &self.config,
-            "request",
-            &[("FORT_HOST", "id")],
-            input,
-        )
+        let key = self.state_key.as_ref().map(|k| k.display().to_string());
+        let mut env = vec![("FORT_HOST", "id")];
+        if let Some(k) = &key {
+            env.push((fort_core::sealed::KEY_FILE_ENV, k));
+        }
+        fort_tests::run_handler("oidc", &self.config, "request", &env, input)
     }
 
     /// A run that must succeed; it must not log a secret or a token.
@@ -411,4 +424,61 @@ fn a_wrong_initial_access_token_fails_the_run_without_showing_it() {
         .unwrap();
     assert!(!check.status.success());
     assert!(String::from_utf8_lossy(&check.stderr).contains("/nonexistent/token"));
+}
+
+/// With a state key (docs/at-rest.md) the handler's state is sealed: no file it keeps
+/// holds a client secret or a registration access token; a second run over the sealed
+/// state keeps the client (it still authenticates, nothing is registered again); a
+/// changed file is refused and the provider's clients stay as they were.
+#[test]
+fn sealed_state_holds_no_secret_keeps_the_client_and_a_changed_file_touches_nothing() {
+    let test = "sealed_state_holds_no_secret_keeps_the_client_and_a_changed_file_touches_nothing";
+    let Some(op) = provider(test) else {
+        return;
+    };
+    let mut s = Setup::new(op, json!({}));
+    s.state_key = Some(fort_tests::state_key_file(&s.dir.path().join("state-key")));
+    let want = [("app:oidc/ci", ci(0))];
+    let first = s.ok(&input(&want, &Value::Null));
+    let cred = &first["app:oidc/ci"];
+    assert!(s.gets_token(cred));
+    let reg = s.state()["state"]["clients"]["app:oidc/ci"]["registration"].clone();
+    let (uri, token) = (
+        reg["registration_client_uri"].as_str().unwrap().to_owned(),
+        reg["registration_access_token"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+    );
+    let state_dir = s.dir.path().join("state");
+    assert!(fort_core::sealed::is_sealed(
+        &std::fs::read(s.state_file()).unwrap()
+    ));
+    for secret in [cred["client_secret"].as_str().unwrap(), &token] {
+        assert_eq!(
+            fort_tests::files_holding(&state_dir, secret.as_bytes()),
+            Vec::<PathBuf>::new(),
+            "a secret is readable from a copy of the state"
+        );
+    }
+
+    // Over the sealed state: the same client, still authenticating, still managed.
+    let again = s.ok(&input(&want, &first));
+    assert_eq!(again, first, "no new client, no rotation");
+    assert!(s.gets_token(cred));
+    assert_eq!(s.manage(reqwest::Method::GET, &uri, &token).0, 200);
+
+    // A changed state file: the run fails naming it; at the provider nothing changed.
+    fort_tests::change_sealed_member(&s.state_file(), "data");
+    let (ok, out, err) = s.run(&input(&want, &Value::Null));
+    assert!(!ok, "a run on a changed state file succeeded: {out}");
+    assert!(
+        err.contains("authentication of the sealed contents failed")
+            && err.contains(&s.state_file().display().to_string()),
+        "{err}"
+    );
+    assert!(s.gets_token(cred), "the client lost its secret");
+    let (status, held) = s.manage(reqwest::Method::GET, &uri, &token);
+    assert_eq!(status, 200, "{held}");
+    assert_eq!(held["client_id"], cred["client_id"]);
 }

@@ -503,3 +503,64 @@ fn a_caller_holding_locks_on_its_own_roles_holds_back_no_other_caller() {
     }
     drop(sessions);
 }
+
+/// With a state key (docs/at-rest.md) the handler's state is sealed: no file it keeps
+/// holds the password it handed out; a second run over the sealed state keeps the
+/// credential (no rotation, the login works); a changed file is refused before anything
+/// at the server changes.
+#[test]
+fn sealed_state_holds_no_password_keeps_the_login_and_a_changed_file_touches_nothing() {
+    let test = "sealed_state_holds_no_password_keeps_the_login_and_a_changed_file_touches_nothing";
+    let Some(pg) = server(test) else {
+        return;
+    };
+    let mut s = Setup::new(pg, json!({}));
+    s.state_key = Some(fort_tests::state_key_file(&s.dir.path().join("state-key")));
+    let want = [("app:postgres/wiki", json!({}))];
+    let first = s.ok("request", &input(&want, &Value::Null));
+    let cred = &first["app:postgres/wiki"];
+    let password = cred["password"].as_str().unwrap();
+    login(
+        &s,
+        cred,
+        "CREATE TABLE notes (t text); INSERT INTO notes VALUES ('kept')",
+    )
+    .unwrap();
+    let state_dir = s.dir.path().join("state");
+    assert!(fort_core::sealed::is_sealed(
+        &std::fs::read(s.state_file()).unwrap()
+    ));
+    assert_eq!(
+        fort_tests::files_holding(&state_dir, password.as_bytes()),
+        Vec::<std::path::PathBuf>::new(),
+        "the password is readable from a copy of the state"
+    );
+
+    // Over the sealed state: the same credential, and it still logs in.
+    let verifier = || s.sql("SELECT rolpassword FROM pg_authid WHERE rolname = 'fort_app_wiki'");
+    let before = verifier();
+    let again = s.ok("request", &input(&want, &first));
+    assert_eq!(again, first, "no rotation");
+    assert_eq!(verifier(), before);
+    assert_eq!(login(&s, cred, "SELECT t FROM notes").unwrap(), "kept");
+
+    // A changed state file: the run fails naming it, and the server is as it was. (The
+    // run has no cached response: read, it would have rotated the password.)
+    fort_tests::change_sealed_member(&s.state_file(), "data");
+    let changed = std::fs::read(s.state_file()).unwrap();
+    let (ok, out, err) = s.run("manual", &input(&want, &Value::Null));
+    assert!(!ok, "a run on a changed state file succeeded: {out}");
+    assert!(
+        err.contains("authentication of the sealed contents failed")
+            && err.contains(&s.state_file().display().to_string()),
+        "{err}"
+    );
+    assert_eq!(verifier(), before, "the server was changed");
+    assert_eq!(s.roles("fort_app"), ["fort_app_wiki"]);
+    assert_eq!(login(&s, cred, "SELECT t FROM notes").unwrap(), "kept");
+    assert_eq!(
+        std::fs::read(s.state_file()).unwrap(),
+        changed,
+        "the file stays"
+    );
+}

@@ -928,6 +928,33 @@ pub fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
+/// Every file below `dir` that holds `needle`: a secret a copy of the disk would give away.
+pub fn files_holding(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
+    files_under(dir)
+        .into_iter()
+        .filter(|p| std::fs::read(p).is_ok_and(|b| contains_bytes(&b, needle)))
+        .collect()
+}
+
+/// A new state key (docs/at-rest.md) in the file `path`, mode 0600.
+pub fn state_key_file(path: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, fort_core::sealed::StateKey::generate_hex().as_bytes())
+        .expect("write the state key");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    path.to_owned()
+}
+
+/// `path`'s contents with one character of its sealed `member` changed: what a sealed
+/// file looks like after a bit flipped on disk.
+pub fn change_sealed_member(path: &Path, member: &str) {
+    let text = std::fs::read_to_string(path).expect("a sealed file");
+    let marker = format!("\"{member}\":\"");
+    let at = text.find(&marker).expect("the member") + marker.len();
+    let flipped = if &text[at..at + 1] == "A" { "B" } else { "A" };
+    std::fs::write(path, format!("{}{flipped}{}", &text[..at], &text[at + 1..])).expect("write");
+}
+
 /// A TLS server that is not the host it claims to be: it presents `impostor`'s key and
 /// records whatever application bytes it manages to decrypt (none, if the client pins).
 pub struct Impostor {

@@ -4,6 +4,7 @@
 pub mod callbacks;
 pub mod gc;
 pub mod renewals;
+pub mod sealing;
 mod send;
 pub mod state;
 pub mod trigger;

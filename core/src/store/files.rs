@@ -26,6 +26,7 @@ use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::seal::{sealed_opening, tampered, Opening, Seal, Sealing};
 use crate::compat::{self, Unknown};
 
 /// The snapshot's version; version 1 (a whole-state file, no logs) is read as is. A
@@ -33,11 +34,22 @@ use crate::compat::{self, Unknown};
 /// says the fleet has moved (docs/compatibility.md): the release before refuses a higher
 /// version by name instead of misreading it.
 pub const SNAPSHOT_VERSION: u32 = 2;
-/// The versions this release reads.
-pub const SNAPSHOT_READS: [u32; 2] = [1, 2];
+/// The snapshot's version when a part of each record is sealed with the state key
+/// (docs/at-rest.md): written only with a key, so that without one nothing changes for
+/// the release before, and with one it refuses the file by name instead of misreading it.
+pub const SEALED_SNAPSHOT_VERSION: u32 = 3;
+/// The versions a store that may be sealed reads (provider-state.json).
+pub const SNAPSHOT_READS: [u32; 3] = [1, 2, 3];
+/// The versions a store that is never sealed reads (fulfillment-state.json).
+pub const PLAIN_SNAPSHOT_READS: [u32; 2] = [1, 2];
+
+/// The members of a sealed snapshot that say how: the format of its sealed values and
+/// the id of the key they are sealed with.
+pub(super) const SEALED: &str = "sealed";
+pub(super) const KEY_ID: &str = "key_id";
 
 /// The snapshot's own members; any other (a later release's) is kept as it is.
-const OWN_MEMBERS: [&str; 3] = ["version", "next_log", compat::WRITTEN_BY];
+const OWN_MEMBERS: [&str; 5] = ["version", "next_log", compat::WRITTEN_BY, SEALED, KEY_ID];
 
 /// Why state could not be read; the agent refuses to start rather than overwrite it.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +70,9 @@ pub enum LoadError {
         problem: String,
         written_by: String,
     },
+    /// Sealed with another key, or none is given, or a sealed value does not open.
+    #[error("{0}")]
+    Sealed(#[from] crate::sealed::SealError),
 }
 
 impl LoadError {
@@ -79,7 +94,7 @@ pub enum Mode {
     Lenient,
 }
 
-fn io_err(file: &Path) -> impl FnOnce(std::io::Error) -> LoadError + '_ {
+pub(super) fn io_err(file: &Path) -> impl FnOnce(std::io::Error) -> LoadError + '_ {
     move |source| LoadError::Io {
         file: file.display().to_string(),
         source,
@@ -100,7 +115,13 @@ pub fn encode_line<V: Serialize + DeserializeOwned>(
     key: &str,
     value: Option<&V>,
     unknown: Option<&Unknown>,
+    seal: Option<&dyn Seal<V>>,
 ) -> Result<Vec<u8>, String> {
+    let sealed = match (seal, value) {
+        (Some(s), Some(v)) => Some(s.seal(key, v)),
+        _ => None,
+    };
+    let value = sealed.as_ref().or(value);
     #[derive(Serialize)]
     struct Out<'a, V> {
         k: &'a str,
@@ -194,6 +215,8 @@ pub struct Loaded<V> {
     pub torn_tails: usize,
     /// [`Mode::Lenient`]: what was skipped, one line each (`needs.oidc/wiki.phase: …`).
     pub skipped: Vec<String>,
+    /// The id of the key the snapshot is sealed with; `None`: a plain snapshot, or none.
+    pub sealed_with: Option<String>,
 }
 
 /// Reads the snapshot and replays the logs, as `mode` says.
@@ -202,6 +225,7 @@ pub fn load<V: DeserializeOwned + Serialize>(
     name: &str,
     field: &str,
     mode: Mode,
+    sealing: &Sealing<V>,
 ) -> Result<Loaded<V>, LoadError> {
     let path = snapshot_path(dir, name);
     let mut loaded = Loaded {
@@ -213,8 +237,17 @@ pub fn load<V: DeserializeOwned + Serialize>(
         snapshot_bytes: 0,
         torn_tails: 0,
         skipped: Vec::new(),
+        sealed_with: None,
     };
     let mut written_by = compat::writer();
+    let mut opening = Opening::Plain;
+    // A store never sealed reads the plain versions only (and refuses a sealed one by its
+    // version, as the release before does); a read-only look reads them all.
+    let reads: &[u32] = match (sealing, mode) {
+        (Sealing::Never, Mode::Strict | Mode::Lenient) => &PLAIN_SNAPSHOT_READS,
+        _ => &SNAPSHOT_READS,
+    };
+    let newest = u64::from(reads[reads.len() - 1]);
     match std::fs::read(&path) {
         Ok(bytes) => {
             let file = path.display().to_string();
@@ -226,21 +259,25 @@ pub fn load<V: DeserializeOwned + Serialize>(
                 serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
             written_by = compat::written_by(&doc);
             let version = doc.get("version").and_then(Value::as_u64).unwrap_or(0);
-            let known = SNAPSHOT_READS.iter().any(|v| u64::from(*v) == version);
-            if !known && version > u64::from(SNAPSHOT_VERSION) && mode != Mode::Lenient {
+            let known = reads.iter().any(|v| u64::from(*v) == version);
+            if !known && version > newest && mode != Mode::Lenient {
                 return Err(LoadError::Refused {
                     file,
                     field: "version".into(),
                     problem: format!(
-                        "format version {version}; this release reads versions {SNAPSHOT_READS:?}"
+                        "format version {version}; this release reads versions {reads:?}"
                     ),
                     written_by,
                 });
             }
-            if !known && version <= u64::from(SNAPSHOT_VERSION) {
+            if !known && version <= newest {
                 return Err(corrupt(format!(
-                    "version {version} is not one this agent reads (1 or {SNAPSHOT_VERSION})"
+                    "version {version} is not one this agent reads ({reads:?})"
                 )));
+            }
+            if known && version == u64::from(SEALED_SNAPSHOT_VERSION) {
+                opening = sealed_opening(&doc, &file, mode, sealing, &written_by)?;
+                loaded.sealed_with = doc.get(KEY_ID).and_then(Value::as_str).map(str::to_owned);
             }
             loaded.next_log = doc.get("next_log").and_then(Value::as_u64).unwrap_or(0);
             let records = doc
@@ -252,6 +289,21 @@ pub fn load<V: DeserializeOwned + Serialize>(
             for (key, value) in records {
                 match compat::read::<V>(&value) {
                     Ok((v, unknown)) => {
+                        let at = || format!("{file}: {field}.{key}");
+                        let v = match opening.apply(&key, v, &at) {
+                            Ok(Some(v)) => v,
+                            Ok(None) => {
+                                loaded.skipped.push(format!(
+                                    "{field}.{key}: sealed with a key this process does not have"
+                                ));
+                                continue;
+                            }
+                            Err(at) if mode == Mode::Lenient => {
+                                loaded.skipped.push(format!("{at}: does not open"));
+                                continue;
+                            }
+                            Err(at) => return Err(tampered(at)),
+                        };
                         if !unknown.is_empty() {
                             loaded.unknown.insert(key.clone(), unknown);
                         }
@@ -282,7 +334,7 @@ pub fn load<V: DeserializeOwned + Serialize>(
             continue; // already in the snapshot
         }
         let file = log_path(dir, name, generation);
-        if replay(&file, &mut loaded, mode, &written_by)? {
+        if replay(&file, &mut loaded, mode, &written_by, opening)? {
             loaded.torn_tails += 1;
         }
         loaded.logs.push(generation);
@@ -297,6 +349,7 @@ fn replay<V: DeserializeOwned + Serialize>(
     loaded: &mut Loaded<V>,
     mode: Mode,
     written_by: &str,
+    opening: Opening<'_, V>,
 ) -> Result<bool, LoadError> {
     let f = std::fs::File::open(file).map_err(io_err(file))?;
     let mut reader = std::io::BufReader::new(f);
@@ -332,6 +385,29 @@ fn replay<V: DeserializeOwned + Serialize>(
         match decoded {
             Line::Record(r, unknown) if torn_at.is_none() => match r.v {
                 Some(v) => {
+                    let at = || format!("{} line {number}: v", file.display());
+                    let v = match opening.apply(&r.k, v, &at) {
+                        Ok(Some(v)) => v,
+                        Ok(None) => {
+                            loaded.skipped.push(format!(
+                                "{} line {number}: {}: sealed with a key this process does not have",
+                                file.display(),
+                                r.k
+                            ));
+                            loaded.unknown.remove(&r.k);
+                            loaded.map.remove(&r.k);
+                            offset += n as u64;
+                            continue;
+                        }
+                        Err(at) if mode == Mode::Lenient => {
+                            loaded.skipped.push(format!("{at}: does not open"));
+                            loaded.unknown.remove(&r.k);
+                            loaded.map.remove(&r.k);
+                            offset += n as u64;
+                            continue;
+                        }
+                        Err(at) => return Err(tampered(at)),
+                    };
                     if unknown.is_empty() {
                         loaded.unknown.remove(&r.k);
                     } else {
@@ -384,12 +460,15 @@ fn replay<V: DeserializeOwned + Serialize>(
 struct Records<'a, V> {
     map: &'a BTreeMap<String, V>,
     unknown: &'a HashMap<String, Unknown>,
+    seal: Option<&'a dyn Seal<V>>,
 }
 
 impl<V: Serialize> Serialize for Records<'_, V> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut out = s.serialize_map(Some(self.map.len()))?;
         for (k, v) in self.map {
+            let sealed = self.seal.map(|s| s.seal(k, v));
+            let v = sealed.as_ref().unwrap_or(v);
             match self.unknown.get(k) {
                 Some(u) if !u.is_empty() => {
                     let merged = compat::to_value(v, u).map_err(serde::ser::Error::custom)?;
@@ -410,6 +489,7 @@ pub fn encode_snapshot<V: Serialize + DeserializeOwned>(
     map: &BTreeMap<String, V>,
     unknown: &HashMap<String, Unknown>,
     extra: &Map<String, Value>,
+    seal: Option<&dyn Seal<V>>,
 ) -> Result<Vec<u8>, String> {
     struct Snap<'a, V> {
         field: &'a str,
@@ -420,7 +500,14 @@ pub fn encode_snapshot<V: Serialize + DeserializeOwned>(
     impl<V: Serialize> Serialize for Snap<'_, V> {
         fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
             let mut out = s.serialize_map(None)?;
-            out.serialize_entry("version", &SNAPSHOT_VERSION)?;
+            match self.records.seal {
+                Some(s) => {
+                    out.serialize_entry("version", &SEALED_SNAPSHOT_VERSION)?;
+                    out.serialize_entry(SEALED, crate::sealed::VALUE_FORMAT)?;
+                    out.serialize_entry(KEY_ID, s.key_id())?;
+                }
+                None => out.serialize_entry("version", &SNAPSHOT_VERSION)?,
+            }
             out.serialize_entry("next_log", &self.next_log)?;
             // Read by nothing but messages: an older release ignores it (and drops it
             // when it rewrites the file, which then rightly names no writer).
@@ -438,7 +525,7 @@ pub fn encode_snapshot<V: Serialize + DeserializeOwned>(
     let bytes = serde_json::to_vec(&Snap {
         field,
         next_log,
-        records: Records { map, unknown },
+        records: Records { map, unknown, seal },
         extra,
     })
     .map_err(|e| e.to_string())?;

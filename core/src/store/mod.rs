@@ -15,6 +15,7 @@
 //! with it rather than being kept half-applied.
 
 mod files;
+mod seal;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::Write;
@@ -31,8 +32,10 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 pub use files::{
-    remove_stale_temporaries, set_aside, write_atomic, LoadError, SNAPSHOT_READS, SNAPSHOT_VERSION,
+    remove_stale_temporaries, set_aside, write_atomic, LoadError, PLAIN_SNAPSHOT_READS,
+    SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS, SNAPSHOT_VERSION,
 };
+pub use seal::{reseal, Resealed, Seal, Sealing};
 
 use crate::compat::Unknown;
 
@@ -108,6 +111,8 @@ struct Inner<V> {
     field: &'static str,
     /// The snapshot's members another release wrote, kept as they are.
     extra: serde_json::Map<String, serde_json::Value>,
+    /// Seals a part of each record as it is written (docs/at-rest.md).
+    seal: Option<Arc<dyn Seal<V>>>,
     state: Mutex<State<V>>,
     writer: tokio::sync::Mutex<Writer>,
     dirty: Notify,
@@ -224,17 +229,20 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     /// everything into a fresh snapshot. A damaged file, or one in a form this release
     /// cannot read, is an error, never an empty state.
     pub fn open(path: &Path, field: &'static str) -> Result<Store<V>, LoadError> {
-        Self::open_with(path, field, false).map(|(store, _)| store)
+        Self::open_with(path, field, false, Sealing::Never).map(|(store, _)| store)
     }
 
     /// Like [`Store::open`]; with `recover`, a state it would refuse is moved aside
     /// ([`set_aside`]) and what can be read of it is kept: every record this release
     /// reads, in the snapshot and the logs, and nothing else. The [`Recovery`] says what
-    /// was skipped and where the files went.
+    /// was skipped and where the files went. With a key in `sealing`, what the file
+    /// holds plain is sealed before the start goes on (a sealed file is refused by the
+    /// release before, so nothing sealed is written behind a plain snapshot).
     pub fn open_with(
         path: &Path,
         field: &'static str,
         recover: bool,
+        sealing: Sealing<V>,
     ) -> Result<(Store<V>, Option<Recovery>), LoadError> {
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         let name = path
@@ -246,23 +254,25 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         if removed > 0 {
             tracing::info!(dir = %dir.display(), removed, "removed temporary files a previous run left behind");
         }
-        let (loaded, recovery) = match files::load::<V>(&dir, &name, field, files::Mode::Strict) {
-            Ok(loaded) => (loaded, None),
-            Err(refused) if recover && refused.recoverable() => {
-                let Some(moved_to) = set_aside(&dir, &name)? else {
-                    return Err(refused);
-                };
-                let loaded = files::load::<V>(&moved_to, &name, field, files::Mode::Lenient)?;
-                let recovery = Recovery {
-                    refused: refused.to_string(),
-                    moved_to,
-                    kept: loaded.map.len(),
-                    skipped: loaded.skipped.clone(),
-                };
-                (loaded, Some(recovery))
-            }
-            Err(e) => return Err(e),
-        };
+        let (loaded, recovery) =
+            match files::load::<V>(&dir, &name, field, files::Mode::Strict, &sealing) {
+                Ok(loaded) => (loaded, None),
+                Err(refused) if recover && refused.recoverable() => {
+                    let Some(moved_to) = set_aside(&dir, &name)? else {
+                        return Err(refused);
+                    };
+                    let loaded =
+                        files::load::<V>(&moved_to, &name, field, files::Mode::Lenient, &sealing)?;
+                    let recovery = Recovery {
+                        refused: refused.to_string(),
+                        moved_to,
+                        kept: loaded.map.len(),
+                        skipped: loaded.skipped.clone(),
+                    };
+                    (loaded, Some(recovery))
+                }
+                Err(e) => return Err(e),
+            };
         let generation = loaded
             .logs
             .last()
@@ -270,6 +280,15 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
             .max(loaded.next_log)
             .max(1);
         let mut snapshot_bytes = loaded.snapshot_bytes;
+        let seal = match sealing {
+            Sealing::With(s) => Some(s),
+            _ => None,
+        };
+        // Plain on disk, sealed from now on: the plain snapshot is replaced by a sealed
+        // one before anything sealed is appended behind it.
+        let sealing_in_place = seal
+            .as_ref()
+            .is_some_and(|s| loaded.sealed_with.as_deref() != Some(s.key_id()));
         // Everything replayed goes into one snapshot, so the next start reads one file.
         // Best effort: on a full disk the logs stay and are replayed again next time.
         let folded = files::encode_snapshot(
@@ -278,6 +297,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
             &loaded.map,
             &loaded.unknown,
             &loaded.extra,
+            seal.as_deref(),
         )
         .and_then(|bytes| {
             write_atomic(&files::snapshot_path(&dir, &name), &bytes)
@@ -292,6 +312,17 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                         let _ = std::fs::remove_file(files::log_path(&dir, &name, g));
                     }
                 }
+                if sealing_in_place && !loaded.map.is_empty() {
+                    tracing::info!(file = %path.display(), records = loaded.map.len(), "sealed in place: the secrets its records hold are sealed with the state key");
+                }
+            }
+            Err(e) if sealing_in_place => {
+                return Err(LoadError::Io {
+                    file: path.display().to_string(),
+                    source: std::io::Error::other(format!(
+                        "cannot seal it in place ({e}); nothing was changed"
+                    )),
+                });
             }
             Err(e) if recovery.is_some() => {
                 // The files were moved aside: starting without writing what was kept
@@ -314,6 +345,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                 name,
                 field,
                 extra: loaded.extra,
+                seal,
                 state: Mutex::new(State {
                     map: loaded.map,
                     unknown: loaded.unknown,
@@ -342,7 +374,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     pub fn view(path: &Path, field: &str) -> Result<BTreeMap<String, V>, LoadError> {
         let dir = path.parent().unwrap_or(Path::new("."));
         let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or("state");
-        Ok(files::load::<V>(dir, name, field, files::Mode::View)?.map)
+        Ok(files::load::<V>(dir, name, field, files::Mode::View, &Sealing::Never)?.map)
     }
 
     pub fn path(&self) -> PathBuf {
@@ -423,7 +455,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         }
         let mut lines = Vec::with_capacity(staged.len());
         for (k, v) in &staged {
-            match files::encode_line(k, v.as_ref(), st.unknown.get(k)) {
+            match files::encode_line(k, v.as_ref(), st.unknown.get(k), self.inner.seal.as_deref()) {
                 Ok(line) => lines.push(line),
                 Err(message) => {
                     return Err(Staged(
@@ -566,6 +598,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
                 &st.map,
                 &st.unknown,
                 &self.inner.extra,
+                self.inner.seal.as_deref(),
             )
         };
         let (dir, name, path) = (self.inner.dir.clone(), self.inner.name.clone(), self.path());
@@ -665,5 +698,7 @@ fn append(
     }
 }
 
+#[cfg(test)]
+mod sealed_tests;
 #[cfg(test)]
 mod tests;

@@ -195,7 +195,7 @@ async fn a_change_that_would_not_read_back_is_refused() {
 
 impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
     /// For tests without a flusher: stage, write, wait.
-    async fn change_durable_now(&self, f: impl FnOnce(&mut Changes<'_, V>)) {
+    pub(super) async fn change_durable_now(&self, f: impl FnOnce(&mut Changes<'_, V>)) {
         let ((), t) = self.change(f).unwrap();
         self.flush_once().await.unwrap();
         self.wait(t).await.unwrap();
@@ -315,7 +315,8 @@ async fn an_unreadable_record_is_refused_by_name_and_recovered_around() {
         log
     );
 
-    let (store, recovery) = Store::<Rec>::open_with(&path, "entries", true).unwrap();
+    let (store, recovery) =
+        Store::<Rec>::open_with(&path, "entries", true, Sealing::Never).unwrap();
     let recovery = recovery.unwrap();
     assert_eq!(recovery.kept, 3);
     assert_eq!(recovery.skipped.len(), 1, "{:?}", recovery.skipped);

@@ -24,6 +24,8 @@ pub struct Setup {
     pub pg: Postgres,
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
+    /// The state key the runs get (`FORT_STATE_KEY_FILE`); none: plaintext state.
+    pub state_key: Option<PathBuf>,
 }
 
 impl Setup {
@@ -45,6 +47,7 @@ impl Setup {
             pg,
             dir,
             config: path,
+            state_key: None,
         }
     }
 
@@ -61,13 +64,12 @@ impl Setup {
 
     /// One handler run as the agent makes it: (exit ok, stdout as JSON, stderr).
     pub fn run(&self, trigger: &str, input: &Value) -> (bool, Value, String) {
-        fort_tests::run_handler(
-            "postgres",
-            &self.config,
-            trigger,
-            &[("FORT_HOST", "db")],
-            input,
-        )
+        let key = self.state_key.as_ref().map(|k| k.display().to_string());
+        let mut env = vec![("FORT_HOST", "db")];
+        if let Some(k) = &key {
+            env.push((fort_core::sealed::KEY_FILE_ENV, k));
+        }
+        fort_tests::run_handler("postgres", &self.config, trigger, &env, input)
     }
 
     /// A run that must succeed.
