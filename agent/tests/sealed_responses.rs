@@ -148,10 +148,12 @@ async fn plain_responses_are_sealed_in_place_and_nothing_is_asked_again() {
     let y = f.dir.path().join("delivered-y");
     f.need("c", "cred/y", "p", delivered_to(&y));
     f.write_files();
-    f.stop("c");
-    f.start_host("c");
+    // The provider first, so that it lists the new need before the consumer asks for it
+    // (asked earlier, the provider still running would refuse it until the next nag).
     f.stop("p");
     f.start_host("p");
+    f.stop("c");
+    f.start_host("c");
     assert!(
         eventually(Duration::from_secs(20), || {
             f.need_status("c", "cred/y")["satisfied"] == true
