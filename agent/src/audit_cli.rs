@@ -218,7 +218,11 @@ pub fn verify_dir(
         None => Vec::new(),
     };
     let v = audit::verify(dir, host, &keys).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let held = audit::hold(dir, host, &keys, witnesses).map_err(|e| e.to_string())?;
+    let held = if witnesses.is_empty() {
+        audit::Held::default()
+    } else {
+        audit::hold(dir, host, &keys, witnesses).map_err(|e| e.to_string())?
+    };
     let ok = v.problems.is_empty() && held.problems.is_empty();
     if json_out {
         let doc = json!({
@@ -236,6 +240,8 @@ pub fn verify_dir(
             "witnessed": {
                 "checked": held.checked,
                 "problems": held.problems,
+                "unverified": held.unverified,
+                "predating": held.predating,
                 "notes": held.notes,
             },
         });
@@ -253,17 +259,22 @@ pub fn verify_dir(
                 println!("  then: {p}");
             }
         }
-        for n in &held.notes {
+        for n in held.notes.iter().take(20) {
             println!("note: {n}");
         }
         for p in held.problems.iter().take(20) {
             println!("witnessed: {p}");
         }
+        for u in held.unverified.iter().take(20) {
+            println!("copy: {u}");
+        }
         if !witnesses.is_empty() {
             println!(
-                "{} checkpoints witnessed by the copies given, {} of them not in the trail as witnessed",
+                "{} checkpoints witnessed by the copies given, {} of them not in the trail as witnessed; {} older than the trail's first kept record (rotated away, or a trail begun again: not checked); {} records of the copies not signed by {host}",
                 held.checked,
-                held.problems.len()
+                held.problems.len(),
+                held.predating,
+                held.unverified.len()
             );
         }
         println!(

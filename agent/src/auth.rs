@@ -423,7 +423,8 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             // 7. Replay.
             let outcome = match app.nonces.check_and_record(&origin, &nonce, timestamp, now) {
                 NonceCheck::Fresh => {
-                    if let Some(value) = &checkpoint {
+                    // Only hosts provide: a principal's header is not a checkpoint.
+                    if let (Some(value), PeerKind::Host) = (&checkpoint, kind) {
                         app.audit.witness(&origin, &keys, value);
                     }
                     crate::routes::handle(&app, &caller, route.clone(), body).await

@@ -268,6 +268,37 @@ fn witnesses_catch_a_trail_cut_short(f: &Fleet, c: &[Value]) {
     assert!(ok, "{v:#}");
     assert_eq!(v["witnessed"]["checked"], witnessed.len(), "{v:#}");
 
+    // A copy holding a witness p never signed is that copy's fault, not p's.
+    let forged = tempfile::tempdir().unwrap();
+    for file in fort_core::audit::files(&audit_dir(f, "c")).unwrap() {
+        std::fs::copy(&file, forged.path().join(file.file_name().unwrap())).unwrap();
+    }
+    let last_file = fort_core::audit::files(forged.path())
+        .unwrap()
+        .pop()
+        .unwrap();
+    let mut text = std::fs::read_to_string(&last_file).unwrap();
+    let mut fake = witnessed[0].clone();
+    fake["count"] = json!(999_999);
+    text.push_str(&format!("{fake}\n"));
+    std::fs::write(&last_file, text).unwrap();
+    let out = Command::new(bin("fort"))
+        .arg("--hosts")
+        .arg(f.host_dir("c").join("hosts.json"))
+        .args(["audit", "verify"])
+        .arg(audit_dir(f, "p"))
+        .args(["--signer", "p", "--json", "--witnesses"])
+        .arg(forged.path())
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(out.status.success(), "{v:#}");
+    assert_eq!(
+        v["witnessed"]["unverified"].as_array().unwrap().len(),
+        1,
+        "{v:#}"
+    );
+
     // Cut short just before the last checkpoint c witnessed: alone it still verifies.
     let last = witnessed.last().unwrap()["count"].as_u64().unwrap();
     let cut = tempfile::tempdir().unwrap();

@@ -9,7 +9,10 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fasyslog::sender::SyslogSender;
+use std::io::{BufWriter, Write};
+use std::net::TcpStream;
+
+use fasyslog::format::SyslogContext;
 use fasyslog::{Facility, Severity};
 
 /// Where the copy goes: `udp://HOST:PORT` or `tcp://HOST:PORT`.
@@ -56,22 +59,81 @@ impl Target {
         }
     }
 
-    fn connect(&self) -> std::io::Result<SyslogSender> {
+    fn connect(&self, host: &str) -> std::io::Result<Conn> {
+        let address = match self {
+            Target::Udp(a) | Target::Tcp(a) => a,
+        };
+        let remote = address
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| std::io::Error::other(format!("{address} has no address")))?;
+        let mut context = SyslogContext::new();
+        context
+            .facility(Facility::AUTHPRIV)
+            .hostname(host.to_owned())
+            .appname("fort-agent");
         Ok(match self {
-            Target::Udp(address) => {
-                let remote = address
-                    .to_socket_addrs()?
-                    .next()
-                    .ok_or_else(|| std::io::Error::other(format!("{address} has no address")))?;
+            Target::Udp(_) => {
                 let local = if remote.is_ipv6() {
                     "[::]:0"
                 } else {
                     "0.0.0.0:0"
                 };
-                SyslogSender::Udp(fasyslog::sender::udp(local, remote)?)
+                let mut udp = fasyslog::sender::udp(local, remote)?;
+                *udp.mut_context() = context;
+                Conn::Udp(udp)
             }
-            Target::Tcp(address) => SyslogSender::Tcp(fasyslog::sender::tcp(address.as_str())?),
+            // fasyslog's TCP sender connects and writes without a deadline: a server that
+            // accepts and stops reading would hold this thread for good. The stream is made
+            // here with deadlines, and fasyslog formats each message.
+            Target::Tcp(_) => {
+                let stream = TcpStream::connect_timeout(&remote, IO_DEADLINE)?;
+                stream.set_write_timeout(Some(IO_DEADLINE))?;
+                Conn::Tcp {
+                    stream: BufWriter::new(stream),
+                    context,
+                }
+            }
         })
+    }
+}
+
+/// How long connecting to the server, or one write to it, may take.
+const IO_DEADLINE: Duration = Duration::from_secs(5);
+
+/// A connection to the server.
+enum Conn {
+    Udp(fasyslog::sender::UdpSender),
+    Tcp {
+        stream: BufWriter<TcpStream>,
+        context: SyslogContext,
+    },
+}
+
+impl Conn {
+    fn send(&mut self, line: &str) -> std::io::Result<()> {
+        match self {
+            Conn::Udp(u) => {
+                u.send_rfc5424(Severity::INFORMATIONAL, Some("audit"), Vec::new(), line)
+            }
+            // RFC 6587's non-transparent framing: each message ends with LF.
+            Conn::Tcp { stream, context } => {
+                let message = context.format_rfc5424(
+                    Severity::INFORMATIONAL,
+                    Some("audit"),
+                    Vec::new(),
+                    Some(line),
+                );
+                writeln!(stream, "{message}")
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Conn::Udp(_) => Ok(()),
+            Conn::Tcp { stream, .. } => stream.flush(),
+        }
     }
 }
 
@@ -125,7 +187,7 @@ const BATCH: usize = 256;
 
 impl Sender {
     fn run(self, rx: Receiver<Box<str>>) {
-        let mut conn: Option<SyslogSender> = None;
+        let mut conn: Option<Conn> = None;
         let mut next_try = Instant::now();
         let mut down: Option<(Instant, u64)> = None;
         // Ends when the writer (and so the channel's sending side) is gone.
@@ -138,8 +200,8 @@ impl Sender {
                 }
             }
             if conn.is_none() && Instant::now() >= next_try {
-                match self.target.connect() {
-                    Ok(c) => conn = Some(self.named(c)),
+                match self.target.connect(&self.host) {
+                    Ok(c) => conn = Some(c),
                     Err(e) => {
                         next_try = Instant::now() + RETRY;
                         self.outage(&mut down, &e);
@@ -153,9 +215,7 @@ impl Sender {
             };
             let sent = batch
                 .iter()
-                .try_for_each(|line| {
-                    c.send_rfc5424(Severity::INFORMATIONAL, Some("audit"), Vec::new(), line)
-                })
+                .try_for_each(|line| c.send(line))
                 .and_then(|()| c.flush());
             match sent {
                 Ok(()) => {
@@ -173,23 +233,6 @@ impl Sender {
                 }
             }
         }
-    }
-
-    /// The messages' facility (authpriv, where audit records belong), host and program.
-    fn named(&self, mut sender: SyslogSender) -> SyslogSender {
-        let ctx = match &mut sender {
-            SyslogSender::Tcp(t) => {
-                // RFC 6587's non-transparent framing ends a message with LF alone.
-                t.set_postfix("\n");
-                t.mut_context()
-            }
-            SyslogSender::Udp(u) => u.mut_context(),
-            _ => return sender,
-        };
-        ctx.facility(Facility::AUTHPRIV)
-            .hostname(self.host.clone())
-            .appname("fort-agent");
-        sender
     }
 
     /// Said once per outage, not once per record.

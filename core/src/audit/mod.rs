@@ -336,8 +336,9 @@ impl Audit {
 
     /// [`Audit::record`] for a record `caller`'s request caused, within `budget` for
     /// records of its kind from that caller.
-    pub fn record_caused_by(&self, caller: &str, budget: Budget, event: Event) {
-        let Some(s) = &self.shared else { return };
+    /// Whether the record was queued (not past the caller's budget).
+    pub fn record_caused_by(&self, caller: &str, budget: Budget, event: Event) -> bool {
+        let Some(s) = &self.shared else { return false };
         let now = std::time::Instant::now();
         let kind = event.event;
         let suppressed = {
@@ -357,7 +358,7 @@ impl Audit {
             bucket.last = now;
             if bucket.tokens < 1.0 {
                 bucket.suppressed += 1;
-                return;
+                return false;
             }
             bucket.tokens -= 1.0;
             std::mem::take(&mut bucket.suppressed)
@@ -370,6 +371,7 @@ impl Audit {
             );
         }
         self.record(event);
+        true
     }
 
     /// This host's latest signed checkpoint, for the header its callbacks carry
@@ -381,8 +383,10 @@ impl Audit {
     }
 
     /// A checkpoint `provider` sent with a callback (§12.3a): recorded as `witnessed` when
-    /// it is well formed, verifies with one of `keys` and is not the one last recorded for
-    /// that provider; within [`WITNESSED_BUDGET`] per provider.
+    /// it is well formed, verifies with one of `keys`, and is newer than the last one
+    /// recorded for that provider (a higher count) or contradicts it (the same count with
+    /// another head); within [`WITNESSED_BUDGET`] per provider. An older one sent again
+    /// records nothing, so replaying them cannot spend the provider's budget.
     pub fn witness(&self, provider: &str, keys: &[ssh_key::PublicKey], header: &str) {
         let Some(s) = &self.shared else { return };
         let Some(w) = Witnessed::parse(header) else {
@@ -392,36 +396,41 @@ impl Audit {
             );
             return;
         };
-        let seen = s
-            .witnessed
-            .lock()
-            .get(provider)
-            .is_some_and(|(count, head)| *count == w.count && *head == w.head);
-        if seen {
+        let wanted = |last: Option<&(u64, String)>| {
+            last.is_none_or(|(count, head)| {
+                w.count > *count || (w.count == *count && w.head != *head)
+            })
+        };
+        if !wanted(s.witnessed.lock().get(provider)) {
             return;
         }
+        // Verified off the lock; debug only: a provider sending bad ones on every callback
+        // must not fill the log.
         if !w.verifies(provider, keys) {
-            tracing::info!(
+            tracing::debug!(
                 provider,
                 count = w.count,
                 "an audit checkpoint that does not verify with the provider's key; not recorded"
             );
             return;
         }
-        {
-            let mut last = s.witnessed.lock();
-            if last.len() >= BUDGETS_TRACKED && !last.contains_key(provider) {
-                last.clear();
-            }
-            last.insert(provider.to_owned(), (w.count, w.head.clone()));
+        let mut last = s.witnessed.lock();
+        if !wanted(last.get(provider)) {
+            return;
         }
         let mut event = Event::new("witnessed")
             .provider(provider)
             .detail(serde_json::json!({ "at": w.at }));
         event.count = Some(w.count);
-        event.head = Some(w.head);
-        event.signature = Some(w.witness);
-        self.record_caused_by(provider, WITNESSED_BUDGET, event);
+        event.head = Some(w.head.clone());
+        event.signature = Some(w.witness.clone());
+        // Marked as seen only once it is recorded: one past the budget is taken later.
+        if self.record_caused_by(provider, WITNESSED_BUDGET, event) {
+            if last.len() >= BUDGETS_TRACKED && !last.contains_key(provider) {
+                last.clear();
+            }
+            last.insert(provider.to_owned(), (w.count, w.head));
+        }
     }
 
     /// Whether the last write (or probe) of the trail succeeded. A disabled trail is

@@ -78,7 +78,13 @@ impl Witnessed {
 pub struct Held {
     /// Witnessed checkpoints of the host that were checked against its trail.
     pub checked: u64,
+    /// Witnessed checkpoints the trail contradicts: the host's trail is at fault.
     pub problems: Vec<String>,
+    /// Records of the copies that do not verify with the host's key: the copy is at fault
+    /// (or the key changed since), which says nothing against the host's trail.
+    pub unverified: Vec<String>,
+    /// Witnessed checkpoints older than the trail's first kept record.
+    pub predating: u64,
     pub notes: Vec<String>,
 }
 
@@ -93,10 +99,16 @@ pub fn hold(
 ) -> std::io::Result<Held> {
     let mut hashes = std::collections::HashMap::new();
     let (mut first, mut last) = (u64::MAX, 0u64);
+    // The first kept record's `prev`: the hash of the record before it, rotated away.
+    let mut first_prev: Option<String> = None;
     for l in super::read_lines(dir)?.iter().filter(|l| !l.torn) {
-        if let Some(seq) = l.record.as_ref().and_then(|r| r["seq"].as_u64()) {
+        let Some(r) = &l.record else { continue };
+        if let Some(seq) = r["seq"].as_u64() {
             hashes.insert(seq, sha256_hex(&[&l.bytes[..], b"\n"].concat()));
-            first = first.min(seq);
+            if seq < first {
+                first = seq;
+                first_prev = r["prev"].as_str().map(str::to_owned);
+            }
             last = last.max(seq);
         }
     }
@@ -117,8 +129,8 @@ pub fn hold(
                 })
             })();
             let Some(w) = w.filter(|w| w.verifies(host, keys)) else {
-                held.problems.push(format!(
-                    "{place}: a checkpoint witnessed as {host}'s that {host}'s key did not sign"
+                held.unverified.push(format!(
+                    "{place}: a checkpoint witnessed as {host}'s that {host}'s key in hosts.json did not sign; not held against the trail"
                 ));
                 continue;
             };
@@ -134,10 +146,17 @@ pub fn hold(
                     "{place}: {host} signed record {} (head {head}), but its trail ends at record {last}: the trail was cut short",
                     w.count
                 )),
-                None if w.count < first => held.notes.push(format!(
-                    "{place}: record {} of {host} was rotated out of the kept files; not checked",
-                    w.count
-                )),
+                // The record just before the kept trail is still held by the first
+                // kept record's `prev`.
+                None if w.count.checked_add(1) == Some(first) => {
+                    if first_prev.as_deref() != Some(w.head.as_str()) {
+                        held.problems.push(format!(
+                            "{place}: {host} signed record {} with head {head}; the trail's first kept record follows another: the trail was rewritten",
+                            w.count
+                        ));
+                    }
+                }
+                None if w.count < first => held.predating += 1,
                 None => held.problems.push(format!(
                     "{place}: {host} signed record {}, which its trail no longer holds",
                     w.count

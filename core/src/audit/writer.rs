@@ -327,12 +327,14 @@ impl Writer {
         event.witness = Some(witnessed.witness.clone());
         self.chain(at, event);
         if self.flush() {
-            *self.shared.latest.lock() = Some(witnessed);
             self.since_checkpoint = 0;
             self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
             if let Some(c) = &self.current {
-                if let Err(e) = std::fs::File::open(&c.path).and_then(|f| f.sync_data()) {
-                    self.complain(&format!("cannot sync the audit trail: {e}"));
+                match std::fs::File::open(&c.path).and_then(|f| f.sync_data()) {
+                    // Handed to consumers only once it is on disk: a crash must not leave
+                    // them holding a checkpoint the trail does not.
+                    Ok(()) => *self.shared.latest.lock() = Some(witnessed),
+                    Err(e) => self.complain(&format!("cannot sync the audit trail: {e}")),
                 }
             }
         }
