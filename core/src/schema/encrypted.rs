@@ -63,21 +63,12 @@ pub(super) fn check_encrypted_not_referred(file: &Path, needs: &Needs) -> Result
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use super::*;
     use crate::names::NeedKey;
-    use crate::schema::hosts::tests::hosts_json;
-    use crate::schema::{validate_needs, NeedSpec, Registry};
+    use std::collections::BTreeMap;
 
-    fn registry() -> Registry {
-        Registry::from_bytes(Path::new("h"), hosts_json().as_bytes()).unwrap()
-    }
-
-    fn needs(json: &str) -> Result<Needs, SchemaError> {
-        let raw: BTreeMap<String, NeedSpec> = serde_json::from_str(json).unwrap();
-        validate_needs(Path::new("needs.json"), raw, &registry())
-    }
+    use crate::schema::needs::tests::{needs, registry};
+    use crate::schema::{validate_needs, NeedSpec};
 
     #[test]
     fn encrypted_files_are_named_and_references_stay_beside_them() {

@@ -477,15 +477,16 @@ fn check_dependencies(file: &Path, needs: &Needs) -> Result<(), SchemaError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::schema::hosts::tests::hosts_json;
 
-    fn registry() -> Registry {
+    pub(crate) fn registry() -> Registry {
         Registry::from_bytes(Path::new("h"), hosts_json().as_bytes()).unwrap()
     }
 
-    fn needs(json: &str) -> Result<Needs, SchemaError> {
+    /// needs.json text validated against the test registry.
+    pub(crate) fn needs(json: &str) -> Result<Needs, SchemaError> {
         let raw: BTreeMap<String, NeedSpec> = serde_json::from_str(json).unwrap();
         validate_needs(Path::new("needs.json"), raw, &registry())
     }
