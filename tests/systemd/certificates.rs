@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 
+use fort_tests::lane::{Machine, Net};
 use fort_tests::pebble::Pebble;
 
 use crate::fleet::{self, Lane};
@@ -34,6 +35,21 @@ fn openssl(args: &[&str], input: &str, scratch: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Starts pebble where the lane's fleet expects it, and gives `forge` its TLS root and
+/// the webroot the capability writes challenge answers into.
+pub fn start_pebble(net: &Net, forge: &Machine) -> Result<Pebble, String> {
+    let listen: SocketAddr = DIRECTORY.parse().expect("address");
+    let management: SocketAddr = MANAGEMENT.parse().expect("address");
+    let p = Pebble::start_in_namespace(&net.path(), listen, management, &|a| net.reachable(a))?;
+    forge.write(
+        "/etc/lane/pebble-root.pem",
+        std::fs::read(&p.tls_root).expect("pebble's TLS root"),
+        0o644,
+    );
+    forge.mkdir("/var/lib/lane-acme-webroot", 0o755);
+    Ok(p)
+}
+
 #[test]
 fn acme_certificate_for_a_key_app_made_lands_under_systemd() {
     let test = "acme_certificate_for_a_key_app_made_lands_under_systemd";
@@ -44,16 +60,7 @@ fn acme_certificate_for_a_key_app_made_lands_under_systemd() {
                 "openssl is not installed (it checks the key against the certificate)".into(),
             );
         }
-        let listen: SocketAddr = DIRECTORY.parse().expect("address");
-        let management: SocketAddr = MANAGEMENT.parse().expect("address");
-        let p = Pebble::start_in_namespace(&net.path(), listen, management, &|a| net.reachable(a))?;
-        forge.write(
-            "/etc/lane/pebble-root.pem",
-            std::fs::read(&p.tls_root).expect("pebble's TLS root"),
-            0o644,
-        );
-        forge.mkdir("/var/lib/lane-acme-webroot", 0o755);
-        pebble = Some(p);
+        pebble = Some(start_pebble(net, forge)?);
         Ok(())
     }) else {
         return;

@@ -6,12 +6,61 @@
 
 use std::process::Command;
 
+use fort_tests::lane::{Machine, Net};
 use fort_tests::oidc::OidcProvider;
 
 use crate::fleet::{self, Lane};
 
 /// Where the lane's fleet expects the OpenID provider (nixos-module/tests/lane/fleet.nix).
 const PORT: u16 = 7443;
+
+/// Starts the OpenID provider where the lane's fleet expects it, and gives `forge` its
+/// TLS root and initial access token.
+pub fn start_oidc(net: &Net, forge: &Machine) -> Result<OidcProvider, String> {
+    let p = OidcProvider::start_in_namespace(&net.path(), PORT, &|a| net.reachable(a))?;
+    forge.write(
+        "/etc/lane/oidc-ca.pem",
+        std::fs::read(&p.ca_file).expect("the provider's TLS root"),
+        0o644,
+    );
+    // As a secret deployment tool would place it: root's alone.
+    forge.write(
+        "/etc/lane/oidc-token",
+        format!("{}\n", p.initial_token),
+        0o400,
+    );
+    Ok(p)
+}
+
+/// Whether `client_id` and `secret` get an access token at `provider` (curl in `netns`).
+pub fn gets_token(
+    netns: Option<&std::path::Path>,
+    provider: &OidcProvider,
+    client_id: &str,
+    secret: &str,
+) -> Result<(), String> {
+    let out = fort_tests::command_in(netns, "curl")
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(&provider.ca_file)
+        .args(["-u", &format!("{client_id}:{secret}")])
+        .args(["-d", "grant_type=client_credentials"])
+        .arg(provider.token_endpoint())
+        .output()
+        .expect("curl");
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    if answer["access_token"]
+        .as_str()
+        .is_some_and(|t| !t.is_empty())
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
 
 #[test]
 fn oidc_client_is_registered_and_gets_a_token_under_systemd() {
@@ -26,20 +75,8 @@ fn oidc_client_is_registered_and_gets_a_token_under_systemd() {
             if Command::new("curl").arg("--version").output().is_err() {
                 return Err("curl is not installed (it asks the provider for a token)".into());
             }
-            let p = OidcProvider::start_in_namespace(&net.path(), PORT, &|a| net.reachable(a))?;
-            forge.write(
-                "/etc/lane/oidc-ca.pem",
-                std::fs::read(&p.ca_file).expect("the provider's TLS root"),
-                0o644,
-            );
-            // As a secret deployment tool would place it: root's alone.
-            forge.write(
-                "/etc/lane/oidc-token",
-                format!("{}\n", p.initial_token),
-                0o400,
-            );
             netns = Some(net.path());
-            provider = Some(p);
+            provider = Some(start_oidc(net, forge)?);
             Ok(())
         },
     ) else {
@@ -53,23 +90,9 @@ fn oidc_client_is_registered_and_gets_a_token_under_systemd() {
     assert!(!client_id.is_empty() && !secret.is_empty());
 
     // The credentials app holds get a token at the provider.
-    let out = fort_tests::command_in(netns.as_deref(), "curl")
-        .args(["-sS", "--max-time", "10", "--cacert"])
-        .arg(&provider.ca_file)
-        .args(["-u", &format!("{client_id}:{secret}")])
-        .args(["-d", "grant_type=client_credentials"])
-        .arg(provider.token_endpoint())
-        .output()
-        .expect("curl");
-    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    assert!(
-        answer["access_token"]
-            .as_str()
-            .is_some_and(|t| !t.is_empty()),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if let Err(e) = gets_token(netns.as_deref(), provider, &client_id, &secret) {
+        panic!("no token for app's client: {e}");
+    }
     // The registration access token stays in the handler's state, private, under the
     // sandbox; the secret and the initial access token are in no log line.
     fleet::assert_private_under_sandbox(forge, "/var/lib/fort/handlers/oidc.json", "600");

@@ -4,6 +4,7 @@
 //! (`fort.host.capabilities.postgres.postgres`); app holds a database's credentials, and
 //! they log in.
 
+use fort_tests::lane::Machine;
 use fort_tests::postgres::Postgres;
 
 use crate::fleet::{self, Lane};
@@ -12,6 +13,14 @@ use crate::fleet::{self, Lane};
 /// configuration is written before the test runs, and outside the ephemeral range other
 /// tests' free ports come from.
 const PORT: u16 = 25432;
+
+/// Starts the lane's PostgreSQL server and shows `forge` its socket directory, where
+/// forge's NixOS would have /run/postgresql.
+pub fn start_postgres(forge: &mut Machine) -> Result<Postgres, String> {
+    let pg = Postgres::start_on(false, PORT)?;
+    forge.bind_ro(&pg.socket_dir(), "/run/lane-postgresql");
+    Ok(pg)
+}
 
 #[test]
 fn postgres_database_logs_in_under_systemd() {
@@ -22,10 +31,7 @@ fn postgres_database_logs_in_under_systemd() {
         "databases/forge",
         "databases/app",
         &mut |_, forge, _| {
-            let pg = Postgres::start_on(false, PORT)?;
-            // The server's socket directory, where forge's NixOS would have /run/postgresql.
-            forge.bind_ro(&pg.socket_dir(), "/run/lane-postgresql");
-            server = Some(pg);
+            server = Some(start_postgres(forge)?);
             Ok(())
         },
     ) else {

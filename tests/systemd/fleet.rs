@@ -48,7 +48,7 @@ fn keys_dir() -> PathBuf {
 }
 
 /// A machine for `host` from the rendered tree `tree`, not yet booted.
-fn machine(root: &lane::Root, net: &Net, host: &str, tree: &str) -> Machine {
+pub fn machine(root: &lane::Root, net: &Net, host: &str, tree: &str) -> Machine {
     let mut m = Machine::new(root, net, host);
     let tree = lane::tree(tree);
     m.install_tree(&tree);
@@ -116,6 +116,11 @@ impl Lane {
             app,
             _net: net,
         })
+    }
+
+    /// The network namespace the machines share (for a client on their loopback).
+    pub fn net_path(&self) -> PathBuf {
+        self._net.path()
     }
 
     /// Waits until every need app declares is satisfied.

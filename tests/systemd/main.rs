@@ -5,11 +5,13 @@
 //! mmdebstrap, no Debian registry for the first build of the root.
 
 mod agent;
+mod at_rest;
 mod certificates;
 mod clients;
 mod credentials;
 mod databases;
 mod delivery;
+mod failover;
 mod fleet;
 mod records;
 mod releases;

@@ -28,6 +28,14 @@
 # and app asks for a database.
 # encrypted: app also needs secret/keeper, its token stored as a systemd encrypted
 # credential (encrypt = true) of the DynamicUser service keeper.
+# atRest: forge seals its state (stateEncryption, its state key made by fort-state-key
+# at the first boot), and app keeps the database's credentials and the OIDC client secret
+# as systemd encrypted credentials of the DynamicUser service holder; with certificates,
+# records, clients, sshCertificates and databases, everything a provider keeps.
+# failover: a third host, spare (127.0.0.3), and both forge and spare serve `lease`, a
+# token that names its issuer and lives 30 s; app needs lease/renter from [ forge spare ]
+# (renewed 20 s before it expires, moved after 4 s of failure) as a credential of the
+# DynamicUser service renter.
 {
   appUser ? "root",
   generation ? 1,
@@ -37,6 +45,8 @@
   sshCertificates ? false,
   databases ? false,
   encrypted ? false,
+  failover ? false,
+  atRest ? false,
 }:
 let
   keys = ../keys;
@@ -46,6 +56,30 @@ let
   token = {
     pointer = "/token";
   } // owned;
+  # A secret file of app's under atRest: a systemd encrypted credential of holder.
+  sealedFor =
+    if atRest then
+      {
+        encrypt = true;
+        credentialFor = [ "holder.service" ];
+      }
+    else
+      { };
+  # `lease` on a provider: every entry gets {"token": "<issuer> <entry key> <unix time>",
+  # "expires_at": <unix time + 30>}, renewed whenever the consumer asks.
+  lease =
+    { pkgs, ... }:
+    {
+      fort.host.capabilities.lease = {
+        handler = pkgs.writeShellScript "lane-lease" ''
+          now=$(date +%s)
+          exec ${pkgs.jq}/bin/jq -c --arg h "$FORT_HOST" --argjson now "$now" \
+            'with_entries(.value = {token: "\($h) \(.key) \($now)", expires_at: ($now + 30)})'
+        '';
+        triggers.initialize = true;
+        description = "Short-lived tokens, from either provider";
+      };
+    };
 in
 {
   shared = [
@@ -59,7 +93,18 @@ in
           address = "https://127.0.0.2:7770";
           publicKeys = [ (pub "app") ];
         };
-      };
+      }
+      // (
+        if failover then
+          {
+            spare = {
+              address = "https://127.0.0.3:7770";
+              publicKeys = [ (pub "spare") ];
+            };
+          }
+        else
+          { }
+      );
       services.fort-agent = {
         enable = true;
         # Installed by the lane (mode 0400, root): the agent reads it through
@@ -69,177 +114,215 @@ in
     }
   ];
 
-  hosts.forge.modules = [
-    (
-      { pkgs, lib, ... }:
-      {
-        services.fort-agent = {
-          listen = "127.0.0.1:7770";
-          strictSandbox = true;
-          readWritePaths = [ "/var/lib/lane-provider" ];
-        };
-        # Shipped by the lane as a unit of its own; fort adds OnSuccess= to it.
-        systemd.services.lane-source.description = "lane: a oneshot whose success triggers secret";
-        fort.host.capabilities.secret = {
-          # Every entry gets {"token": "<generation> <entry key>"}, the generation being
-          # what /etc/lane/generation holds ("1" without it). Each run notes its trigger
-          # and tries to write inside readWritePaths and outside of it.
-          handler = pkgs.writeShellScript "lane-secret" ''
-            set -u
-            dir=/var/lib/lane-provider
-            echo "$FORT_TRIGGER" >>"$dir/triggers"
-            for probe in "$dir/probe" /var/lib/lane-outside/probe /etc/lane-probe; do
-              if { echo written >"$probe"; } 2>>"$dir/probes"; then echo "$probe: written" >>"$dir/probes"; fi
-            done
-            generation=$(cat /etc/lane/generation 2>/dev/null || echo 1)
-            exec ${pkgs.jq}/bin/jq -c --arg g "$generation" 'with_entries(.value = {token: "\($g) \(.key)"})'
-          '';
-          triggers.initialize = true;
-          triggers.systemd = [ "lane-source.service" ];
-          description = "Tokens for the lane's consumer";
-        };
-        fort.host.capabilities.ssl-cert = lib.mkIf certificates {
-          acme = {
-            directory = "https://127.0.0.1:14000/dir";
-            caRoot = "/etc/lane/pebble-root.pem";
-            # Under strictSandbox: writable because the capability says so, not the lane.
-            webroot = "/var/lib/lane-acme-webroot";
-            allow.app = [ "app.example.test" ];
-            revokeOnRelease = true;
-            rerunSeconds = 1;
+  hosts = {
+    forge.modules = [
+      (
+        { pkgs, lib, ... }:
+        {
+          services.fort-agent = {
+            listen = "127.0.0.1:7770";
+            strictSandbox = true;
+            readWritePaths = [ "/var/lib/lane-provider" ];
+            stateEncryption.enable = atRest;
           };
-        };
-        fort.host.capabilities.dns-record = lib.mkIf records {
-          dnsRecord = {
-            zone = "lane.test";
-            primary = "127.0.0.1:5300";
-            key = {
-              name = "fort-test";
-              file = "/etc/lane/tsig";
+          # Shipped by the lane as a unit of its own; fort adds OnSuccess= to it.
+          systemd.services.lane-source.description = "lane: a oneshot whose success triggers secret";
+          fort.host.capabilities.secret = {
+            # Every entry gets {"token": "<generation> <entry key>"}, the generation being
+            # what /etc/lane/generation holds ("1" without it). Each run notes its trigger
+            # and tries to write inside readWritePaths and outside of it.
+            handler = pkgs.writeShellScript "lane-secret" ''
+              set -u
+              dir=/var/lib/lane-provider
+              echo "$FORT_TRIGGER" >>"$dir/triggers"
+              for probe in "$dir/probe" /var/lib/lane-outside/probe /etc/lane-probe; do
+                if { echo written >"$probe"; } 2>>"$dir/probes"; then echo "$probe: written" >>"$dir/probes"; fi
+              done
+              generation=$(cat /etc/lane/generation 2>/dev/null || echo 1)
+              exec ${pkgs.jq}/bin/jq -c --arg g "$generation" 'with_entries(.value = {token: "\($g) \(.key)"})'
+            '';
+            triggers.initialize = true;
+            triggers.systemd = [ "lane-source.service" ];
+            description = "Tokens for the lane's consumer";
+          };
+          fort.host.capabilities.ssl-cert = lib.mkIf certificates {
+            acme = {
+              directory = "https://127.0.0.1:14000/dir";
+              caRoot = "/etc/lane/pebble-root.pem";
+              # Under strictSandbox: writable because the capability says so, not the lane.
+              webroot = "/var/lib/lane-acme-webroot";
+              allow.app = [ "app.example.test" ];
+              revokeOnRelease = true;
+              rerunSeconds = 1;
             };
-            allow.app = [ "*.lane.test" ];
           };
-        };
-        fort.host.capabilities.oidc = lib.mkIf clients {
-          oidc = {
-            issuer = "https://127.0.0.1:7443";
-            initialAccessTokenFile = "/etc/lane/oidc-token";
-            caFile = "/etc/lane/oidc-ca.pem";
-            allow.app = [ "lane" ];
-            allowGrantTypes.app = [ "client_credentials" ];
-          };
-        };
-        fort.host.capabilities.postgres = lib.mkIf databases {
-          postgres = {
-            host = "127.0.0.1";
-            socketDir = "/run/lane-postgresql";
-            port = 25432;
-            adminRole = "fort_admin";
-            allow.app = [ "wiki" ];
-          };
-        };
-        fort.host.capabilities.ssh-ca = lib.mkIf sshCertificates {
-          sshCa.hostPrincipals."*" = [
-            "{origin}"
-            "{origin}.lane.test"
-          ];
-        };
-      }
-    )
-  ];
-
-  hosts.app.modules = [
-    (
-      { lib, ... }:
-      {
-        services.fort-agent = {
-          listen = "127.0.0.2:7770";
-          user = appUser;
-        };
-        fort.host.needs.secret =
-          {
-            wiki.from = "forge";
-            wiki.files.token = token // {
-              credentialFor = [ "wiki.service" ];
-            };
-          }
-          // builtins.listToAttrs (
-            map (id: {
-              name = "multi-${id}";
-              value = {
-                from = "forge";
-                files.token = token;
-                restartUnits = [ "multi.service" ];
-                reloadUnits = [ "reloader.service" ];
+          fort.host.capabilities.dns-record = lib.mkIf records {
+            dnsRecord = {
+              zone = "lane.test";
+              primary = "127.0.0.1:5300";
+              key = {
+                name = "fort-test";
+                file = "/etc/lane/tsig";
               };
-            }) [ "a" "b" "c" ]
-          )
-          // lib.optionalAttrs encrypted {
-            keeper.from = "forge";
-            keeper.files.token = token // {
-              encrypt = true;
-              credentialFor = [ "keeper.service" ];
+              allow.app = [ "*.lane.test" ];
             };
-          }
-          // (
-            if generation >= 2 then
-              {
-                later.from = "forge";
-                later.files.token = token;
+          };
+          fort.host.capabilities.oidc = lib.mkIf clients {
+            oidc = {
+              issuer = "https://127.0.0.1:7443";
+              initialAccessTokenFile = "/etc/lane/oidc-token";
+              caFile = "/etc/lane/oidc-ca.pem";
+              allow.app = [ "lane" ];
+              allowGrantTypes.app = [ "client_credentials" ];
+            };
+          };
+          fort.host.capabilities.postgres = lib.mkIf databases {
+            postgres = {
+              host = "127.0.0.1";
+              socketDir = "/run/lane-postgresql";
+              port = 25432;
+              adminRole = "fort_admin";
+              allow.app = [ "wiki" ];
+            };
+          };
+          fort.host.capabilities.ssh-ca = lib.mkIf sshCertificates {
+            sshCa.hostPrincipals."*" = [
+              "{origin}"
+              "{origin}.lane.test"
+            ];
+          };
+        }
+      )
+    ]
+    ++ (if failover then [ lease ] else [ ]);
+
+    app.modules = [
+      (
+        { lib, ... }:
+        {
+          services.fort-agent = {
+            listen = "127.0.0.2:7770";
+            user = appUser;
+          };
+          fort.host.needs.secret =
+            {
+              wiki.from = "forge";
+              wiki.files.token = token // {
+                credentialFor = [ "wiki.service" ];
+              };
+            }
+            // builtins.listToAttrs (
+              map (id: {
+                name = "multi-${id}";
+                value = {
+                  from = "forge";
+                  files.token = token;
+                  restartUnits = [ "multi.service" ];
+                  reloadUnits = [ "reloader.service" ];
+                };
+              }) [ "a" "b" "c" ]
+            )
+            // lib.optionalAttrs encrypted {
+              keeper.from = "forge";
+              keeper.files.token = token // {
+                encrypt = true;
+                credentialFor = [ "keeper.service" ];
+              };
+            }
+            // (
+              if generation >= 2 then
+                {
+                  later.from = "forge";
+                  later.files.token = token;
+                }
+              else
+                { }
+            );
+          # The lane's own units; started at boot (wiki is skipped until its credential is
+          # there).
+          systemd.services = {
+            wiki.wantedBy = [ "multi-user.target" ];
+            multi.wantedBy = [ "multi-user.target" ];
+            reloader.wantedBy = [ "multi-user.target" ];
+            keeper = lib.mkIf encrypted { wantedBy = [ "multi-user.target" ]; };
+          };
+          users.groups = lib.mkIf certificates { lane-web = { }; };
+          fort.host.needs.dns-record = lib.mkIf records {
+            www = {
+              from = "forge";
+              request.name = "www.lane.test";
+              # The record set as the primary holds it, kept as a file.
+              files."record.json" = { };
+            };
+          };
+          # The host key the agent signs with is the one certified (its public half is known).
+          fort.host.sshCertificate = lib.mkIf sshCertificates {
+            from = "forge";
+            hostKey = "/etc/lane/host_key";
+          };
+          fort.host.needs.postgres = lib.mkIf databases {
+            wiki = {
+              from = "forge";
+              request.name = "wiki";
+              files.password = {
+                pointer = "/password";
               }
-            else
-              { }
-          );
-        # The lane's own units; started at boot (wiki is skipped until its credential is
-        # there).
-        systemd.services = {
-          wiki.wantedBy = [ "multi-user.target" ];
-          multi.wantedBy = [ "multi-user.target" ];
-          reloader.wantedBy = [ "multi-user.target" ];
-          keeper = lib.mkIf encrypted { wantedBy = [ "multi-user.target" ]; };
-        };
-        users.groups = lib.mkIf certificates { lane-web = { }; };
-        fort.host.needs.dns-record = lib.mkIf records {
-          www = {
-            from = "forge";
-            request.name = "www.lane.test";
-            # The record set as the primary holds it, kept as a file.
-            files."record.json" = { };
-          };
-        };
-        # The host key the agent signs with is the one certified (its public half is known).
-        fort.host.sshCertificate = lib.mkIf sshCertificates {
-          from = "forge";
-          hostKey = "/etc/lane/host_key";
-        };
-        fort.host.needs.postgres = lib.mkIf databases {
-          wiki = {
-            from = "forge";
-            request.name = "wiki";
-            files.password.pointer = "/password";
-            files."connection.json" = { };
-          };
-        };
-        fort.host.needs.oidc = lib.mkIf clients {
-          lane = {
-            from = "forge";
-            request = {
-              client_name = "lane";
-              grant_types = [ "client_credentials" ];
+              // sealedFor;
+              files."connection.json" = sealedFor;
             };
-            files.client_id.pointer = "/client_id";
-            files.client_secret.pointer = "/client_secret";
           };
-        };
-        fort.host.certificates = lib.mkIf certificates {
-          web = {
-            from = "forge";
-            domains = [ "app.example.test" ];
-            group = "lane-web";
-            reloadUnits = [ "reloader.service" ];
+          fort.host.needs.oidc = lib.mkIf clients {
+            lane = {
+              from = "forge";
+              request = {
+                client_name = "lane";
+                grant_types = [ "client_credentials" ];
+              };
+              files.client_id.pointer = "/client_id";
+              files.client_secret = {
+                pointer = "/client_secret";
+              }
+              // sealedFor;
+            };
           };
-        };
+          fort.host.certificates = lib.mkIf certificates {
+            web = {
+              from = "forge";
+              domains = [ "app.example.test" ];
+              group = "lane-web";
+              reloadUnits = [ "reloader.service" ];
+            };
+          };
+          fort.host.needs.lease = lib.mkIf failover {
+            renter = {
+              from = [
+                "forge"
+                "spare"
+              ];
+              nag = "2s";
+              failoverAfter = "4s";
+              renewBefore = "20s";
+              files.token = token // {
+                credentialFor = [ "renter.service" ];
+              };
+            };
+          };
+          systemd.services.renter = lib.mkIf failover { wantedBy = [ "multi-user.target" ]; };
+          systemd.services.holder = lib.mkIf atRest { wantedBy = [ "multi-user.target" ]; };
+        }
+      )
+    ];
+  }
+  // (
+    if failover then
+      {
+        # The standby: only what every lane host has, and `lease`.
+        spare.modules = [
+          { services.fort-agent.listen = "127.0.0.3:7770"; }
+          lease
+        ];
       }
-    )
-  ];
+    else
+      { }
+  );
 }

@@ -4,7 +4,8 @@
 #
 # Units follow NixOS's rules (nixos/lib/systemd-lib.nix): keys in name order, a list
 # becomes one line per element, booleans true/false, `path` plus NixOS's default path
-# becomes Environment="PATH=…", description/wants/after/onSuccess and the triggers go
+# becomes Environment="PATH=…", `script` becomes ExecStart= of a script of its own
+# (`set -e` first), description/wants/after/onSuccess and the triggers go
 # to [Unit], wantedBy to [Install] and to <target>.wants/ links. A service the fleet
 # defines without ExecStart is one a package ships (here: the lane's own units), so what
 # the modules add to it is written as <unit>.d/overrides.conf, as NixOS does then.
@@ -19,7 +20,10 @@
 # clients/app (forge serves oidc from an OpenID provider, app asks for a client), ssh/forge
 # and ssh/app (forge is an SSH CA, app asks for a host certificate), databases/forge and
 # databases/app (forge serves postgres, app asks for a database), encrypted/forge and
-# encrypted/app (app's keeper reads its token as an encrypted credential).
+# encrypted/app (app's keeper reads its token as an encrypted credential), failover/forge,
+# failover/spare and failover/app (forge and spare both serve lease, app asks either),
+# atrest/forge and atrest/app (every capability above but dns-record, forge's state
+# sealed, app's secrets encrypted credentials).
 {
   lib ? import <nixpkgs-lib/lib>,
 }:
@@ -109,14 +113,17 @@ let
         PATH = "${lib.makeBinPath path}:${lib.makeSearchPathOutput "bin" "sbin" path}";
       };
     in
-    if def.script != "" then
-      throw "lane: systemd.services.${name}.script is not rendered; use serviceConfig.ExecStart"
-    else
-      commonUnitText name def (
-        "[Service]\n"
-        + concatMapStrings (n: "Environment=${builtins.toJSON "${n}=${env.${n}}"}\n") (attrNames env)
-        + attrsToSection def.serviceConfig
-      );
+    commonUnitText name def (
+      "[Service]\n"
+      + concatMapStrings (n: "Environment=${builtins.toJSON "${n}=${env.${n}}"}\n") (attrNames env)
+      + attrsToSection (
+        def.serviceConfig
+        // optionalAttrs (def.script != "") { ExecStart = "${startScript name def}"; }
+      )
+    );
+  # A unit's `script` as NixOS runs it (makeJobScript): a shell script of its own that
+  # stops at the first failing command.
+  startScript = name: def: pkgs.writeShellScript "unit-script-${name}-start" "set -e\n${def.script}";
   pathText = name: def: commonUnitText name def "[Path]\n${attrsToSection def.pathConfig}\n";
 
   # --------------------------------------------------------- TOML (pkgs.formats.toml)
@@ -180,7 +187,7 @@ let
       # A package's unit (no ExecStart here) gets what the modules add as a drop-in.
       serviceFile =
         name: def:
-        if def.serviceConfig ? ExecStart then
+        if def.serviceConfig ? ExecStart || def.script != "" then
           "${unitDir}/${name}.service"
         else
           "${unitDir}/${name}.service.d/overrides.conf";
@@ -218,6 +225,7 @@ let
             concatLists (map (n: [ n.handler n.check ]) needs)
             ++ mapAttrsToList (_: c: c.handler) config.fort.host.capabilities
           )
+          ++ mapAttrsToList startScript (filterAttrs (_: def: def.script != "") config.systemd.services)
         )
       );
       # users.users and users.groups as sysusers.d lines (NixOS creates them its own way;
@@ -270,6 +278,14 @@ let
   ssh = fleet { sshCertificates = true; };
   databases = fleet { databases = true; };
   encrypted = fleet { encrypted = true; };
+  failover = fleet { failover = true; };
+  atRest = fleet {
+    atRest = true;
+    certificates = true;
+    clients = true;
+    sshCertificates = true;
+    databases = true;
+  };
 in
 {
   forge = render one.forge;
@@ -289,4 +305,9 @@ in
   "databases/app" = render databases.app;
   "encrypted/forge" = render encrypted.forge;
   "encrypted/app" = render encrypted.app;
+  "failover/forge" = render failover.forge;
+  "failover/spare" = render failover.spare;
+  "failover/app" = render failover.app;
+  "atrest/forge" = render atRest.forge;
+  "atrest/app" = render atRest.app;
 }
