@@ -270,7 +270,14 @@ in
         '';
       };
       syslog = mkOption {
-        type = types.nullOr (types.strMatching "(udp|tcp)://[^/]+:[0-9]+");
+        type = types.nullOr (
+          types.addCheck (types.strMatching "(udp|tcp)://[^/]+:[1-9][0-9]{0,4}") (
+            s: lib.toInt (lib.last (lib.splitString ":" s)) <= 65535
+          )
+          // {
+            description = "udp://HOST:PORT or tcp://HOST:PORT, the port 1 to 65535";
+          }
+        );
         default = null;
         example = "tcp://logs.example.org:601";
         description = ''
