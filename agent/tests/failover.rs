@@ -83,6 +83,7 @@ fn sweep(f: &Fleet, host: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_serves_a_due_need_once_the_home_is_dead_and_the_home_back_releases_it() {
     let mut f = Fleet::new();
+    f.principal("ops");
     providers(&mut f, &["e1", "e2"]);
     consumer(&mut f, &["e1", "e2"]);
     f.start();
@@ -132,6 +133,16 @@ async fn the_standby_serves_a_due_need_once_the_home_is_dead_and_the_home_back_r
     assert!(has_entry(&f, "e2"));
     let (_, table) = f.admin("app", &["status"]);
     assert!(table.contains("e2 (moved "), "{table}");
+    // The fleet view lists it with why it moved (e1 shows as unreachable).
+    let (_, fleet, err) = f.fort("ops", "app", &["fleet"]);
+    let line = fleet
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with(&format!("app:{NEED} from e2 (moved "))
+        })
+        .unwrap_or_else(|| panic!("no moved need in: {fleet}{err}"));
+    assert!(line.contains(": e1 failing since"), "{line}");
     let list = needs_list(&f, "e2").await;
     assert_eq!(list["served_by"], json!({ NEED: "e2" }), "{list}");
 

@@ -199,6 +199,8 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
     columns.push("");
     let mut table = Table::new(&columns);
     let mut needs = Vec::new();
+    // Needs served by another of their providers than before (docs/protocol.md §11.13).
+    let mut moved = Vec::new();
     let mut runs = Vec::new();
     let mut drift = Vec::new();
     for r in rows {
@@ -241,6 +243,15 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
                     }
                 }
                 for n in s["needs"]["items"].as_array().into_iter().flatten() {
+                    if n["home_since"].is_u64() {
+                        moved.push(format!(
+                            "  {}:{} from {}: {}",
+                            r.host,
+                            peer_text(&n["need"]),
+                            from_text(n, now),
+                            peer_text(&n["moved_because"])
+                        ));
+                    }
                     let state = need_state(n);
                     if state != "satisfied" {
                         let reason = peer_text(&n["reason"]);
@@ -315,6 +326,15 @@ pub fn fleet_table(rows: &[FleetRow], expected: Option<&Expected>) -> String {
         );
         for n in needs {
             let _ = writeln!(out, "{n}");
+        }
+    }
+    if !moved.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nMOVED TO ANOTHER PROVIDER (host:need from provider (moved when): why)"
+        );
+        for m in moved {
+            let _ = writeln!(out, "{m}");
         }
     }
     if !runs.is_empty() {
