@@ -2,7 +2,8 @@
 //! check rules` accepts them, and each alert has a `promtool test rules` case that fires
 //! it, and only it, on the series real agents exported in its situation. Agents on
 //! loopback are put in every situation at once (a credential expiring and not renewed, a
-//! provider nobody reaches, a handler that fails, a response whose consumer is gone),
+//! provider nobody reaches, a handler that fails, a response whose consumer is gone, an
+//! audit trail that cannot be written),
 //! beside needs and capabilities that are fine; their /metrics are scraped, and every
 //! series becomes promtool's input, with the labels Prometheus adds when it scrapes.
 
@@ -179,12 +180,20 @@ async fn each_alert_fires_on_what_agents_export_in_its_situation() {
     f.host("ghost");
     f.need("c", "tok/lost", "ghost", json!({"files": file("lost")}));
     f.need("d", "moving/x", "p", json!({"files": file("moving")}));
+    // c's audit trail would go below a regular file: it can never be written.
+    let not_a_dir = f.dir.path().join("not-a-directory");
+    std::fs::write(&not_a_dir, "").unwrap();
     let mut scrapes = BTreeMap::new();
     for host in ["p", "c", "d"] {
         let at = free_addr(&f.host(host).addr.ip().to_string());
         scrapes.insert(host, at);
+        let audit = if host == "c" {
+            format!("[audit]\ndir = \"{}\"\n", not_a_dir.join("audit").display())
+        } else {
+            String::new()
+        };
         f.host(host).extra_toml =
-            format!("metrics_listen = \"{at}\"\n[fulfill]\nbackoff = \"200ms\"\n[callbacks]\nbackoff = \"200ms\"\n");
+            format!("metrics_listen = \"{at}\"\n[fulfill]\nbackoff = \"200ms\"\n[callbacks]\nbackoff = \"200ms\"\n{audit}");
     }
     f.write_files();
     for host in ["p", "c", "d"] {
@@ -234,7 +243,9 @@ async fn each_alert_fires_on_what_agents_export_in_its_situation() {
             && cap("fort_handler_last_run_success", "broken") == Some(0.0)
             && cap("fort_handler_last_run_success", "tok") == Some(1.0)
             && cap("fort_entries_undelivered", "moving").is_some_and(|n| n >= 1.0)
-            && cap("fort_entries_undelivered", "tok") == Some(0.0);
+            && cap("fort_entries_undelivered", "tok") == Some(0.0)
+            && value(&at_c, "fort_audit_writable", &[]) == Some(0.0)
+            && value(&at_p, "fort_audit_writable", &[]) == Some(1.0);
         if ready {
             series = at_p.into_iter().chain(at_c).collect();
         }
@@ -263,11 +274,18 @@ async fn each_alert_fires_on_what_agents_export_in_its_situation() {
         })
         .collect();
     let alerts = alerts_in_rules();
-    let expected: BTreeMap<&str, (SocketAddr, (&str, &str))> = BTreeMap::from([
-        ("FortNeedExpiringNotRenewed", (c, ("need", "tok/expiring"))),
-        ("FortProviderUnreachable", (c, ("from", "ghost"))),
-        ("FortHandlerFailing", (p, ("capability", "broken"))),
-        ("FortEntriesUndelivered", (p, ("capability", "moving"))),
+    let expected: BTreeMap<&str, (SocketAddr, Option<(&str, &str)>)> = BTreeMap::from([
+        (
+            "FortNeedExpiringNotRenewed",
+            (c, Some(("need", "tok/expiring"))),
+        ),
+        ("FortProviderUnreachable", (c, Some(("from", "ghost")))),
+        ("FortHandlerFailing", (p, Some(("capability", "broken")))),
+        (
+            "FortEntriesUndelivered",
+            (p, Some(("capability", "moving"))),
+        ),
+        ("FortAuditUnwritable", (c, None)),
     ]);
     assert_eq!(
         alerts.keys().map(String::as_str).collect::<Vec<_>>(),
@@ -276,13 +294,15 @@ async fn each_alert_fires_on_what_agents_export_in_its_situation() {
     );
     let cases: Vec<Value> = expected
         .iter()
-        .map(|(alert, (instance, (key, value)))| {
-            let labels = BTreeMap::from([
+        .map(|(alert, (instance, label))| {
+            let mut labels = BTreeMap::from([
                 ("severity".to_owned(), "warning".to_owned()),
                 ("job".to_owned(), "fort".to_owned()),
                 ("instance".to_owned(), instance.to_string()),
-                (key.to_string(), value.to_string()),
             ]);
+            if let Some((key, value)) = label {
+                labels.insert(key.to_string(), value.to_string());
+            }
             let annotations: BTreeMap<&String, String> = alerts[*alert]
                 .iter()
                 .map(|(k, t)| (k, render(t, &labels)))

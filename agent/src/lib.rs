@@ -196,7 +196,7 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
                         .collect();
                     let (entries, undelivered, last_run) = provider_gauges(&app);
                     let (restarts, reloads, _) = app.fulfiller.unit_counts();
-                    let gauges = vec![
+                    let mut gauges = vec![
                         ("fort_needs", "Declared needs by state.", counts),
                         (
                             "fort_need_state",
@@ -243,6 +243,7 @@ async fn serve_metrics(app: Arc<App>, listener: TcpListener) {
                             ],
                         ),
                     ];
+                    gauges.extend(audit_gauges(&app.audit));
                     app.metrics.render(&gauges)
                 },
             ),
@@ -266,6 +267,44 @@ type Series = Vec<(String, f64)>;
 
 /// The provider's gauges by capability: entries, undelivered entries, whether the last
 /// handler run succeeded.
+/// The audit trail's series (docs/protocol.md §12.5): none when it is off.
+fn audit_gauges(audit: &fort_core::audit::Audit) -> Vec<metrics::Gauge<'static>> {
+    let Some(st) = audit.stats() else {
+        return Vec::new();
+    };
+    let one = |v: u64| vec![(String::new(), v as f64)];
+    let mut gauges = vec![
+        (
+            "fort_audit_records",
+            "Records written to the audit trail since the agent started.",
+            one(st.records),
+        ),
+        (
+            "fort_audit_lost_records",
+            "Records the audit trail could not take (its queue was full) since the agent started.",
+            one(st.lost),
+        ),
+        (
+            "fort_audit_checkpoints",
+            "Checkpoints signed since the agent started.",
+            one(st.checkpoints),
+        ),
+        (
+            "fort_audit_writable",
+            "1 when the audit trail's last write succeeded, 0 when its files cannot be written.",
+            one(u64::from(st.writable)),
+        ),
+    ];
+    if let Some(n) = st.not_copied {
+        gauges.push((
+            "fort_audit_syslog_not_copied",
+            "Records the remote syslog copy could not send since the agent started (the trail's files still hold them).",
+            one(n),
+        ));
+    }
+    gauges
+}
+
 fn provider_gauges(app: &App) -> (Series, Series, Series) {
     let loaded = app.loaded.load_full();
     let summary = app

@@ -518,23 +518,28 @@ async fn records_reach_a_remote_syslog_server_over_tcp_and_udp() {
         Err(why) => return fort_tests::skip(test, &why),
     };
     let mut f = fleet();
-    for (host, to) in [
-        ("p", format!("tcp://{}", server.tcp)),
-        ("c", format!("udp://{}", server.udp)),
+    let metrics_addr = fort_tests::free_addr("127.0.0.1");
+    for (host, to, metrics) in [
+        (
+            "p",
+            format!("tcp://{}", server.tcp),
+            format!("metrics_listen = \"{metrics_addr}\"\n"),
+        ),
+        ("c", format!("udp://{}", server.udp), String::new()),
     ] {
         f.host(host).extra_toml =
-            format!("[access]\ntrigger = [\"ops\"]\n[audit]\nsyslog = \"{to}\"\n");
+            format!("{metrics}[access]\ntrigger = [\"ops\"]\n[audit]\nsyslog = \"{to}\"\n");
     }
     f.start();
-    let copied = |host: &str, event: &str| {
+    let copied = |server: &fort_tests::syslog::SyslogServer, host: &str, event: &str| {
         server.lines().iter().any(|l| {
             l.starts_with(&format!("{host} fort-agent audit authpriv {{"))
                 && l.contains(&format!("\"event\":\"{event}\""))
         })
     };
     assert!(
-        eventually(Duration::from_secs(60), || copied("p", "issued")
-            && copied("c", "applied"))
+        eventually(Duration::from_secs(60), || copied(&server, "p", "issued")
+            && copied(&server, "c", "applied"))
         .await,
         "{:#?}",
         server.lines()
@@ -600,6 +605,27 @@ async fn records_reach_a_remote_syslog_server_over_tcp_and_udp() {
         })
         .await,
         "the copy did not resume: {:#?}",
+        server.lines()
+    );
+    // What was not copied while the server was down is counted where operators look.
+    let scraped = fort_tests::metrics(metrics_addr);
+    let series = |name: &str| {
+        scraped
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    assert!(
+        series("fort_audit_syslog_not_copied").is_some_and(|n| n >= 1.0),
+        "{scraped}"
+    );
+    assert_eq!(series("fort_audit_writable"), Some(1.0), "{scraped}");
+    assert!(series("fort_audit_records").is_some_and(|n| n >= trail_now as f64));
+    // A stop: its last records are sent before the agent exits.
+    f.stop("p");
+    assert!(
+        eventually(Duration::from_secs(10), || copied(&server, "p", "stop")).await,
+        "the stop record was not copied: {:#?}",
         server.lines()
     );
 }

@@ -5,7 +5,7 @@
 
 use std::net::ToSocketAddrs;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -143,35 +143,67 @@ const QUEUE: usize = 16_384;
 /// How long a server that could not be reached is left before the next try.
 const RETRY: Duration = Duration::from_secs(5);
 
+/// How long the trail's close waits for the copy to send what it still holds: the
+/// records of a stop (the last checkpoint, `stop`) should reach the server, but a server
+/// that does not answer must not hold the agent's stop.
+const DRAIN: Duration = Duration::from_secs(3);
+
 /// The writer's handle on the sending thread.
 pub(super) struct Forward {
-    lines: SyncSender<Box<str>>,
+    /// `None` once closed: the sender then sends what is queued and ends.
+    lines: Option<SyncSender<Box<str>>>,
     dropped: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Forward {
-    pub(super) fn start(target: Target, host: &str) -> Forward {
+    /// Starts the sending thread; `dropped` counts the records it could not send.
+    pub(super) fn start(target: Target, host: &str, dropped: Arc<AtomicU64>) -> Forward {
         let (lines, rx) = mpsc::sync_channel(QUEUE);
-        let dropped = Arc::new(AtomicU64::new(0));
         let sender = Sender {
             target,
             host: host.to_owned(),
             dropped: dropped.clone(),
         };
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("fort-audit-syslog".into())
             .spawn(move || sender.run(rx))
             .expect("a thread for the audit trail's syslog copy");
-        Forward { lines, dropped }
+        Forward {
+            lines: Some(lines),
+            dropped,
+            thread: Some(thread),
+        }
     }
 
     /// Hands one record's line to the sender; never waits.
     pub(super) fn send(&self, line: &str) {
-        match self.lines.try_send(line.into()) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-            }
+        let sent = self
+            .lines
+            .as_ref()
+            .is_some_and(|l| l.try_send(line.into()).is_ok());
+        if !sent {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Forward {
+    /// Closes the queue and waits up to [`DRAIN`] for the sender to send what it holds;
+    /// past that the thread is left to finish (or die with the process) on its own.
+    fn drop(&mut self) {
+        self.lines = None;
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        let deadline = Instant::now() + DRAIN;
+        while !thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if thread.is_finished() {
+            let _ = thread.join();
+        } else {
+            tracing::warn!("the audit trail's syslog copy did not finish sending within {DRAIN:?} of the stop; what it still held is not copied");
         }
     }
 }

@@ -191,6 +191,8 @@ pub struct Stats {
     pub lost: u64,
     pub checkpoints: u64,
     pub writable: bool,
+    /// Records the remote syslog copy could not send (`None`: no copy configured).
+    pub not_copied: Option<u64>,
 }
 
 #[derive(Default)]
@@ -208,6 +210,9 @@ struct Shared {
     records: AtomicU64,
     lost: AtomicU64,
     checkpoints: AtomicU64,
+    /// Records the syslog copy dropped (a full queue, a server that did not answer).
+    not_copied: Arc<AtomicU64>,
+    copies: bool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Records a remote caller's requests cause, per caller and kind: see [`Budget`].
     budgets: Mutex<std::collections::HashMap<(String, &'static str), Bucket>>,
@@ -286,6 +291,7 @@ impl Audit {
     /// starts the writer thread. A directory that cannot be made or read is not fatal:
     /// the trail reports itself unwritable and keeps trying.
     pub fn open(options: Options, signer: Signer) -> Audit {
+        let copies = options.syslog.is_some();
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
@@ -294,6 +300,8 @@ impl Audit {
             records: AtomicU64::new(0),
             lost: AtomicU64::new(0),
             checkpoints: AtomicU64::new(0),
+            not_copied: Arc::new(AtomicU64::new(0)),
+            copies,
             thread: Mutex::new(None),
             budgets: Mutex::new(std::collections::HashMap::new()),
             latest: Mutex::new(None),
@@ -447,10 +455,12 @@ impl Audit {
             lost: s.lost.load(Ordering::Relaxed),
             checkpoints: s.checkpoints.load(Ordering::Relaxed),
             writable: s.writable.load(Ordering::Relaxed),
+            not_copied: s.copies.then(|| s.not_copied.load(Ordering::Relaxed)),
         })
     }
 
-    /// Writes what is queued, a last checkpoint, syncs and stops the writer. Blocks.
+    /// Writes what is queued, a last checkpoint, syncs and stops the writer; gives the
+    /// syslog copy a moment to send what it still holds. Blocks.
     pub fn close(&self) {
         let Some(s) = &self.shared else { return };
         s.queue.lock().stopping = true;

@@ -68,7 +68,7 @@ impl Writer {
         let forward = options
             .syslog
             .clone()
-            .map(|t| super::forward::Forward::start(t, &options.host));
+            .map(|t| super::forward::Forward::start(t, &options.host, shared.not_copied.clone()));
         let mut w = Writer {
             options,
             signer,
