@@ -141,6 +141,9 @@ fn value(
         .map(|(_, _, v)| *v)
 }
 
+/// Where an alert must fire: the agent, and the label besides `instance` it names.
+type Firing = (SocketAddr, Option<(&'static str, &'static str)>);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_alert_fires_on_what_agents_export_in_its_situation() {
     const T: &str = "each_alert_fires_on_what_agents_export_in_its_situation";
@@ -274,7 +277,7 @@ async fn each_alert_fires_on_what_agents_export_in_its_situation() {
         })
         .collect();
     let alerts = alerts_in_rules();
-    let expected: BTreeMap<&str, (SocketAddr, Option<(&str, &str)>)> = BTreeMap::from([
+    let expected: BTreeMap<&str, Firing> = BTreeMap::from([
         (
             "FortNeedExpiringNotRenewed",
             (c, Some(("need", "tok/expiring"))),
