@@ -98,28 +98,12 @@ impl Setup {
     }
 
     fn http(&self) -> reqwest::Client {
-        fort_core::tls::install_default_provider();
-        let ca = std::fs::read(&self.op.ca_file).unwrap();
-        reqwest::Client::builder()
-            .tls_certs_only(reqwest::Certificate::from_pem_bundle(&ca).unwrap())
-            .build()
-            .unwrap()
+        self.op.http()
     }
 
     /// The token endpoint's answer to a client_credentials grant: (status, body).
     fn client_credentials(&self, client_id: &str, secret: &str) -> (u16, Value) {
-        block(async {
-            let r = self
-                .http()
-                .post(self.op.token_endpoint())
-                .basic_auth(client_id, Some(secret))
-                .header("content-type", "application/x-www-form-urlencoded")
-                .body("grant_type=client_credentials")
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
-        })
+        block(self.op.client_credentials(client_id, secret))
     }
 
     /// `cred` gets an access token.

@@ -61,20 +61,14 @@ fn request(rotate: u64) -> Value {
 }
 
 fn consumer(f: &mut Fleet) {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata("/proc/self").expect("/proc/self");
     let dir = f.dir.path().join("run/app");
-    let file = |name: &str| {
-        json!({"name": name, "path": dir.join(name), "pointer": format!("/{name}"),
-               "owner": m.uid().to_string(), "group": m.gid().to_string(), "mode": "0400"})
-    };
     f.need_from(
         "app",
         NEED,
         &["e1", "e2"],
         json!({"nag_seconds": NAG, "failover_after_seconds": FAILOVER_AFTER,
                "request": request(0),
-               "files": [file("client_id"), file("client_secret"), file("issuer")]}),
+               "files": fort_tests::pointer_files(&dir, &["client_id", "client_secret", "issuer"])}),
     );
     f.host("app").extra_toml = "[fulfill]\nbackoff = \"1s\"\ntimeout = \"3s\"\n".into();
 }
@@ -122,29 +116,16 @@ struct Op<'a> {
 
 impl Op<'_> {
     fn new(op: &OidcProvider) -> Op<'_> {
-        fort_core::tls::install_default_provider();
-        let ca = std::fs::read(&op.ca_file).unwrap();
-        let http = reqwest::Client::builder()
-            .tls_certs_only(reqwest::Certificate::from_pem_bundle(&ca).unwrap())
-            .build()
-            .unwrap();
-        Op { op, http }
+        Op {
+            op,
+            http: op.http(),
+        }
     }
 
     /// Whether a client_credentials grant with `id` and `secret` gets an access token; a
     /// refusal must be the provider's `invalid_client`.
     async fn gets_token(&self, id: &str, secret: &str) -> bool {
-        let r = self
-            .http
-            .post(self.op.token_endpoint())
-            .basic_auth(id, Some(secret))
-            .header("content-type", "application/x-www-form-urlencoded")
-            .body("grant_type=client_credentials")
-            .send()
-            .await
-            .unwrap();
-        let status = r.status().as_u16();
-        let body: Value = r.json().await.unwrap_or(Value::Null);
+        let (status, body) = self.op.client_credentials(id, secret).await;
         if status == 200 {
             assert!(body["access_token"].is_string(), "{body}");
             true

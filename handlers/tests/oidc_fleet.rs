@@ -13,23 +13,11 @@ use serde_json::{json, Value};
 
 const TEST: &str = "consumers_get_tokens_with_delivered_clients_through_rotation_and_release";
 
-/// The test's own user and group, as numbers: the files go to whoever runs the test.
-fn owner() -> (String, String) {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata("/proc/self").expect("/proc/self");
-    (m.uid().to_string(), m.gid().to_string())
-}
-
 /// The need: the client as files a service would read.
 fn need(f: &Fleet, host: &str, id: &str, request: Value) -> Value {
     let dir = f.dir.path().join(format!("run/{host}/{id}"));
-    let (user, group) = owner();
-    let file = |name: &str| {
-        json!({"name": name, "path": dir.join(name), "pointer": format!("/{name}"),
-               "owner": user, "group": group, "mode": "0400"})
-    };
     json!({"nag_seconds": 2, "request": request,
-           "files": [file("client_id"), file("client_secret"), file("issuer")]})
+           "files": fort_tests::pointer_files(&dir, &["client_id", "client_secret", "issuer"])})
 }
 
 fn read(f: &Fleet, host: &str, id: &str, name: &str) -> String {
@@ -57,21 +45,7 @@ fn config(op: &OidcProvider, dir: &Path) -> PathBuf {
 
 /// Whether the token endpoint gives an access token for `id` and `secret`.
 async fn gets_token(op: &OidcProvider, id: &str, secret: &str) -> bool {
-    fort_core::tls::install_default_provider();
-    let ca = std::fs::read(&op.ca_file).unwrap();
-    let http = reqwest::Client::builder()
-        .tls_certs_only(reqwest::Certificate::from_pem_bundle(&ca).unwrap())
-        .build()
-        .unwrap();
-    let r = http
-        .post(op.token_endpoint())
-        .basic_auth(id, Some(secret))
-        .header("content-type", "application/x-www-form-urlencoded")
-        .body("grant_type=client_credentials")
-        .send()
-        .await
-        .unwrap();
-    r.status().is_success()
+    op.client_credentials(id, secret).await.0 == 200
 }
 
 fn m2m(name: &str, rotate: u64) -> Value {

@@ -11,23 +11,11 @@ use serde_json::{json, Value};
 
 const TEST: &str = "consumers_log_in_with_delivered_credentials_through_rotation_and_release";
 
-/// The test's own user and group, as numbers: the files go to whoever runs the test.
-fn owner() -> (String, String) {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata("/proc/self").expect("/proc/self");
-    (m.uid().to_string(), m.gid().to_string())
-}
-
 /// The need: the credential as files a service would read.
 fn need(f: &Fleet, host: &str, request: Value) -> Value {
     let dir = f.dir.path().join(format!("run/{host}"));
-    let (user, group) = owner();
-    let file = |name: &str| {
-        json!({"name": name, "path": dir.join(name), "pointer": format!("/{name}"),
-               "owner": user, "group": group, "mode": "0400"})
-    };
     json!({"nag_seconds": 2, "request": request,
-           "files": [file("password"), file("user"), file("dbname"), file("uri")]})
+           "files": fort_tests::pointer_files(&dir, &["password", "user", "dbname", "uri"])})
 }
 
 fn read(f: &Fleet, host: &str, name: &str) -> String {

@@ -47,19 +47,13 @@ fn provider(f: &mut Fleet, pg: &Postgres, host: &str, peer: &str) {
 }
 
 fn consumer(f: &mut Fleet, request: Value) {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata("/proc/self").expect("/proc/self");
     let dir = f.dir.path().join("run/app");
-    let file = |name: &str| {
-        json!({"name": name, "path": dir.join(name), "pointer": format!("/{name}"),
-               "owner": m.uid().to_string(), "group": m.gid().to_string(), "mode": "0400"})
-    };
     f.need_from(
         "app",
         NEED,
         &["db1", "db2"],
         json!({"nag_seconds": 2, "failover_after_seconds": 4, "request": request,
-               "files": [file("password"), file("user"), file("dbname")]}),
+               "files": fort_tests::pointer_files(&dir, &["password", "user", "dbname"])}),
     );
     f.host("app").extra_toml = "[fulfill]\nbackoff = \"1s\"\ntimeout = \"3s\"\n".into();
 }

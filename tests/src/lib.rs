@@ -510,6 +510,22 @@ impl Fleet {
     }
 }
 
+/// A need's files in `dir`, one per name holding the payload's member of that name
+/// (`/<name>`), mode 0400, owned by whoever runs the test (as numbers): what a service
+/// of the test would read.
+pub fn pointer_files(dir: &Path, names: &[&str]) -> Value {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::fs::metadata("/proc/self").expect("/proc/self");
+    let (user, group) = (me.uid().to_string(), me.gid().to_string());
+    names
+        .iter()
+        .map(|name| {
+            json!({"name": name, "path": dir.join(name), "pointer": format!("/{name}"),
+                   "owner": user, "group": group, "mode": "0400"})
+        })
+        .collect()
+}
+
 /// Says that (part of) a test could not run here and why: on stderr, and as a line in
 /// `target/fort-skipped.txt` (or `$FORT_SKIPPED`), which `.ci/run` prints after the run,
 /// so a skip shows in the summary instead of passing silently.

@@ -145,6 +145,32 @@ impl OidcProvider {
         format!("{}/token", self.issuer)
     }
 
+    /// An HTTP client that trusts the provider's TLS root, as a relying party would.
+    pub fn http(&self) -> reqwest::Client {
+        fort_core::tls::install_default_provider();
+        let ca = std::fs::read(&self.ca_file).expect("the provider's TLS root");
+        reqwest::Client::builder()
+            .tls_certs_only(reqwest::Certificate::from_pem_bundle(&ca).expect("PEM"))
+            .build()
+            .expect("an HTTP client")
+    }
+
+    /// The token endpoint's answer to a client_credentials grant with `id` and `secret`:
+    /// its status and JSON body (`Null` when the body is not JSON).
+    pub async fn client_credentials(&self, id: &str, secret: &str) -> (u16, serde_json::Value) {
+        let r = self
+            .http()
+            .post(self.token_endpoint())
+            .basic_auth(id, Some(secret))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body("grant_type=client_credentials")
+            .send()
+            .await
+            .expect("the token endpoint answers");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
     /// Stops the provider (a test of a provider that is down).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
