@@ -466,7 +466,7 @@ impl Fulfiller {
     ) -> Result<Written, String> {
         let own_dir = {
             let view = self.inner.view.lock();
-            crate::fulfiller::own_directory(&view.needs, key, spec)
+            crate::reload::own_directory(&view.needs, key, spec)
         };
         let own_dir = own_dir.as_deref();
         if spec.keys.is_empty() {

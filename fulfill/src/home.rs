@@ -13,7 +13,7 @@ use fort_core::store::PersistError;
 use fort_core::wire::unix_now;
 use tokio::time::Instant;
 
-use crate::fulfiller::declaration_hash;
+use crate::reload::declaration_hash;
 use crate::state::NeedState;
 use crate::Fulfiller;
 

@@ -14,6 +14,7 @@ mod fulfiller;
 mod home;
 pub mod keys;
 mod preview;
+mod reload;
 mod request;
 mod safe_path;
 mod schedule;

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use fort_core::schema::{NeedSpec, Needs};
 use serde::{Deserialize, Serialize};
 
-use crate::fulfiller::{declaration_hash, declared_files, declares_path};
+use crate::reload::{declaration_hash, declared_files, declares_path};
 use crate::Fulfiller;
 
 /// One need that would be asked for, released, asked again, or updated in place.

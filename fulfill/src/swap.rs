@@ -347,7 +347,7 @@ mod tests {
 
     #[test]
     fn only_a_directory_no_other_need_uses_is_a_need_own() {
-        use crate::fulfiller::own_directory;
+        use crate::reload::own_directory;
         use fort_core::names::NeedKey;
         use fort_core::schema::{NeedSpec, Needs};
         let spec = |paths: &[&str]| -> NeedSpec {
