@@ -8,7 +8,16 @@ pub const NAMESPACE: &str = "fort-agent";
 
 /// Lower-case hex SHA-256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
+    hex_lower(&Sha256::digest(bytes))
+}
+
+/// Lower-case hex of a digest. `hex::encode` goes through a `char` iterator; hashes are
+/// taken per record, per payload and per request, so this one fills a buffer of the
+/// right length at once.
+pub fn hex_lower(digest: &[u8]) -> String {
+    let mut out = vec![0u8; digest.len() * 2];
+    hex::encode_to_slice(digest, &mut out).expect("the buffer is twice the input");
+    String::from_utf8(out).expect("hex digits are ASCII")
 }
 
 /// The manifest hash of §11.7: SHA-256 of `hosts.json`, `\n`, `needs.json`, `\n`,
@@ -20,7 +29,7 @@ pub fn manifest_sha256(hosts: &[u8], needs: &[u8], capabilities: &[u8]) -> Strin
     h.update(needs);
     h.update(b"\n");
     h.update(capabilities);
-    hex::encode(h.finalize())
+    hex_lower(&h.finalize())
 }
 
 /// The eight-line request string of §3.
@@ -51,6 +60,13 @@ pub fn response_bytes(responder: &str, nonce: &str, status: u16, body: &[u8]) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_is_lower_case_as_hex_encode_writes_it() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        assert_eq!(hex_lower(&bytes), hex::encode(&bytes));
+        assert_eq!(hex_lower(&[]), "");
+    }
 
     #[test]
     fn the_manifest_hash_example_of_the_protocol_document() {

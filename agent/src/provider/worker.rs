@@ -474,9 +474,8 @@ impl Worker {
                     if let Some(event) = answer.event(verdict, entry.current_hash()) {
                         let issued = matches!(event.event, "issued" | "renewed");
                         let force = pending.force || pending.force_entries.contains(key);
-                        let detail = serde_json::json!({"trigger": trigger, "force": force});
                         events.push((
-                            event.entry(key).detail(detail),
+                            event.entry(key).run(trigger, force),
                             new.clone().filter(|_| issued),
                         ));
                     }

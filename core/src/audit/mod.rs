@@ -4,6 +4,7 @@
 //! writer thread through a bounded queue, so no request waits on the disk.
 
 mod forward;
+mod line;
 mod read;
 mod witness;
 mod writer;
@@ -42,6 +43,8 @@ pub fn checkpoint_trailer(host: &str, count: u64, head: &str, at: u64) -> String
 
 /// One thing that happened, as its record names it. Never a secret: payloads and
 /// requests appear as hashes only (a request as a keyed hash, see [`Event::request`]).
+/// A record's line writes these fields in this order (`line.rs`, whose test holds it to
+/// this derived `Serialize`): a field added here is added there too.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Event {
     pub event: &'static str,
@@ -94,6 +97,10 @@ pub struct Event {
     /// The request, hashed by the writer (off the request's path) into `request`.
     #[serde(skip)]
     pub request_text: Option<Arc<RawValue>>,
+    /// A handler run's `trigger` and `force`, written as the `detail` object
+    /// `{"force":…,"trigger":…}` (see [`Event::run`]) when `detail` is not set.
+    #[serde(skip)]
+    pub run: Option<(&'static str, bool)>,
 }
 
 impl Event {
@@ -154,6 +161,13 @@ impl Event {
     }
     pub fn detail(mut self, v: Value) -> Event {
         self.detail = Some(v);
+        self
+    }
+    /// The `detail` of a record a handler run made: what triggered it and whether it was
+    /// forced. The same bytes as `detail(json!({"trigger": …, "force": …}))`, without
+    /// building a map for every entry a run answers.
+    pub fn run(mut self, trigger: &'static str, force: bool) -> Event {
+        self.run = Some((trigger, force));
         self
     }
     /// `<consumer>:<type>/<id>` split into its consumer and need.
@@ -488,11 +502,22 @@ pub fn hash_key(signer: &Signer) -> [u8; 32] {
 const HASH_KEY_SALT: &[u8] = b"fort-audit";
 const HASH_KEY_INFO: &[u8] = b"fort-audit keyed hash";
 
-/// HMAC-SHA-256 of `bytes` under `key`, lower-case hex.
-pub fn keyed_hash(key: &[u8; 32], bytes: &[u8]) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
-    mac.update(bytes);
-    hex::encode(mac.finalize().into_bytes())
+/// HMAC-SHA-256 under a [`hash_key`], keyed once: each hash starts from a copy of the
+/// keyed state instead of hashing the key's pads again.
+#[derive(Clone)]
+pub struct KeyedHash(Hmac<Sha256>);
+
+impl KeyedHash {
+    pub fn new(key: &[u8; 32]) -> KeyedHash {
+        KeyedHash(Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length"))
+    }
+
+    /// HMAC-SHA-256 of `bytes`, lower-case hex.
+    pub fn of(&self, bytes: &[u8]) -> String {
+        let mut mac = self.0.clone();
+        mac.update(bytes);
+        crate::canonical::hex_lower(&mac.finalize().into_bytes())
+    }
 }
 
 /// `SHA256:<base64>` of an OpenSSH public key, as `ssh-keygen -l` prints it.

@@ -7,8 +7,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
 use super::{
     checkpoint_trailer, witness_line, Event, Options, Shared, Witnessed, GENESIS, NAMESPACE,
 };
@@ -18,17 +16,12 @@ use crate::sign::Signer;
 /// How often queued records are written when fewer than a wake-up's worth arrive.
 const TICK: Duration = Duration::from_millis(100);
 
+/// The largest queue vector kept for the next round (records, of a few hundred bytes
+/// each): a burst that filled a larger one gives its memory back.
+const SPARE_KEPT: usize = 8192;
+
 /// How often an unwritable trail is tried again while nothing is queued.
 const PROBE: Duration = Duration::from_secs(1);
-
-#[derive(Serialize)]
-struct Record<'a> {
-    seq: u64,
-    at: u64,
-    prev: &'a str,
-    #[serde(flatten)]
-    event: &'a Event,
-}
 
 /// The file records are appended to.
 struct Current {
@@ -41,7 +34,7 @@ pub(super) struct Writer {
     options: Options,
     signer: Signer,
     shared: Arc<Shared>,
-    key: [u8; 32],
+    keyed: super::KeyedHash,
     seq: u64,
     head: String,
     current: Option<Current>,
@@ -55,6 +48,8 @@ pub(super) struct Writer {
     complained: bool,
     /// The remote syslog copy, if one is configured.
     forward: Option<super::forward::Forward>,
+    /// The queue's vector from the last round, emptied, for the next.
+    spare: Vec<(u64, Event)>,
 }
 
 /// A file's name: the seq of its first record, so names sort in the chain's order.
@@ -64,7 +59,7 @@ pub(super) fn file_name(first_seq: u64) -> String {
 
 impl Writer {
     pub(super) fn open(options: Options, signer: Signer, shared: Arc<Shared>) -> Writer {
-        let key = super::hash_key(&signer);
+        let keyed = super::KeyedHash::new(&super::hash_key(&signer));
         let forward = options
             .syslog
             .clone()
@@ -73,7 +68,7 @@ impl Writer {
             options,
             signer,
             shared,
-            key,
+            keyed,
             seq: 0,
             head: GENESIS.to_owned(),
             current: None,
@@ -84,6 +79,7 @@ impl Writer {
             last_probe: Instant::now(),
             complained: false,
             forward,
+            spare: Vec::new(),
         };
         match w.resume() {
             Ok(torn) => {
@@ -153,14 +149,16 @@ impl Writer {
 
     pub(super) fn run(mut self) {
         loop {
-            let (events, lost, stopping) = {
+            let (mut events, lost, stopping) = {
                 let mut q = self.shared.queue.lock();
                 if q.events.is_empty() && !q.stopping {
                     self.shared.wake.wait_for(&mut q, TICK);
                 }
                 if self.unsaved.is_empty() {
+                    // The queue goes on in the vector emptied last time: a burst of
+                    // records is not queued into one grown from nothing, copy by copy.
                     (
-                        std::mem::take(&mut q.events),
+                        std::mem::replace(&mut q.events, std::mem::take(&mut self.spare)),
                         std::mem::take(&mut q.lost),
                         q.stopping,
                     )
@@ -170,8 +168,11 @@ impl Writer {
                 }
             };
             let idle = events.is_empty() && lost == 0;
-            for (at, event) in events {
+            for (at, event) in events.drain(..) {
                 self.append(at, event);
+            }
+            if events.capacity() <= SPARE_KEPT {
+                self.spare = events;
             }
             if lost > 0 {
                 let event = Event::new("lost").detail(serde_json::json!({ "records": lost }));
@@ -211,20 +212,14 @@ impl Writer {
 
     fn chain(&mut self, at: u64, mut event: Event) {
         if let Some(text) = event.request_text.take() {
-            event.request = Some(super::keyed_hash(&self.key, text.get().as_bytes()));
+            event.request = Some(self.keyed.of(text.get().as_bytes()));
         }
         if self.unsaved.is_empty() {
             self.unsaved_first = self.seq + 1;
         }
         self.seq += 1;
-        let record = Record {
-            seq: self.seq,
-            at,
-            prev: &self.head,
-            event: &event,
-        };
         let start = self.unsaved.len();
-        serde_json::to_writer(&mut self.unsaved, &record).expect("a record serialises");
+        super::line::write_record(&mut self.unsaved, self.seq, at, &self.head, &event);
         self.unsaved.push(b'\n');
         let line = &self.unsaved[start..];
         self.head = sha256_hex(line);
