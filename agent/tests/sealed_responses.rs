@@ -52,17 +52,6 @@ fn runs(f: &Fleet) -> usize {
         .unwrap_or(0)
 }
 
-fn new_key(f: &Fleet, name: &str) -> PathBuf {
-    let path = f.dir.path().join(name);
-    let out = Command::new(fort_tests::bin("fort-agent"))
-        .args(["state-key", "new"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    path
-}
-
 fn use_key(f: &mut Fleet, key: Option<&Path>) {
     let base = "[callbacks]\nbackoff = \"200ms\"\n[fulfill]\nbackoff = \"200ms\"\n";
     f.host("p").extra_toml = match key {
@@ -122,7 +111,7 @@ async fn plain_responses_are_sealed_in_place_and_nothing_is_asked_again() {
     let (handler_runs, delivered_at) = (runs(&f), modified(&delivered));
 
     // With a key: sealed in place at the start; the entry and its delivery stand.
-    let k1 = new_key(&f, "k1");
+    let k1 = f.new_state_key("k1");
     use_key(&mut f, Some(&k1));
     f.start_host("p");
     let snap = snapshot(&f);
@@ -176,7 +165,7 @@ async fn plain_responses_are_sealed_in_place_and_nothing_is_asked_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_key_no_key_and_a_changed_response_stop_the_start_and_rotate_moves_on() {
     let (mut f, _) = fleet();
-    let k1 = new_key(&f, "k1");
+    let k1 = f.new_state_key("k1");
     use_key(&mut f, Some(&k1));
     f.start();
     assert!(satisfied(&f).await);
@@ -191,7 +180,7 @@ async fn another_key_no_key_and_a_changed_response_stop_the_start_and_rotate_mov
         f.config_path("p").display()
     );
 
-    let k2 = new_key(&f, "k2");
+    let k2 = f.new_state_key("k2");
     use_key(&mut f, Some(&k2));
     let why = refused(&mut f);
     assert!(
@@ -263,7 +252,7 @@ async fn a_key_file_others_may_read_is_refused_unless_systemd_holds_it() {
     use std::os::unix::fs::PermissionsExt;
     let (mut f, _) = fleet();
     f.write_files();
-    let key = new_key(&f, "k");
+    let key = f.new_state_key("k");
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
     use_key(&mut f, Some(&key));
     let why = refused(&mut f);

@@ -40,17 +40,6 @@ fn forge() -> (Fleet, PathBuf) {
     (f, ca_key)
 }
 
-fn new_key(f: &Fleet, name: &str) -> PathBuf {
-    let path = f.dir.path().join(name);
-    let out = Command::new(fort_tests::bin("fort-agent"))
-        .args(["state-key", "new"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    path
-}
-
 fn use_key(f: &mut Fleet, key: Option<&Path>) {
     f.host("forge").extra_toml = match key {
         Some(k) => format!("state_key_file = \"{}\"\n", k.display()),
@@ -95,7 +84,7 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
     f.kill("forge");
 
     // With a key: the handler's plain key is sealed in place at its next run.
-    let k1 = new_key(&f, "k1");
+    let k1 = f.new_state_key("k1");
     use_key(&mut f, Some(&k1));
     f.start_host("forge");
     assert!(
@@ -107,7 +96,7 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
 
     // Another key: the start stops, naming the file and the way on; nothing changes.
     let before = std::fs::read(&ca_key).unwrap();
-    let k2 = new_key(&f, "k2");
+    let k2 = f.new_state_key("k2");
     use_key(&mut f, Some(&k2));
     let why = refused(&mut f);
     assert!(why.contains(&ca_key.display().to_string()), "{why}");

@@ -466,6 +466,19 @@ impl Fleet {
         )
     }
 
+    /// A new state key in the fleet's directory under `name`, made as an operator makes
+    /// one: `fort-agent state-key new FILE`.
+    pub fn new_state_key(&self, name: &str) -> PathBuf {
+        let path = self.dir.path().join(name);
+        let out = Command::new(bin("fort-agent"))
+            .args(["state-key", "new"])
+            .arg(&path)
+            .output()
+            .expect("run fort-agent state-key new");
+        assert!(out.status.success(), "{out:?}");
+        path
+    }
+
     /// The agent's status document over the admin socket.
     pub fn status(&self, host: &str) -> Value {
         let (_, out) = self.admin(host, &["status", "--json"]);
