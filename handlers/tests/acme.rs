@@ -4,9 +4,7 @@
 //! names outside the caller's allowance refused before any request; unchanged entries
 //! answered with the CA stopped; renew issuing a new certificate; release revoking it.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use fort_tests::dns::{DnsServer, Flavor};
@@ -39,31 +37,13 @@ fn run(config: &Path, input: &Value) -> Run {
 
 /// [`run`] with the state key `key` (`FORT_STATE_KEY_FILE`): the state sealed.
 fn run_keyed(config: &Path, input: &Value, key: Option<&Path>) -> Run {
-    let mut command = Command::new(fort_tests::bin("fort-handler"));
-    if let Some(k) = key {
-        command.env(fort_core::sealed::KEY_FILE_ENV, k);
-    }
-    let mut child = command
-        .args(["acme", "--config"])
-        .arg(config)
-        .env("FORT_TRIGGER", "request")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    Run {
-        ok: out.status.success(),
-        out: serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    let key = key.map(|k| k.to_string_lossy().into_owned());
+    let env: Vec<(&str, &str)> = key
+        .iter()
+        .map(|k| (fort_core::sealed::KEY_FILE_ENV, k.as_str()))
+        .collect();
+    let (ok, out, stderr) = fort_tests::run_handler("acme", config, "request", &env, input);
+    Run { ok, out, stderr }
 }
 
 /// Runs the handler as the agent would (again after `$fort_rerun_after`, the response

@@ -5,9 +5,8 @@
 //! broken file) with the others still serving. The fleet of real agents is in
 //! `proxy_fleet.rs`.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use fort_tests::nginx::{Nginx, Upstream};
 use serde_json::{json, Value};
@@ -96,32 +95,7 @@ impl Setup {
 }
 
 fn run_handler(config: &Path, trigger: &str, input: &Value) -> (bool, Value, String) {
-    let mut child = Command::new(fort_tests::bin("fort-handler"))
-        .args(["proxy", "--config"])
-        .arg(config)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("FORT_HOST", "edge")
-        .env("FORT_CAPABILITY", "proxy")
-        .env("FORT_TRIGGER", trigger)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    (
-        out.status.success(),
-        stdout,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    fort_tests::run_handler("proxy", config, trigger, &[("FORT_HOST", "edge")], input)
 }
 
 fn refusal(out: &Value, key: &str) -> String {
