@@ -270,7 +270,7 @@ pub fn verify_dir(
         }
         if !witnesses.is_empty() {
             println!(
-                "{} checkpoints witnessed by the copies given, {} of them not in the trail as witnessed; {} older than the trail's first kept record (rotated away, or a trail begun again: not checked); {} records of the copies not signed by {host}",
+                "{} checkpoints witnessed by the copies given, {} of them not in the trail as witnessed; {} older than the trail's first kept record, proven its ancestors by the checkpoint index; {} records of the copies not signed by {host}",
                 held.checked,
                 held.problems.len(),
                 held.predating,

@@ -107,6 +107,10 @@ pub fn check(config_path: &Path, options: CheckOptions) -> anyhow::Result<Checke
     if !options.skip_key {
         let signer = fort_core::sign::Signer::from_file(&config.host_key)?;
         check_own_key(&config, &loaded, &signer)?;
+        // Every rule the start applies to the state key: where it comes from, its mode,
+        // owner and directories, and that every sealed file opens with it. Like the host
+        // key, it exists only on the host (a build checks with --skip-key).
+        crate::state_key::load_and_check(&config).map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     let mut warnings = Vec::new();
     if !options.skip_handlers {

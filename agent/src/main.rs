@@ -298,6 +298,9 @@ fn print_admin(
 
 fn main() -> ExitCode {
     tune_allocator();
+    // Named crash points on every state write (docs/crash-points.md): off unless
+    // FAILPOINTS names one, as the crash lane does.
+    fort_core::crash::setup();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -10,9 +10,8 @@
 use parking_lot::Mutex;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufRead, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, PartialEq, Eq)]
@@ -86,14 +85,10 @@ pub struct NonceStore {
     window: u64,
 }
 
-/// Opens a file for appending: created 0600, never through a symlink.
+/// Opens a file for appending (and reading its last byte): created 0600, a regular file
+/// only, never through a symlink.
 fn open_append(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
+    fort_core::fsx::open_read_append(path)
 }
 
 impl NonceStore {
@@ -115,11 +110,7 @@ impl NonceStore {
         if let Some(dir) = dir {
             let path = dir.join("nonces.log");
             for file in [path.with_extension("log.old"), path.clone()] {
-                let f = match OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .open(&file)
-                {
+                let f = match fort_core::fsx::open_regular(&file) {
                     Ok(f) => f,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                     Err(e) => {
@@ -148,6 +139,8 @@ impl NonceStore {
                 }
             }
             let file = open_append(&path)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+            end_torn_line(&file)
                 .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
             inner.journal = Some(Journal {
                 path,
@@ -216,7 +209,12 @@ impl NonceStore {
                 rotate(journal, now);
             }
             let line = format!("{expires} {origin} {nonce_hex}\n");
-            if let Err(e) = journal.file.write_all(line.as_bytes()) {
+            let (first, rest) = line.as_bytes().split_at(line.len() / 2);
+            let written = journal.file.write_all(first).and_then(|()| {
+                fort_core::crash::point("nonce.journal.torn");
+                journal.file.write_all(rest)
+            });
+            if let Err(e) = written {
                 tracing::warn!(error = %e, "nonce journal write failed; replay protection across restarts is degraded");
             }
         }
@@ -230,6 +228,25 @@ impl NonceStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Ends a line a kill cut short (a torn last record) before anything is appended behind
+/// it: the next record must not run on from it, and is then read back whole.
+fn end_torn_line(file: &File) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = file.metadata()?.len();
+    if len == 0 {
+        return Ok(());
+    }
+    let mut last = [0u8; 1];
+    let mut reader = file;
+    reader.seek(SeekFrom::Start(len - 1))?;
+    reader.read_exact(&mut last)?;
+    if last[0] != b'\n' {
+        let mut writer = file;
+        writer.write_all(b"\n")?;
+    }
+    Ok(())
 }
 
 fn rotate(journal: &mut Journal, now: u64) {

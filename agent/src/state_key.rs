@@ -60,44 +60,115 @@ pub fn load_and_check(config: &Config) -> Result<Option<Arc<StateKey>>, String> 
     Ok(Some(key))
 }
 
-/// A key file that others than its owner may read (or replace) gives away every sealed
-/// file, so the agent does not start with it. A systemd credential is exempt: systemd
+/// A key file that anyone but the agent's user (or root) may read or replace gives away
+/// every sealed file, so the agent does not start with it: its mode must keep group and
+/// others out, it must belong to the agent's user or root, and no directory on its way
+/// may let another user swap it (writable by group or others; a world-writable directory
+/// with the sticky bit, such as /tmp, still lets its owner's files alone, so only its
+/// own directory must not be writable at all). A link is followed and both the link's
+/// place and its target are held to this. A systemd credential is exempt: systemd
 /// decrypts it into the unit's own `$CREDENTIALS_DIRECTORY` and decides its mode.
-fn check_private(file: &Path) -> Result<(), String> {
-    use std::os::unix::fs::PermissionsExt;
+pub fn check_private(file: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
     if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") {
         if file.starts_with(Path::new(&dir)) {
             return Ok(());
         }
     }
     let shown = file.display();
-    let mode = std::fs::metadata(file)
-        .map_err(|e| format!("cannot read the state key {shown}: {e}"))?
-        .permissions()
-        .mode()
-        & 0o777;
+    let meta =
+        std::fs::metadata(file).map_err(|e| format!("cannot read the state key {shown}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("the state key {shown} is not a regular file"));
+    }
+    let mode = meta.mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(format!(
             "the state key {shown} has mode {mode:04o}: its group or others may read it, and whoever reads it opens every sealed file. The agent does not start with it: make it its owner's alone (`chmod 600 {shown}`), or give it as a systemd credential (LoadCredentialEncrypted=, read from $CREDENTIALS_DIRECTORY)"
         ));
     }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(format!(
+            "the state key {shown} belongs to user {} (the agent runs as user {me}): its owner can read or replace it. The agent does not start with it: `chown` it to the agent's user or root",
+            meta.uid()
+        ));
+    }
+    let mut places = vec![file.to_path_buf()];
+    if let Ok(target) = std::fs::canonicalize(file) {
+        if target != file {
+            places.push(target);
+        }
+    }
+    for place in &places {
+        let abs = std::path::absolute(place).unwrap_or_else(|_| place.clone());
+        for (depth, dir) in abs.ancestors().skip(1).enumerate() {
+            let Ok(d) = std::fs::metadata(dir) else {
+                continue;
+            };
+            let writable = d.mode() & 0o022 != 0;
+            let sticky = d.mode() & 0o1000 != 0;
+            let foreign = d.uid() != me && d.uid() != 0;
+            if (writable && (depth == 0 || !sticky)) || foreign {
+                return Err(format!(
+                    "the state key {shown} lies in {} ({}): another user could replace the key there. The agent does not start with it: keep the key in a directory only its owner or root may change (or give it as a systemd credential)",
+                    dir.display(),
+                    if foreign {
+                        format!("owned by user {}", d.uid())
+                    } else {
+                        format!("mode {:04o}", d.mode() & 0o7777)
+                    }
+                ));
+            }
+        }
+    }
     Ok(())
 }
 
-/// Opens every sealed file under `dir` with `key`; the number of them.
+/// Opens every sealed file under `dir`, and every one the handlers noted in its registry
+/// (also outside it), with `key`; the number of them.
 fn check(dir: &Path, key: Option<&StateKey>) -> Result<usize, String> {
-    let files = sealed::sealed_files(dir)
-        .map_err(|e| format!("cannot look for sealed files in {}: {e}", dir.display()))?;
+    let files = known_sealed_files(dir, &[])?;
     for file in &files {
         sealed::read(file, key).map_err(|e| e.to_string())?;
     }
     Ok(files.len())
 }
 
+/// The sealed files fort keeps: under the state directory and `extra_dirs`, and those the
+/// handlers noted in the state directory's registry. A temporary file a killed writer left
+/// beside one is removed on the way (it was never state).
+fn known_sealed_files(state_dir: &Path, extra_dirs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
+    let mut files = Vec::new();
+    for dir in std::iter::once(state_dir).chain(extra_dirs.iter().map(PathBuf::as_path)) {
+        files.extend(
+            sealed::sealed_files(dir)
+                .map_err(|e| format!("cannot look for sealed files in {}: {e}", dir.display()))?,
+        );
+    }
+    for noted in sealed::noted(state_dir) {
+        let bytes = fort_core::fsx::read_regular(&noted, 1 << 30)
+            .map_err(|e| format!("cannot read {}: {e}", noted.display()))?;
+        if sealed::is_sealed(&bytes) {
+            files.push(noted);
+        }
+    }
+    files.sort();
+    files.dedup();
+    for f in &files {
+        fort_core::store::remove_stale_temporaries_of(f);
+    }
+    Ok(files)
+}
+
 /// `fort-agent state-key rotate`: every sealed file under the state directory and
-/// `extra_dirs` sealed again with the key in `new_file`, each atomically. Files already
-/// under the new key are left alone, so that a rotation cut short is finished by running
-/// it again. The agent must be stopped (the caller checks).
+/// `extra_dirs`, and every one the handlers noted (an SSH CA key, a handler's state kept
+/// elsewhere), sealed again with the key in `new_file`, each atomically. Files already
+/// under the new key are left alone, and a temporary file a cut-short run left is never
+/// taken for one, so a rotation cut short is finished by running it again. A file that
+/// opens with neither key stops the rotation, which names it and every file still under
+/// the old key: nothing is left behind unsaid. The agent must be stopped (the caller
+/// checks).
 pub fn rotate(
     config: &Config,
     old_file: Option<&Path>,
@@ -109,8 +180,6 @@ pub fn rotate(
         Ok(f) => Some(StateKey::load(&f)?),
         Err(_) => None,
     };
-    let mut dirs = vec![config.state_dir.clone()];
-    dirs.extend(extra_dirs.iter().cloned());
     let (mut resealed, mut already) = (0usize, 0usize);
     // The provider's cached responses, sealed inside a file that is otherwise plain.
     let provider = config.state_dir.join(crate::provider::state::FILE);
@@ -127,25 +196,47 @@ pub fn rotate(
         Resealed::Already => already += 1,
         Resealed::Plain | Resealed::Absent => {}
     }
-    for dir in &dirs {
-        let files = sealed::sealed_files(dir)
-            .map_err(|e| format!("cannot look for sealed files in {}: {e}", dir.display()))?;
-        for file in files {
-            let bytes =
-                std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let files = known_sealed_files(&config.state_dir, extra_dirs)?;
+    let mut left: Vec<String> = Vec::new();
+    let mut failure: Option<String> = None;
+    for file in &files {
+        let outcome = (|| {
+            let bytes = fort_core::fsx::read_regular(file, 1 << 30)
+                .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
             if sealed::key_id_of(&bytes).as_deref() == Some(new.id()) {
                 // Opened, not just recognised: a damaged file is reported now.
-                new.open(&file, &bytes).map_err(|e| e.to_string())?;
-                already += 1;
-                continue;
+                new.open(file, &bytes).map_err(|e| e.to_string())?;
+                return Ok(false);
             }
-            let plain = sealed::open_bytes(&file, bytes, old.as_ref())
+            let plain = sealed::open_bytes(file, bytes, old.as_ref())
                 .map_err(|e| e.to_string())?
                 .plain;
-            sealed::write(&file, &plain, Some(&new))
-                .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
-            resealed += 1;
+            sealed::write_at(
+                file,
+                &plain,
+                Some(&new),
+                Some(fort_core::crash::replace_temp("state-key.rotate.temp")),
+            )
+            .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+            fort_core::crash::point("state-key.rotate.between");
+            Ok(true)
+        })();
+        match outcome {
+            Ok(true) => resealed += 1,
+            Ok(false) => already += 1,
+            Err(e) => {
+                left.push(file.display().to_string());
+                failure.get_or_insert(e);
+            }
         }
+    }
+    if let Some(e) = failure {
+        return Err(format!(
+            "{e}\nthe rotation is not finished: {} file(s) are not sealed with the state key {} ({}); {resealed} were sealed with it now and {already} already were. Keep the old key until every file is rotated: fix the file named first, or move it aside, and run the rotation again",
+            left.len(),
+            new.id(),
+            left.join(", ")
+        ));
     }
     Ok(format!(
         "sealed {resealed} file(s) with the state key {} ({already} already were); install {} as the agent's state key before starting it",

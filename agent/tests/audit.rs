@@ -310,6 +310,14 @@ fn witnesses_catch_a_trail_cut_short(f: &Fleet, c: &[Value]) {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(cut.path().join(file.file_name().unwrap()), kept).unwrap();
+    // The checkpoint index cut the same way: the index alone would show the cut.
+    let index: String = std::fs::read_to_string(audit_dir(f, "p").join("checkpoints.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| serde_json::from_str::<Value>(l).unwrap()["count"].as_u64() < Some(last - 2))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(cut.path().join("checkpoints.jsonl"), index).unwrap();
     let alone =
         fort_core::audit::verify(cut.path(), "p", &[f.hosts["p"].signer.public_key().clone()])
             .unwrap();
@@ -364,6 +372,9 @@ fn tampered(
     edit(&mut lines);
     let copy = dir.join(file.file_name().unwrap());
     std::fs::write(&copy, lines.join("\n") + "\n").unwrap();
+    // An operator's copy is of the whole directory: the checkpoint index with it.
+    let index = file.parent().unwrap().join("checkpoints.jsonl");
+    std::fs::copy(&index, dir.join("checkpoints.jsonl")).unwrap();
     let last = *checkpoint_lines(&copy).last().unwrap();
     let accepted = ssh_keygen_accepts(&copy, last, key);
     // As an operator checks a copy with nothing but the fleet's hosts.json.

@@ -168,3 +168,144 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
         "{why}"
     );
 }
+
+/// `forge` as docs/without-nixos.md sets it up: the SSH CA key and the handler's state in
+/// a directory of their own, outside the agent's state directory.
+fn forge_outside() -> (Fleet, PathBuf, PathBuf) {
+    let mut f = Fleet::new();
+    f.host("forge");
+    let d = f.host_dir("forge");
+    let ca = d.join("ca");
+    let config = d.join("ssh-ca.json");
+    std::fs::create_dir_all(&ca).unwrap();
+    std::fs::write(
+        &config,
+        json!({"ca_key_file": ca.join("ssh_ca_key"), "generate_ca_key": true,
+               "state_file": ca.join("state/ssh-ca.json"),
+               "hosts_file": d.join("hosts.json"),
+               "host_principals": {"*": ["{origin}"]}})
+        .to_string(),
+    )
+    .unwrap();
+    f.capability(
+        "forge",
+        "ssh-ca",
+        json!({"handler": fort_tests::bin("fort-handler"),
+               "args": ["ssh-ca", "--config", config], "mode": "async",
+               "triggers": {"initialize": true}}),
+    );
+    (f, ca.join("ssh_ca_key"), ca.join("state/ssh-ca.json"))
+}
+
+fn key_id(path: &Path) -> Option<String> {
+    fort_core::sealed::key_id_of(&std::fs::read(path).ok()?)
+}
+
+/// A temporary file beside `path` (what an atomic write killed before its rename leaves).
+fn temporaries_beside(path: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .filter(|e| fort_core::store::temporary_pid(&e.file_name()).is_some())
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Rotation finds the CA key and the handler's state kept outside the state directory
+/// (the handlers note every file they seal); a rotation killed at its crash point, after
+/// a file's sealed copy is written and before its rename, is finished by running it
+/// again; and a handler killed while it saves its state leaves nothing the next start of
+/// the agent refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_rotation_finishes_and_finds_files_outside_the_state_directory() {
+    let (mut f, ca_key, state) = forge_outside();
+    let k1 = f.new_state_key("k1");
+    use_key(&mut f, Some(&k1));
+    f.start();
+    let id1 = fort_core::sealed::StateKey::load(&k1)
+        .unwrap()
+        .id()
+        .to_owned();
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            key_id(&ca_key).as_deref() == Some(&id1) && key_id(&state).as_deref() == Some(&id1)
+        })
+        .await,
+        "the CA key and state were not sealed:\n{}",
+        log(&f)
+    );
+    f.kill("forge");
+
+    let k2 = f.new_state_key("k2");
+    let id2 = fort_core::sealed::StateKey::load(&k2)
+        .unwrap()
+        .id()
+        .to_owned();
+    let rotate = |crash_at: Option<&str>| {
+        let mut cmd = Command::new(fort_tests::bin("fort-agent"));
+        cmd.args(["state-key", "rotate", "--config"])
+            .arg(f.config_path("forge"))
+            .arg("--old-key")
+            .arg(&k1)
+            .arg("--new-key")
+            .arg(&k2);
+        if let Some(point) = crash_at {
+            cmd.env("FAILPOINTS", format!("{point}=return"));
+        }
+        cmd.output().unwrap()
+    };
+    // Killed at provider-state.json's rename, then (run again) at the CA key's: each
+    // time a sealed temporary file is left beside the file.
+    use std::os::unix::process::ExitStatusExt;
+    let mut left = Vec::new();
+    for point in ["state-key.rotate.snapshot", "state-key.rotate.temp"] {
+        let out = rotate(Some(point));
+        assert_eq!(out.status.signal(), Some(9), "{point}: {out:?}");
+        left.extend(temporaries_beside(&ca_key));
+        left.extend(temporaries_beside(&f.host_dir("forge").join("state/x")));
+    }
+    assert_eq!(left.len(), 2, "{left:?}");
+    // Run again, as the docs say: it finishes, and the temporary files are gone.
+    let out = rotate(None);
+    assert!(out.status.success(), "{out:?}");
+    assert!(left.iter().all(|t| !t.exists()), "{left:?}");
+    assert_eq!(
+        key_id(&ca_key),
+        Some(id2.clone()),
+        "the CA key outside state_dir"
+    );
+    assert_eq!(
+        key_id(&state),
+        Some(id2.clone()),
+        "the state outside state_dir"
+    );
+
+    // The agent on the new key, its handler killed while it saves its state: the agent
+    // starts again, and the handler's next run goes on from the state it had.
+    use_key(&mut f, Some(&k2));
+    // A state to write: the handler begins it again at its first run.
+    std::fs::remove_file(&state).unwrap();
+    f.host("forge")
+        .spawn
+        .env
+        .push(("FAILPOINTS".into(), "handler.state.temp=return".into()));
+    f.start_host("forge");
+    assert!(
+        eventually(Duration::from_secs(60), || !temporaries_beside(&state)
+            .is_empty())
+        .await,
+        "the handler was not killed at its state save:\n{}",
+        log(&f)
+    );
+    f.kill("forge");
+    f.host("forge").spawn.env.clear();
+    f.start_host("forge");
+    assert!(
+        eventually(Duration::from_secs(60), || temporaries_beside(&state)
+            .is_empty())
+        .await,
+        "the temporary file stayed:\n{}",
+        log(&f)
+    );
+    assert_eq!(key_id(&ca_key), Some(id2));
+}

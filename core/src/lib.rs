@@ -6,6 +6,8 @@ pub mod audit;
 pub mod canonical;
 pub mod client;
 pub mod compat;
+pub mod crash;
+pub mod fsx;
 pub mod names;
 pub mod process;
 pub mod schema;

@@ -23,6 +23,13 @@ pub const ENVELOPE_VERSION: u64 = 1000;
 pub const FORMAT: &str = "fort-sealed-1";
 /// Where a handler finds the path of the state key (set by the agent that runs it).
 pub const KEY_FILE_ENV: &str = "FORT_STATE_KEY_FILE";
+/// Where a handler notes the sealed files it keeps (set by the agent that runs it to
+/// `<state_dir>/sealed-files`): rotation and the start's check find them there, also
+/// those outside the state directory (an SSH CA key, a handler state file kept
+/// elsewhere).
+pub const REGISTRY_ENV: &str = "FORT_SEALED_FILES";
+/// The registry's name in the state directory: one absolute path per line.
+pub const REGISTRY_FILE: &str = "sealed-files";
 /// The credential name the agent looks for in `$CREDENTIALS_DIRECTORY`.
 pub const CREDENTIAL_NAME: &str = "state-key";
 
@@ -394,10 +401,14 @@ pub fn open_bytes(path: &Path, bytes: Vec<u8>, key: Option<&StateKey>) -> Result
         });
     }
     match key {
-        Some(k) => Ok(Read {
-            plain: k.open(path, &bytes)?,
-            was_plain: false,
-        }),
+        Some(k) => {
+            let plain = k.open(path, &bytes)?;
+            note(path);
+            Ok(Read {
+                plain,
+                was_plain: false,
+            })
+        }
         None => Err(SealError::NoKey {
             file: path.display().to_string(),
             found: envelope(path, &bytes)?.key_id,
@@ -408,15 +419,85 @@ pub fn open_bytes(path: &Path, bytes: Vec<u8>, key: Option<&StateKey>) -> Result
 /// Replaces the file at `path` atomically (mode 0600) with `plain`, sealed when there is
 /// a key.
 pub fn write(path: &Path, plain: &[u8], key: Option<&StateKey>) -> std::io::Result<()> {
+    write_at(path, plain, key, None)
+}
+
+/// [`write`] with crash points (docs/crash-points.md).
+pub fn write_at(
+    path: &Path,
+    plain: &[u8],
+    key: Option<&StateKey>,
+    crash_at: Option<crate::crash::Replace>,
+) -> std::io::Result<()> {
     match key {
-        Some(k) => crate::store::write_atomic(path, &k.seal(path, plain)),
-        None => crate::store::write_atomic(path, plain),
+        Some(k) => {
+            note(path);
+            crate::store::write_atomic_at(path, &k.seal(path, plain), crash_at)
+        }
+        None => crate::store::write_atomic_at(path, plain, crash_at),
     }
 }
 
+/// Notes `path` as a sealed file in the registry the agent named in [`REGISTRY_ENV`]
+/// (nothing without one). Best effort, appended once: a file not noted is still found
+/// when it lies under the state directory, and one whose note is lost is noted again at
+/// its next read or write.
+pub fn note(path: &Path) {
+    use std::io::Write;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some(registry) = std::env::var_os(REGISTRY_ENV) else {
+        return;
+    };
+    let Ok(abs) = std::path::absolute(path) else {
+        return;
+    };
+    let line_ok = !abs.as_os_str().as_bytes().contains(&b'\n');
+    if !line_ok || noted_in(Path::new(&registry)).contains(&abs) {
+        return;
+    }
+    let mut line = std::os::unix::ffi::OsStringExt::into_vec(abs.into_os_string());
+    line.push(b'\n');
+    let appended = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&registry)
+        .and_then(|mut f| f.write_all(&line).and_then(|()| f.sync_data()));
+    if let Err(e) = appended {
+        tracing::warn!(registry = %Path::new(&registry).display(), error = %e, "cannot note a sealed file; state-key rotate finds it only under --dir");
+    }
+}
+
+/// The sealed files noted in `state_dir`'s registry that still exist; a torn or foreign
+/// line is passed over.
+pub fn noted(state_dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = noted_in(&state_dir.join(REGISTRY_FILE))
+        .into_iter()
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    files.dedup();
+    files
+}
+
+fn noted_in(registry: &Path) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(bytes) = crate::fsx::read_regular(registry, 16 * 1024 * 1024) else {
+        return Vec::new();
+    };
+    bytes
+        .split(|b| *b == b'\n')
+        .filter(|l| l.first() == Some(&b'/'))
+        .map(|l| PathBuf::from(std::ffi::OsStr::from_bytes(l)))
+        .collect()
+}
+
 /// Every sealed file under `dir`, recursively, as written (the envelope's own prefix);
-/// symbolic links are not followed, and files moved aside (`set-aside/`) are not the
-/// agent's any more. What cannot be read below `dir` is passed over: the handler that
+/// symbolic links are not followed, files moved aside (`set-aside/`) are not the agent's
+/// any more, and a temporary file of an atomic write (being written, or left by a process
+/// killed before its rename) is never state. What cannot be read below `dir` is passed over: the handler that
 /// owns it reports it when it loads it.
 pub fn sealed_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     use std::io::Read as _;
@@ -450,7 +531,10 @@ pub fn sealed_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
                 if entry.file_name() != "set-aside" {
                     todo.push(path);
                 }
-            } else if kind.is_file() && head(&path).unwrap_or(false) {
+            } else if kind.is_file()
+                && crate::store::temporary_pid(&entry.file_name()).is_none()
+                && head(&path).unwrap_or(false)
+            {
                 out.push(path);
             }
         }

@@ -56,6 +56,8 @@ impl Fulfiller {
                 Some(seq)
             })
             .await?;
+        // Recorded, not yet applied: the restart applies it from the inbox.
+        fort_core::crash::point("deliver.recorded");
         if seq.is_some() {
             self.start_applier(key);
         }

@@ -202,6 +202,10 @@ pub(crate) fn write_all(
         ..Written::default()
     };
     for (i, p) in planned.into_iter().enumerate() {
+        if i == 1 {
+            // Some of the payload's files written one by one, not all.
+            fort_core::crash::point("deliver.file.swapped");
+        }
         let (f, data) = (p.file, p.data);
         let outcome = match &together {
             Some(outcomes) => outcomes[i],
@@ -268,6 +272,7 @@ fn write_one(path: &Path, data: &[u8], uid: u32, gid: u32, mode: u32) -> std::io
     let tmp = OsString::from_vec(tmp.into_vec());
     let result = (|| {
         write_new(&dir, &tmp, data, uid, gid, mode)?;
+        fort_core::crash::point("deliver.file.temp");
         rfs::renameat(&dir, tmp.as_os_str(), &dir, name)?;
         rfs::fsync(&dir)?;
         Ok::<(), rustix::io::Errno>(())

@@ -312,8 +312,12 @@ impl KeyStore {
             .create(&self.dir)
             .map_err(|e| format!("cannot create {}: {e}", self.dir.display()))?;
         let path = self.next_path(need, name);
-        fort_core::store::write_atomic(&path, m.pem().as_bytes())
-            .map_err(|e| format!("cannot keep the new key in {}: {e}", path.display()))
+        fort_core::store::write_atomic_at(
+            &path,
+            m.pem().as_bytes(),
+            Some(fort_core::crash::replace_temp("keys.write.temp")),
+        )
+        .map_err(|e| format!("cannot keep the new key in {}: {e}", path.display()))
     }
 
     /// Forgets the next key once it is installed (or the need is gone).

@@ -200,6 +200,7 @@ fn try_write(dir: &Path, planned: &[Planned]) -> io::Result<Option<Vec<Outcome>>
             None => rfs::fchmod(&new, Mode::from_raw_mode(0o755))?,
         }
         rfs::fsync(&new)?;
+        fort_core::crash::point("deliver.file.temp");
         let flags = if current.is_some() {
             RenameFlags::EXCHANGE
         } else {

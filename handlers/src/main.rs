@@ -73,6 +73,9 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
+    // Crash points of the handler's own writes (its state, a CA key it makes), armed as
+    // the agent's are when the crash lane names one.
+    fort_core::crash::setup();
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == ssh_ca::install::NAME) {
         return ssh_ca::install::main(args[1..].to_vec());

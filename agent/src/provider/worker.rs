@@ -211,10 +211,22 @@ impl Worker {
             .envs(&app.config.handler_environment);
         if let Some(key) = &app.state_key {
             // The path, never the key: a handler reads it through the handler library.
-            spec_run = spec_run.env(
-                fort_core::sealed::KEY_FILE_ENV,
-                key.source().display().to_string(),
-            );
+            spec_run = spec_run
+                .env(
+                    fort_core::sealed::KEY_FILE_ENV,
+                    key.source().display().to_string(),
+                )
+                .env(
+                    fort_core::sealed::REGISTRY_ENV,
+                    app.config
+                        .state_dir
+                        .join(fort_core::sealed::REGISTRY_FILE)
+                        .display()
+                        .to_string(),
+                );
+        }
+        if let Some((name, value)) = fort_core::crash::env_for_children() {
+            spec_run = spec_run.env(&name, value);
         }
         spec_run.max_stdout = 64 * 1024 * 1024;
         let outcome = run(&spec_run).await;

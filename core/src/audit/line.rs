@@ -61,6 +61,7 @@ pub(super) fn write_record(out: &mut Vec<u8>, seq: u64, at: u64, prev: &str, e: 
         ("head", &e.head),
         ("signature", &e.signature),
         ("witness", &e.witness),
+        ("index", &e.index),
     ] {
         optional_string(out, name, value);
     }
@@ -180,6 +181,7 @@ mod tests {
         every.head = Some("01".repeat(32));
         every.signature = Some("U1NIU0lH+/=".into());
         every.witness = Some("d2l0bmVzcw==".into());
+        every.index = Some("23".repeat(32));
         let events = [
             Event::new("start"),
             Event::new("accepted")

@@ -4,6 +4,7 @@
 //! writer thread through a bounded queue, so no request waits on the disk.
 
 mod forward;
+mod index;
 mod line;
 mod read;
 mod witness;
@@ -24,6 +25,7 @@ use sha2::Sha256;
 use crate::sign::Signer;
 
 pub use forward::Target as SyslogTarget;
+pub use index::{index_line, Index, IndexEntry, INDEX_FILE};
 pub use read::{files, read_lines, short_hash, verify, AuditLine, Problem, Verified};
 pub use witness::{
     hold, witness_line, Held, Witnessed, HEADER as CHECKPOINT_HEADER,
@@ -94,6 +96,10 @@ pub struct Event {
     /// A checkpoint's signature of its own line alone, which travels (§12.3a).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub witness: Option<String>,
+    /// A checkpoint's link into the checkpoint index (§12.3b): the hash of the index's
+    /// line before its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<String>,
     /// The request, hashed by the writer (off the request's path) into `request`.
     #[serde(skip)]
     pub request_text: Option<Arc<RawValue>>,

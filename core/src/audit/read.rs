@@ -10,9 +10,11 @@ use super::{checkpoint_trailer, GENESIS, NAMESPACE};
 use crate::canonical::sha256_hex;
 
 /// The trail's files, oldest first (their names are the seq of their first record).
+/// Only regular files: a link or a FIFO named like one is not the trail's.
 pub fn files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut out: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
         .map(|e| e.path())
         .filter(|p| {
             p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
@@ -25,6 +27,10 @@ pub fn files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     out.sort();
     Ok(out)
 }
+
+/// The largest trail file read (the writer closes one at `max_file_bytes`, 16 MiB by
+/// default, at most a burst beyond it).
+const MAX_FILE_BYTES: u64 = 1 << 32;
 
 /// One line of a file of the trail.
 #[derive(Debug, Clone)]
@@ -44,7 +50,7 @@ pub struct AuditLine {
 pub fn read_lines(dir: &Path) -> std::io::Result<Vec<AuditLine>> {
     let mut out = Vec::new();
     for file in files(dir)? {
-        let bytes = std::fs::read(&file)?;
+        let bytes = crate::fsx::read_regular(&file, MAX_FILE_BYTES)?;
         let mut rest: &[u8] = &bytes;
         let mut line = 0;
         while !rest.is_empty() {
@@ -125,6 +131,8 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
     let mut prefix: Vec<u8> = Vec::new();
     let mut file: Option<&Path> = None;
     let last_file = lines.last().map(|l| l.file.clone());
+    // Checkpoints that link into the index, to be held against it.
+    let mut kept: Vec<super::index::Kept> = Vec::new();
     for (i, l) in lines.iter().enumerate() {
         if file != Some(l.file.as_path()) {
             file = Some(&l.file);
@@ -175,6 +183,19 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
             let count = record["count"].as_u64();
             let head = record["head"].as_str();
             let at = record["at"].as_u64();
+            if let (Some(count), Some(head), Some(at), Some(link)) =
+                (count, head, at, record["index"].as_str())
+            {
+                kept.push(super::index::Kept {
+                    count,
+                    head: head.to_owned(),
+                    at,
+                    link: link.to_owned(),
+                    at_line: i,
+                    file: l.file.clone(),
+                    line: l.line,
+                });
+            }
             let before = seen.last();
             let bad = match (count, head, at, record["signature"].as_str()) {
                 (Some(count), Some(head), Some(at), Some(sig)) => {
@@ -214,6 +235,14 @@ pub fn verify(dir: &Path, host: &str, keys: &[PublicKey]) -> std::io::Result<Ver
         prefix.push(b'\n');
     }
     chain_problems(&seen, &mut problems, &mut v.notes);
+    super::index::check(
+        dir,
+        &kept,
+        v.last_seq,
+        lines.len(),
+        &mut problems,
+        &mut v.notes,
+    )?;
     problems.sort_by_key(|(i, _)| *i);
     v.problems = problems.into_iter().map(|(_, p)| p).collect();
     Ok(v)

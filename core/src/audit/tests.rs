@@ -283,3 +283,150 @@ fn the_latest_checkpoint_travels_and_survives_a_restart() {
         .problems
         .is_empty());
 }
+
+/// Rounds of records on `provider`, each ended by a stop's checkpoint that the consumer
+/// at `consumer` witnesses, as it would from a callback: the witnesses, oldest first.
+fn witnessed_rounds(provider: &Path, consumer: &Path, signer: &Signer, rounds: usize) -> usize {
+    let keys = vec![signer.public_key().clone()];
+    let witness = Audit::open(options(consumer, 1 << 20, 8), Signer::generate());
+    for round in 0..rounds {
+        write(provider, signer, options(provider, 4096, 3), 30, round * 30);
+        let opened = Audit::open(options(provider, 4096, 3), signer.clone());
+        let header = opened.latest_checkpoint().expect("a checkpoint");
+        witness.witness("forge", &keys, &header);
+        opened.close();
+    }
+    witness.close();
+    records(consumer)
+        .iter()
+        .filter(|r| r["event"] == "witnessed")
+        .count()
+}
+
+/// Checkpoints witnessed long ago, their files rotated away, are proven ancestors of the
+/// kept trail through the checkpoint index; a trail begun afresh above them (signed with
+/// the same key, as root on the provider could) is not, with or without an index of its
+/// own; and an index that goes on past the trail shows it cut short.
+#[test]
+fn the_index_proves_rotated_checkpoints_and_catches_a_trail_begun_afresh() {
+    let (provider, consumer) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    let witnessed = witnessed_rounds(provider.path(), consumer.path(), &signer, 6);
+    assert!(witnessed >= 6, "{witnessed}");
+    let v = verify(provider.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    let first = v.first_seq.unwrap();
+    let held = witness::hold(provider.path(), "forge", &keys, &[consumer.path().into()]).unwrap();
+    assert!(held.problems.is_empty(), "{:?}", held.problems);
+    assert_eq!(held.checked as usize, witnessed);
+    assert!(held.predating >= 3, "rotated away: {}", held.predating);
+    let index = Index::read(provider.path()).unwrap().unwrap();
+    assert!(index.problems.is_empty(), "{:?}", index.problems);
+    assert!(index.entries.len() >= 6 && index.entries[0].count < first);
+
+    // Root on the provider begins the trail again above every witnessed count: one
+    // record that claims its predecessors were rotated away, then the writer goes on
+    // and signs checkpoints with the real key.
+    let newest = records(consumer.path())
+        .iter()
+        .filter_map(|r| r["count"].as_u64())
+        .max()
+        .unwrap();
+    for with_index in [false, true] {
+        let fresh = tempfile::tempdir().unwrap();
+        let seq = newest + 10;
+        let line = format!(
+            "{{\"seq\":{seq},\"at\":1,\"prev\":\"{}\",\"event\":\"start\"}}\n",
+            "5e".repeat(32)
+        );
+        std::fs::write(fresh.path().join(writer::file_name(seq)), line).unwrap();
+        if with_index {
+            // An index of its own, begun afresh too (the real one would not continue).
+            std::fs::write(
+                fresh.path().join(INDEX_FILE),
+                index_line(seq - 2, &"77".repeat(32), 1, GENESIS),
+            )
+            .unwrap();
+        }
+        write(
+            fresh.path(),
+            &signer,
+            options(fresh.path(), 1 << 20, 3),
+            5,
+            0,
+        );
+        let alone = verify(fresh.path(), "forge", &keys).unwrap();
+        assert!(
+            alone.problems.is_empty(),
+            "alone it verifies: {:?}",
+            alone.problems
+        );
+        let held = witness::hold(fresh.path(), "forge", &keys, &[consumer.path().into()]).unwrap();
+        assert_eq!(held.problems.len(), witnessed, "{:?}", held.problems);
+        assert!(
+            held.problems[0].contains("the trail was rewritten"),
+            "{:?}",
+            held.problems
+        );
+    }
+
+    // A copy cut short, its index kept whole: the index alone shows the cut.
+    let cut = tempfile::tempdir().unwrap();
+    let names = files(provider.path()).unwrap();
+    for name in &names[..names.len() - 1] {
+        std::fs::copy(name, cut.path().join(name.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(
+        provider.path().join(INDEX_FILE),
+        cut.path().join(INDEX_FILE),
+    )
+    .unwrap();
+    let v = verify(cut.path(), "forge", &keys).unwrap();
+    assert!(
+        v.problems
+            .iter()
+            .any(|p| p.what.contains("the trail was cut short")),
+        "{:?}",
+        v.problems
+    );
+}
+
+/// A crash between a checkpoint's sync and its index line: the next start adds the line
+/// from the checkpoint record, and the chain of the index holds.
+#[test]
+fn a_checkpoint_missing_from_the_index_is_added_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    write(dir.path(), &signer, options(dir.path(), 1 << 20, 4), 5, 0);
+    write(dir.path(), &signer, options(dir.path(), 1 << 20, 4), 5, 5);
+    let index_file = dir.path().join(INDEX_FILE);
+    let text = std::fs::read_to_string(&index_file).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() >= 2, "{text}");
+    lines.pop();
+    // And a torn half line in its place.
+    std::fs::write(&index_file, format!("{}\n{{\"count\":", lines.join("\n"))).unwrap();
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert!(
+        v.notes.iter().any(|n| n.contains("not in the index yet")),
+        "{:?}",
+        v.notes
+    );
+    Audit::open(options(dir.path(), 1 << 20, 4), signer.clone()).close();
+    let index = Index::read(dir.path()).unwrap().unwrap();
+    assert!(
+        index.problems.is_empty() && !index.torn,
+        "{:?}",
+        index.problems
+    );
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert!(
+        !v.notes.iter().any(|n| n.contains("not in the index")),
+        "{:?}",
+        v.notes
+    );
+}

@@ -83,7 +83,8 @@ pub struct Held {
     /// Records of the copies that do not verify with the host's key: the copy is at fault
     /// (or the key changed since), which says nothing against the host's trail.
     pub unverified: Vec<String>,
-    /// Witnessed checkpoints older than the trail's first kept record.
+    /// Witnessed checkpoints older than the trail's first kept record, proven its
+    /// ancestors by the checkpoint index (§12.3b).
     pub predating: u64,
     pub notes: Vec<String>,
 }
@@ -112,6 +113,7 @@ pub fn hold(
             last = last.max(seq);
         }
     }
+    let index = super::Index::read(dir)?;
     let mut held = Held::default();
     for wdir in witness_dirs {
         for l in super::read_lines(wdir)? {
@@ -156,7 +158,18 @@ pub fn hold(
                         ));
                     }
                 }
-                None if w.count < first => held.predating += 1,
+                // Rotated away: the index must hold it, or the trail was begun afresh.
+                None if w.count < first => match index.as_ref().and_then(|i| i.at(w.count)) {
+                    Some(e) if e.head == w.head => held.predating += 1,
+                    Some(e) => held.problems.push(format!(
+                        "{place}: {host} signed record {} with head {head}; its checkpoint index holds {} there: the trail was rewritten",
+                        w.count, e.head
+                    )),
+                    None => held.problems.push(format!(
+                        "{place}: {host} signed record {} (head {head}), before the trail's first kept record {first}, and its checkpoint index does not hold that checkpoint: the trail was rewritten (or its index removed)",
+                        w.count
+                    )),
+                },
                 None => held.problems.push(format!(
                     "{place}: {host} signed record {}, which its trail no longer holds",
                     w.count

@@ -50,6 +50,8 @@ pub(super) struct Writer {
     forward: Option<super::forward::Forward>,
     /// The queue's vector from the last round, emptied, for the next.
     spare: Vec<(u64, Event)>,
+    /// The checkpoint index (§12.3b); `None` until it can be opened.
+    index: Option<super::index::IndexWriter>,
 }
 
 /// A file's name: the seq of its first record, so names sort in the chain's order.
@@ -80,6 +82,7 @@ impl Writer {
             complained: false,
             forward,
             spare: Vec::new(),
+            index: None,
         };
         match w.resume() {
             Ok(torn) => {
@@ -106,11 +109,11 @@ impl Writer {
             .create(&self.options.dir)?;
         let files = super::files(&self.options.dir)?;
         for path in files.iter().rev() {
-            let mut bytes = std::fs::read(path)?;
+            let mut bytes = read_file(path, self.options.max_file_bytes)?;
             let complete = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
             let torn = (bytes.len() - complete) as u64;
             if torn > 0 {
-                let f = std::fs::OpenOptions::new().write(true).open(path)?;
+                let f = crate::fsx::open_regular_for_write(path)?;
                 f.set_len(complete as u64)?;
                 f.sync_data()?;
                 bytes.truncate(complete);
@@ -139,12 +142,72 @@ impl Writer {
             // A file just begun has none yet: the one before it ends with one.
             let latest = latest_checkpoint(&bytes[..complete]).or_else(|| {
                 let before = files.iter().rev().skip_while(|f| *f != path).nth(1)?;
-                latest_checkpoint(&std::fs::read(before).ok()?)
+                latest_checkpoint(&read_file(before, self.options.max_file_bytes).ok()?)
             });
             *self.shared.latest.lock() = latest;
+            self.open_index(&files);
             return Ok(torn);
         }
+        self.open_index(&files);
         Ok(0)
+    }
+
+    /// Opens the checkpoint index and adds the checkpoints a crash kept from it: those
+    /// after its last line whose `index` continues it, newest files read back only as
+    /// far as needed.
+    fn open_index(&mut self, files: &[PathBuf]) {
+        let mut index = match super::index::IndexWriter::open(&self.options.dir) {
+            Ok(i) => i,
+            Err(e) => {
+                self.complain(&format!("cannot open the checkpoint index: {e}"));
+                return;
+            }
+        };
+        let mut missing: Vec<(u64, String, u64, String)> = Vec::new();
+        'files: for path in files.iter().rev() {
+            let Ok(bytes) = read_file(path, self.options.max_file_bytes) else {
+                break;
+            };
+            let mut here = Vec::new();
+            let mut reached = false;
+            for line in bytes.split(|b| *b == b'\n') {
+                if !line.windows(12).any(|w| w == b"\"checkpoint\"") {
+                    continue;
+                }
+                let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) else {
+                    continue;
+                };
+                let fields = (
+                    v["count"].as_u64(),
+                    v["head"].as_str(),
+                    v["at"].as_u64(),
+                    v["index"].as_str(),
+                );
+                let (Some(count), Some(head), Some(at), Some(link)) = fields else {
+                    continue;
+                };
+                if index.last_count.is_some_and(|c| count <= c) {
+                    reached = true;
+                    continue;
+                }
+                here.push((count, head.to_owned(), at, link.to_owned()));
+            }
+            here.append(&mut missing);
+            missing = here;
+            if reached {
+                break 'files;
+            }
+        }
+        for (count, head, at, link) in missing {
+            if link != index.head {
+                tracing::warn!(count, "a checkpoint does not continue the checkpoint index; the index goes on without it");
+                continue;
+            }
+            if let Err(e) = index.append(count, &head, at) {
+                self.complain(&format!("cannot write the checkpoint index: {e}"));
+            }
+        }
+        self.index = Some(index);
     }
 
     pub(super) fn run(mut self) {
@@ -261,14 +324,10 @@ impl Writer {
             Some(c) => c.path.clone(),
             None => dir.join(file_name(self.unsaved_first)),
         };
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .create(created)
-            .open(&path)?;
+        let mut f = crate::fsx::open_append(&path)?;
         if created {
-            use std::os::unix::fs::PermissionsExt;
-            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
             sync_dir(&dir);
+            crate::crash::point("audit.rotate.created");
         }
         // A file of that name already there (a chain whose seq could not be read back)
         // is appended to, never cut.
@@ -283,7 +342,11 @@ impl Writer {
         if f.metadata()?.len() > current.len {
             f.set_len(current.len)?;
         }
-        f.write_all(&self.unsaved)?;
+        let half = self.unsaved.len() / 2;
+        f.write_all(&self.unsaved[..half])?;
+        crate::crash::point("audit.append.torn");
+        f.write_all(&self.unsaved[half..])?;
+        crate::crash::point("audit.append.written");
         current.len += self.unsaved.len() as u64;
         Ok(())
     }
@@ -320,15 +383,31 @@ impl Writer {
             witness: self.signer.sign_in(NAMESPACE, line.as_bytes()),
         };
         event.witness = Some(witnessed.witness.clone());
+        if self.index.is_none() {
+            let files = super::files(&self.options.dir).unwrap_or_default();
+            self.open_index(&files);
+        }
+        event.index = self.index.as_ref().map(|i| i.head.clone());
+        let (count, head) = (self.seq, self.head.clone());
         self.chain(at, event);
         if self.flush() {
             self.since_checkpoint = 0;
             self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
             if let Some(c) = &self.current {
-                match std::fs::File::open(&c.path).and_then(|f| f.sync_data()) {
-                    // Handed to consumers only once it is on disk: a crash must not leave
-                    // them holding a checkpoint the trail does not.
-                    Ok(()) => *self.shared.latest.lock() = Some(witnessed),
+                let synced = crate::fsx::open_regular(&c.path).and_then(|f| f.sync_data());
+                crate::crash::point("audit.checkpoint.written");
+                match synced {
+                    // Handed to consumers only once it is on disk, and in the index: a
+                    // crash must not leave them holding a checkpoint the trail does not.
+                    Ok(()) => {
+                        let indexed = self.index.as_mut().map(|i| i.append(count, &head, at));
+                        match indexed {
+                            Some(Err(e)) => {
+                                self.complain(&format!("cannot write the checkpoint index: {e}"))
+                            }
+                            _ => *self.shared.latest.lock() = Some(witnessed),
+                        }
+                    }
                     Err(e) => self.complain(&format!("cannot sync the audit trail: {e}")),
                 }
             }
@@ -359,10 +438,7 @@ impl Writer {
     fn probe(&mut self) {
         self.last_probe = Instant::now();
         let path = match &self.current {
-            Some(c) => std::fs::OpenOptions::new()
-                .append(true)
-                .open(&c.path)
-                .map(drop),
+            Some(c) => crate::fsx::open_append(&c.path).map(drop),
             None => std::fs::read_dir(&self.options.dir).map(drop),
         };
         match path {
@@ -411,7 +487,7 @@ fn latest_checkpoint(lines: &[u8]) -> Option<Witnessed> {
 fn read_prefix(path: &Path, len: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0) + 256);
-    std::fs::File::open(path)?
+    crate::fsx::open_regular(path)?
         .take(len)
         .read_to_end(&mut bytes)?;
     if (bytes.len() as u64) < len {
@@ -421,6 +497,12 @@ fn read_prefix(path: &Path, len: u64) -> std::io::Result<Vec<u8>> {
         ));
     }
     Ok(bytes)
+}
+
+/// A file of the trail, bounded: a file larger than the writer ever makes (its limit and
+/// a last burst) is not read whole.
+fn read_file(path: &Path, max_file_bytes: u64) -> std::io::Result<Vec<u8>> {
+    crate::fsx::read_regular(path, max_file_bytes.saturating_mul(4).max(64 << 20))
 }
 
 fn sync_dir(dir: &Path) {

@@ -29,6 +29,10 @@ use serde_json::{Map, Value};
 use super::seal::{sealed_opening, tampered, Opening, Seal, Sealing};
 use crate::compat::{self, Unknown};
 
+/// A snapshot larger than this is refused rather than read (no state fort writes comes
+/// near it: 10,000 entries take tens of megabytes).
+const MAX_SNAPSHOT_BYTES: u64 = 16 << 30;
+
 /// The snapshot's version; version 1 (a whole-state file, no logs) is read as is. A
 /// change an older release cannot read raises it, and is written only once the operator
 /// says the fleet has moved (docs/compatibility.md): the release before refuses a higher
@@ -248,7 +252,7 @@ pub fn load<V: DeserializeOwned + Serialize>(
         _ => &SNAPSHOT_READS,
     };
     let newest = u64::from(reads[reads.len() - 1]);
-    match std::fs::read(&path) {
+    match crate::fsx::read_regular(&path, MAX_SNAPSHOT_BYTES) {
         Ok(bytes) => {
             let file = path.display().to_string();
             let corrupt = |detail: String| LoadError::Corrupt {
@@ -351,7 +355,7 @@ fn replay<V: DeserializeOwned + Serialize>(
     written_by: &str,
     opening: Opening<'_, V>,
 ) -> Result<bool, LoadError> {
-    let f = std::fs::File::open(file).map_err(io_err(file))?;
+    let f = crate::fsx::open_regular(file).map_err(io_err(file))?;
     let mut reader = std::io::BufReader::new(f);
     let mut offset = 0u64;
     let mut torn_at: Option<(u64, usize)> = None;
@@ -444,10 +448,7 @@ fn replay<V: DeserializeOwned + Serialize>(
     if let Some((at, number)) = torn_at {
         tracing::warn!(file = %file.display(), line = number, "state log ends in a torn record (a write cut short); it is dropped");
         if mode == Mode::Strict {
-            let f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(file)
-                .map_err(io_err(file))?;
+            let f = crate::fsx::open_regular_for_write(file).map_err(io_err(file))?;
             f.set_len(at).map_err(io_err(file))?;
             f.sync_all().map_err(io_err(file))?;
         }
@@ -579,13 +580,24 @@ pub fn set_aside(dir: &Path, name: &str) -> Result<Option<PathBuf>, LoadError> {
     Ok(Some(target))
 }
 
-/// Replaces `path` with `bytes`: a crash leaves either the old file or the new one.
+/// Replaces `path` with `bytes`: a crash leaves either the old file or the new one (and
+/// perhaps a temporary file, which no reader takes for state: [`temporary_pid`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic_at(path, bytes, None)
+}
+
+/// [`write_atomic`] with crash points after the temporary file is synced and after the
+/// rename (docs/crash-points.md).
+pub fn write_atomic_at(
+    path: &Path,
+    bytes: &[u8],
+    crash_at: Option<crate::crash::Replace>,
+) -> std::io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
     let tmp = dir.join(format!(
-        ".{name}.tmp.{}.{}",
+        ".{name}{TEMP_MARK}{}.{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
@@ -599,7 +611,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         file.write_all(bytes)?;
         file.sync_all()?;
         drop(file);
+        if let Some(at) = crash_at {
+            crate::crash::point(at.temp);
+        }
         std::fs::rename(&tmp, path)?;
+        if let Some(renamed) = crash_at.and_then(|at| at.renamed) {
+            crate::crash::point(renamed);
+        }
         std::fs::File::open(dir)?.sync_all()
     })();
     if result.is_err() {
@@ -608,33 +626,122 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     result
 }
 
+/// What marks a temporary file of [`write_atomic`]: `.<file>.tmp.<pid>.<n>`.
+const TEMP_MARK: &str = ".tmp.";
+
+/// The pid of the process that wrote the temporary file `name` (`.<file>.tmp.<pid>.<n>`),
+/// or `None` when `name` is not one. Such a file is never state: it is either being
+/// written right now, or was left by a process killed before its rename.
+pub fn temporary_pid(name: &std::ffi::OsStr) -> Option<u32> {
+    let name = name.to_str()?;
+    let rest = name.strip_prefix('.')?;
+    let at = rest.rfind(TEMP_MARK)?;
+    let (pid, n) = rest[at + TEMP_MARK.len()..].split_once('.')?;
+    (at > 0 && n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty())
+        .then(|| pid.parse().ok())
+        .flatten()
+}
+
+/// Whether process `pid` is alive (on this host's /proc).
+fn alive(pid: u32) -> bool {
+    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Removes the temporary files beside `path` that [`write_atomic`] left when its process
+/// was killed (their writer is gone); a live writer's are left alone. The number removed.
+pub fn remove_stale_temporaries_of(path: &Path) -> usize {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return 0;
+    };
+    let prefix = format!(".{name}{TEMP_MARK}");
+    let Ok(entries) = std::fs::read_dir(if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    }) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.filter_map(Result::ok) {
+        let file = e.file_name();
+        let stale = file.to_str().is_some_and(|f| f.starts_with(&prefix))
+            && temporary_pid(&file).is_some_and(|pid| pid != std::process::id() && !alive(pid));
+        if stale && std::fs::remove_file(e.path()).is_ok() {
+            tracing::info!(file = %e.path().display(), "removed a temporary file a killed process left");
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// Opens (creating, mode 0600, never through a symlink) a log for appending.
 pub fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
+    let file = crate::fsx::open_append(path)?;
     if let Some(dir) = path.parent() {
         std::fs::File::open(dir)?.sync_all()?;
     }
     Ok(file)
 }
 
-/// Removes temporary files a killed process left behind (`.<file>.tmp.<pid>.<n>`).
+/// Removes temporary files a killed process left behind in `dir` (`.<file>.tmp.<pid>.<n>`
+/// whose writer is gone; see [`temporary_pid`]).
 pub fn remove_stale_temporaries(dir: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
     let mut removed = 0;
     for e in entries.filter_map(Result::ok) {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if name.starts_with('.') && name.contains(".tmp.") && std::fs::remove_file(e.path()).is_ok()
+        let stale = temporary_pid(&e.file_name())
+            .is_some_and(|pid| pid != std::process::id() && !alive(pid));
+        if stale
+            && e.file_type().is_ok_and(|t| t.is_file())
+            && std::fs::remove_file(e.path()).is_ok()
         {
             removed += 1;
         }
     }
     removed
+}
+
+#[cfg(test)]
+mod temporary_tests {
+    use super::*;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn temporary_names_are_told_from_state() {
+        assert_eq!(
+            temporary_pid(OsStr::new(".state.json.tmp.123.4")),
+            Some(123)
+        );
+        assert_eq!(temporary_pid(OsStr::new(".ca.tmp.9.0")), Some(9));
+        for name in [
+            "state.json",
+            ".state.json",
+            ".tmp.1.2",
+            ".a.tmp.x.2",
+            ".a.tmp.1.",
+            ".a.tmp.1",
+        ] {
+            assert_eq!(temporary_pid(OsStr::new(name)), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn only_a_dead_writers_temporaries_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state.json");
+        std::fs::write(&state, "{}").unwrap();
+        // No process has pid 4194304 + 1 (beyond the kernel's pid_max).
+        let dead = dir.path().join(".state.json.tmp.4194305.0");
+        let live = dir
+            .path()
+            .join(format!(".state.json.tmp.{}.7", std::process::id()));
+        let other = dir.path().join(".other.json.tmp.4194305.0");
+        for f in [&dead, &live, &other] {
+            std::fs::write(f, "x").unwrap();
+        }
+        assert_eq!(remove_stale_temporaries_of(&state), 1);
+        assert!(!dead.exists() && live.exists() && other.exists() && state.exists());
+    }
 }

@@ -32,12 +32,17 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 pub use files::{
-    remove_stale_temporaries, set_aside, write_atomic, LoadError, PLAIN_SNAPSHOT_READS,
-    SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS, SNAPSHOT_VERSION,
+    remove_stale_temporaries, remove_stale_temporaries_of, set_aside, temporary_pid, write_atomic,
+    write_atomic_at, LoadError, PLAIN_SNAPSHOT_READS, SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS,
+    SNAPSHOT_VERSION,
 };
 pub use seal::{reseal, Resealed, Seal, Sealing};
 
 use crate::compat::Unknown;
+
+/// Where a snapshot write can be cut short (docs/crash-points.md).
+const SNAPSHOT_CRASH: crate::crash::Replace =
+    crate::crash::replace("store.snapshot.temp", "store.snapshot.renamed");
 
 /// The longest a lazy change waits for its write.
 pub const LAZY_FLUSH: Duration = Duration::from_millis(500);
@@ -300,9 +305,13 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
             seal.as_deref(),
         )
         .and_then(|bytes| {
-            write_atomic(&files::snapshot_path(&dir, &name), &bytes)
-                .map(|()| bytes.len() as u64)
-                .map_err(|e| e.to_string())
+            write_atomic_at(
+                &files::snapshot_path(&dir, &name),
+                &bytes,
+                Some(SNAPSHOT_CRASH),
+            )
+            .map(|()| bytes.len() as u64)
+            .map_err(|e| e.to_string())
         });
         match folded {
             Ok(n) => {
@@ -605,7 +614,8 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         let old = writer.generation;
         let done = tokio::task::spawn_blocking(move || {
             let bytes = encoded.map_err(std::io::Error::other)?;
-            write_atomic(&path, &bytes)?;
+            write_atomic_at(&path, &bytes, Some(SNAPSHOT_CRASH))?;
+            crate::crash::point("store.fold.logs");
             for g in files::log_generations(&dir, &name).unwrap_or_default() {
                 if g <= old {
                     let _ = std::fs::remove_file(files::log_path(&dir, &name, g));
@@ -688,7 +698,7 @@ fn append(
         Ok(m) => m.len(),
         Err(e) => return (None, Err(e), false),
     };
-    let written = file.write_all(bytes).and_then(|()| file.sync_data());
+    let written = write_with_crash_points(&mut file, bytes).and_then(|()| file.sync_data());
     match written {
         Ok(()) => (Some(file), Ok(bytes.len() as u64), false),
         Err(e) => match file.set_len(before).and_then(|()| file.sync_data()) {
@@ -696,6 +706,17 @@ fn append(
             Err(_) => (None, Err(e), true),
         },
     }
+}
+
+/// Writes `bytes` whole, with the crash points of a log append: half of it written (a
+/// torn record), and all of it written but not yet synced.
+fn write_with_crash_points(file: &mut std::fs::File, bytes: &[u8]) -> std::io::Result<()> {
+    let half = bytes.len() / 2;
+    file.write_all(&bytes[..half])?;
+    crate::crash::point("store.log.torn");
+    file.write_all(&bytes[half..])?;
+    crate::crash::point("store.log.appended");
+    Ok(())
 }
 
 #[cfg(test)]

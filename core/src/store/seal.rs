@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::files::{self, io_err, LoadError, Mode, KEY_ID, SEALED, SEALED_SNAPSHOT_VERSION};
-use super::write_atomic;
+use super::write_atomic_at;
 
 /// Seals a part of each record on disk (a provider entry's cached response), the rest
 /// staying plain so that what needs no secret reads the file without the key; memory
@@ -199,6 +199,8 @@ pub fn reseal<V: Serialize + DeserializeOwned>(
 ) -> Result<Resealed, LoadError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or("state");
+    // What a rotation killed before its rename left is never state.
+    super::remove_stale_temporaries_of(path);
     let found = match sealed_key_id(path)? {
         None => return Ok(Resealed::Absent),
         Some(None) => return Ok(Resealed::Plain),
@@ -227,7 +229,12 @@ pub fn reseal<V: Serialize + DeserializeOwned>(
         file: path.display().to_string(),
         source: std::io::Error::other(e),
     })?;
-    write_atomic(path, &bytes).map_err(|source| LoadError::Io {
+    write_atomic_at(
+        path,
+        &bytes,
+        Some(crate::crash::replace_temp("state-key.rotate.snapshot")),
+    )
+    .map_err(|source| LoadError::Io {
         file: path.display().to_string(),
         source,
     })?;

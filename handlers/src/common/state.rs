@@ -81,6 +81,9 @@ impl StateFile {
     ) -> anyhow::Result<T> {
         let shown = self.path.display();
         let key = self.key()?;
+        // A save cut short by a kill (the handler timeout, a crash) left its temporary
+        // file: never state, and gone before it can be mistaken for any.
+        fort_core::store::remove_stale_temporaries_of(&self.path);
         let Some(read) = sealed::read(&self.path, key)? else {
             return Ok(T::default());
         };
@@ -118,8 +121,13 @@ impl StateFile {
         if let (Some(key), true) = (key, read.was_plain) {
             // Plain state from an earlier release, or from before the key: the same
             // bytes, sealed in place (atomically) before anything else happens.
-            sealed::write(&self.path, bytes, Some(key))
-                .map_err(|e| anyhow::anyhow!("cannot seal {shown}: {e}"))?;
+            sealed::write_at(
+                &self.path,
+                bytes,
+                Some(key),
+                Some(fort_core::crash::replace_temp("store.seal.temp")),
+            )
+            .map_err(|e| anyhow::anyhow!("cannot seal {shown}: {e}"))?;
             tracing::info!(file = %shown, key = key.id(), "sealed plain state with the state key");
         }
         Ok(value)
@@ -164,8 +172,16 @@ impl StateFile {
         }
         doc.insert("state".into(), compat::to_value(state, &kept.0)?);
         let bytes = zeroize::Zeroizing::new(serde_json::to_vec(&doc)?);
-        sealed::write(&self.path, &bytes, self.key()?)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", self.path.display()))
+        sealed::write_at(
+            &self.path,
+            &bytes,
+            self.key()?,
+            Some(fort_core::crash::replace(
+                "handler.state.temp",
+                "handler.state.renamed",
+            )),
+        )
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", self.path.display()))
     }
 }
 

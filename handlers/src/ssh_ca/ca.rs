@@ -82,8 +82,13 @@ impl Ca {
             );
         }
         if let (Some(state_key), true, true) = (&state_key, read.was_plain, generate) {
-            fort_core::sealed::write(path, text, Some(state_key))
-                .map_err(|e| anyhow::anyhow!("cannot seal the CA key {}: {e}", path.display()))?;
+            fort_core::sealed::write_at(
+                path,
+                text,
+                Some(state_key),
+                Some(fort_core::crash::replace_temp("store.seal.temp")),
+            )
+            .map_err(|e| anyhow::anyhow!("cannot seal the CA key {}: {e}", path.display()))?;
             tracing::info!(path = %path.display(), "sealed the CA key with the state key");
         }
         Ca::from_key(key, comment)
@@ -134,7 +139,11 @@ fn generate_key(path: &Path) -> anyhow::Result<()> {
         Some(k) => zeroize::Zeroizing::new(k.seal(path, text.as_bytes())),
         None => zeroize::Zeroizing::new(text.as_bytes().to_vec()),
     };
-    let tmp = dir.join(format!(".ssh-ca-key.{}.tmp", std::process::id()));
+    // Named as every atomic write's temporary file is, so that one a kill leaves is never
+    // taken for a sealed key (fort_core::store::temporary_pid) and is removed later.
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("ca");
+    let tmp = dir.join(format!(".{name}.tmp.{}.0", std::process::id()));
+    fort_core::store::remove_stale_temporaries_of(path);
     let _ = std::fs::remove_file(&tmp);
     let result = (|| -> std::io::Result<()> {
         let mut f = std::fs::OpenOptions::new()
@@ -145,6 +154,7 @@ fn generate_key(path: &Path) -> anyhow::Result<()> {
             .open(&tmp)?;
         f.write_all(&bytes)?;
         f.sync_all()?;
+        fort_core::crash::point("handler.ca-key.temp");
         std::fs::hard_link(&tmp, path)?;
         std::fs::File::open(dir)?.sync_all()
     })();
