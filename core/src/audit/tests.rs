@@ -430,3 +430,42 @@ fn a_checkpoint_missing_from_the_index_is_added_at_the_next_start() {
         v.notes
     );
 }
+
+/// A FIFO (or a link) named like a trail file is not the trail's: the verifier and the
+/// writer pass it over instead of hanging on it or following it.
+#[test]
+fn a_fifo_or_link_named_like_a_trail_file_hangs_and_redirects_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    write(dir.path(), &signer, options(dir.path(), 1 << 20, 4), 3, 0);
+    let fifo = dir.path().join(writer::file_name(999));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        return;
+    }
+    let outside = tempfile::tempdir().unwrap();
+    let victim = outside.path().join("precious");
+    std::fs::write(&victim, b"{\"seq\":1000,\"at\":1,\"pr").unwrap();
+    std::os::unix::fs::symlink(&victim, dir.path().join(writer::file_name(1000))).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dir.path().to_path_buf();
+    let s = signer.clone();
+    std::thread::spawn(move || {
+        let v = verify(&d, "forge", &[s.public_key().clone()]).unwrap();
+        Audit::open(options(&d, 1 << 20, 4), s).close();
+        let _ = tx.send(v);
+    });
+    let v = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("a FIFO hung the verifier or the writer");
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        b"{\"seq\":1000,\"at\":1,\"pr"
+    );
+    assert!(verify(dir.path(), "forge", &keys)
+        .unwrap()
+        .problems
+        .is_empty());
+}

@@ -337,3 +337,47 @@ async fn an_unreadable_record_is_refused_by_name_and_recovered_around() {
         3
     );
 }
+
+/// A link planted in the state directory, named like a log whose last line is torn,
+/// does not make recovery cut the file it points to (outside the directory); a FIFO
+/// named like the snapshot or a log is refused at once instead of hanging the start.
+#[tokio::test]
+async fn links_and_fifos_in_the_state_directory_redirect_nothing_and_hang_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let victim = outside.path().join("precious");
+    // Looks like a log whose last record was torn: valid lines, then a partial one.
+    let text = format!("{}{{\"k\":\"torn", line("a", &serde_json::json!(1)));
+    std::fs::write(&victim, &text).unwrap();
+    std::os::unix::fs::symlink(&victim, dir.path().join("s.log.1")).unwrap();
+    let refused = Store::<u32>::open(&dir.path().join("s.json"), "entries");
+    assert!(refused.is_err(), "a link was read as a log");
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        text,
+        "the target was cut"
+    );
+
+    let fifos = tempfile::tempdir().unwrap();
+    for name in ["s.json", "s.log.1"] {
+        let d = fifos.path().join(name.replace('.', "-"));
+        std::fs::create_dir(&d).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(d.join(name))
+            .status();
+        if !made.is_ok_and(|s| s.success()) {
+            return; // no mkfifo here: the fsx unit test covers the open itself
+        }
+        let opened = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            tokio::task::spawn_blocking(move || {
+                Store::<u32>::open(&d.join("s.json"), "entries").map(|_| ())
+            }),
+        )
+        .await
+        .expect("a FIFO hung the start")
+        .unwrap();
+        let e = opened.unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{name}: {e}");
+    }
+}
