@@ -135,8 +135,11 @@ async fn handle(app: Arc<App>, stream: UnixStream) -> std::io::Result<()> {
             let reply = execute(&app, req).await;
             if let Some(call) = audited {
                 let ok = reply["ok"].as_bool().unwrap_or(false);
-                app.audit.record(
-                    fort_core::audit::Event::new("operator")
+                // The admin socket is root's (or the agent user's), and still budgeted
+                // like every caller: a runaway script must not rewrite the trail.
+                app.audit.record_caused_by(
+                    "local",
+                    fort_core::audit::Event::caused(fort_core::audit::CausedKind::Operator)
                         .caller("local")
                         .status(if ok { 200 } else { 400 })
                         .detail(json!({"call": call, "params": params_of(&line)})),

@@ -371,12 +371,14 @@ impl App {
             config,
         });
         app.audit.record(
-            fort_core::audit::Event::new("start").detail(serde_json::json!({
-                "release": fort_core::VERSION,
-                "protocol": fort_core::compat::PROTOCOL,
-                "config_sha256": config_sha256(&app.config.config_file),
-                "manifest_sha256": loaded.manifest_sha256,
-            })),
+            fort_core::audit::Event::own(fort_core::audit::OwnKind::Start).detail(
+                serde_json::json!({
+                    "release": fort_core::VERSION,
+                    "protocol": fort_core::compat::PROTOCOL,
+                    "config_sha256": config_sha256(&app.config.config_file),
+                    "manifest_sha256": loaded.manifest_sha256,
+                }),
+            ),
         );
         fulfiller
             .reload(loaded.needs.clone(), Arc::new(loaded.registry.clone()))
@@ -419,18 +421,22 @@ impl App {
     /// Re-reads the JSON files (SIGHUP, admin `reload`). A broken file keeps the old view.
     pub async fn reload(self: &Arc<App>) -> Result<(), String> {
         let loaded = Loaded::load(&self.config).map_err(|e| {
-            self.audit
-                .record(fort_core::audit::Event::new("reload_refused").reason(e.to_string()));
+            self.audit.record(
+                fort_core::audit::Event::own(fort_core::audit::OwnKind::ReloadRefused)
+                    .reason(e.to_string()),
+            );
             e.to_string()
         })?;
         check_own_key(&self.config, &loaded, &self.signer).map_err(|e| e.to_string())?;
         let before = self.loaded.load().manifest_sha256.clone();
         self.audit.record(
-            fort_core::audit::Event::new("reload").detail(serde_json::json!({
-                "manifest_sha256": loaded.manifest_sha256,
-                "previous_manifest_sha256": before,
-                "changed": before != loaded.manifest_sha256,
-            })),
+            fort_core::audit::Event::own(fort_core::audit::OwnKind::Reload).detail(
+                serde_json::json!({
+                    "manifest_sha256": loaded.manifest_sha256,
+                    "previous_manifest_sha256": before,
+                    "changed": before != loaded.manifest_sha256,
+                }),
+            ),
         );
         self.loaded.store(Arc::new(loaded.clone()));
         self.fulfiller

@@ -104,7 +104,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         tracing::warn!("background tasks still running after 10 s; exiting anyway");
     }
     let _ = std::fs::remove_file(&app.config.admin_socket);
-    app.audit.record(fort_core::audit::Event::new("stop"));
+    app.audit.record(fort_core::audit::Event::own(
+        fort_core::audit::OwnKind::Stop,
+    ));
     let audit = app.audit.clone();
     let _ = tokio::task::spawn_blocking(move || audit.close()).await;
     Ok(())

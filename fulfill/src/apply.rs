@@ -231,8 +231,9 @@ impl Fulfiller {
         if digest.is_empty() {
             tracing::warn!(need = %key, from = %inbox.from, reason = %reason, "payload not applied");
         }
-        self.inner.opts.audit.record(
-            fort_core::audit::Event::new("apply_failed")
+        self.inner.opts.audit.record_caused_by(
+            inbox.from.as_str(),
+            fort_core::audit::Event::caused(fort_core::audit::CausedKind::ApplyFailed)
                 .need(key.to_string())
                 .provider(inbox.from.as_str())
                 .response((!digest.is_empty()).then(|| digest.to_owned()))
@@ -371,8 +372,9 @@ impl Fulfiller {
             }
         };
         self.inner.view.lock().clear_failures(key);
-        self.inner.opts.audit.record(
-            fort_core::audit::Event::new("applied")
+        self.inner.opts.audit.record_caused_by(
+            inbox.from.as_str(),
+            fort_core::audit::Event::caused(fort_core::audit::CausedKind::Applied)
                 .need(key.to_string())
                 .provider(inbox.from.as_str())
                 .response(Some(digest.to_owned()))

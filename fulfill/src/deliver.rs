@@ -70,8 +70,9 @@ impl Fulfiller {
         self.supersede(key, Phase::Pending, "revoked by the provider".into())
             .await?;
         tracing::info!(need = %key, from = origin, "payload revoked");
-        self.inner.opts.audit.record(
-            fort_core::audit::Event::new("revoked")
+        self.inner.opts.audit.record_caused_by(
+            origin,
+            fort_core::audit::Event::caused(fort_core::audit::CausedKind::NeedRevoked)
                 .need(key.to_string())
                 .provider(origin),
         );
@@ -92,8 +93,9 @@ impl Fulfiller {
     ) -> Result<bool, DeliverError> {
         let digest = sha256_hex(payload);
         tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, reason = %reason, "payload not applied");
-        self.inner.opts.audit.record(
-            fort_core::audit::Event::new("apply_failed")
+        self.inner.opts.audit.record_caused_by(
+            origin,
+            fort_core::audit::Event::caused(fort_core::audit::CausedKind::ApplyFailed)
                 .need(key.to_string())
                 .provider(origin)
                 .response(Some(digest))
@@ -127,8 +129,9 @@ impl Fulfiller {
             printable(reason, PROVIDER_REASON_CHARS)
         );
         tracing::warn!(need = %key, from = origin, reason = %reason, "request refused by the provider's handler");
-        self.inner.opts.audit.record(
-            fort_core::audit::Event::new("refused")
+        self.inner.opts.audit.record_caused_by(
+            origin,
+            fort_core::audit::Event::caused(fort_core::audit::CausedKind::NeedRefused)
                 .need(key.to_string())
                 .provider(origin)
                 .reason(&reason),
@@ -260,8 +263,9 @@ impl Fulfiller {
         if ok {
             self.inner.view.lock().clear_failures(key);
             tracing::info!(need = %key, from = origin, "payload applied");
-            self.inner.opts.audit.record(
-                fort_core::audit::Event::new("applied")
+            self.inner.opts.audit.record_caused_by(
+                origin,
+                fort_core::audit::Event::caused(fort_core::audit::CausedKind::Applied)
                     .need(key.to_string())
                     .provider(origin)
                     .response(Some(digest.clone())),
@@ -272,8 +276,9 @@ impl Fulfiller {
             self.after(key, next_attendance(spec, &state, now));
         } else {
             tracing::warn!(need = %key, from = origin, bytes = payload.len(), payload_sha256 = %digest, "payload not applied: not OK");
-            self.inner.opts.audit.record(
-                fort_core::audit::Event::new("apply_failed")
+            self.inner.opts.audit.record_caused_by(
+                origin,
+                fort_core::audit::Event::caused(fort_core::audit::CausedKind::ApplyFailed)
                     .need(key.to_string())
                     .provider(origin)
                     .response(Some(digest.clone()))

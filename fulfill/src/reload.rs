@@ -286,7 +286,7 @@ impl Fulfiller {
                 Ok(r) if r.is_success() => {
                     tracing::info!(need = %key, from, "{why}; released at {from}");
                     self.inner.opts.audit.record(
-                        fort_core::audit::Event::new("released")
+                        fort_core::audit::Event::own(fort_core::audit::OwnKind::Released)
                             .need(key)
                             .provider(from),
                     );

@@ -72,32 +72,46 @@ pub async fn handle(
         Ok(reply) => reply.status,
         Err(e) => e.status(),
     };
-    // `status` is an operator call only when it showed (or withheld) the entries.
-    let shown = which != Builtin::Status
-        || (body.windows(7).any(|w| w == b"entries")
-            && serde_json::from_slice::<Value>(&body)
-                .is_ok_and(|v| v.get("entries") == Some(&Value::Bool(true))));
+    // `status` is an operator call only when it showed (or withheld) the entries: decided
+    // from the request as `serve` parsed it, never from its bytes (`"\u0065ntries"` is
+    // `"entries"`).
+    let shown = which != Builtin::Status || asks_for_entries(&body);
     if shown {
-        app.audit
-            .record(operator_event(caller, call, &body, status.as_u16()));
+        let event = operator_event(caller, call, &body, status.as_u16());
+        app.audit.record_caused_by(caller.origin.as_str(), event);
     }
     result
 }
 
+/// Whether a `status` body asks for the entries, as [`serve`] reads it.
+fn asks_for_entries(body: &Bytes) -> bool {
+    json_body(body).is_ok_and(|v| v.get("entries") == Some(&Value::Bool(true)))
+}
+
 /// An operator call as the audit trail keeps it: who (and with which key), what, its
 /// parameters (bounded; they name units, entries and times, never secrets) and the
-/// status it was answered with.
+/// status it was answered with. A refused call is kept without its parameters, within
+/// the tighter budget of refusals: what a caller without the grant sends is not worth
+/// the trail's room.
 pub fn operator_event(
     caller: &Caller,
     call: &str,
     body: &[u8],
     status: u16,
-) -> fort_core::audit::Event {
+) -> fort_core::audit::Event<fort_core::audit::Caused> {
+    use fort_core::audit::{CausedKind, Event};
+    if !(200..300).contains(&status) {
+        return Event::caused(CausedKind::OperatorRefused)
+            .caller(caller.origin.as_str())
+            .key(caller.fingerprint())
+            .status(status)
+            .detail(json!({"call": call, "params": format!("{} bytes", body.len())}));
+    }
     let params = serde_json::from_slice::<Value>(body)
         .ok()
         .filter(|_| body.len() <= 1024)
         .unwrap_or_else(|| json!(format!("{} bytes", body.len())));
-    fort_core::audit::Event::new("operator")
+    Event::caused(CausedKind::Operator)
         .caller(caller.origin.as_str())
         .key(caller.fingerprint())
         .status(status)

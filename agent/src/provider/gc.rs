@@ -279,8 +279,9 @@ pub async fn run_once(app: &Arc<App>, dry_run: bool) -> SweepReport {
             .gc
             .inc(&[("decision", "removed"), ("reason", "")]);
         tracing::info!(entry = %d.entry, reason = %d.reason, "gc removed entry");
-        app.audit.record(
-            fort_core::audit::Event::new("collected")
+        app.audit.record_for_entry(
+            &d.entry,
+            fort_core::audit::Event::caused(fort_core::audit::CausedKind::Collected)
                 .entry(&d.entry)
                 .reason(&d.reason),
         );

@@ -199,15 +199,14 @@ impl Provider {
         }
         self.store.wait(ticket).await?;
         if stored {
-            let mut event = fort_core::audit::Event::new("accepted")
+            let mut event = fort_core::audit::Event::caused(fort_core::audit::CausedKind::Accepted)
                 .caller(origin)
                 .entry(&key)
                 .request(request);
             if renew {
                 event = event.detail(serde_json::json!({"renew": true}));
             }
-            app.audit
-                .record_caused_by(origin, fort_core::audit::ACCEPTED_BUDGET, event);
+            app.audit.record_caused_by(origin, event);
         }
         drop(self.enqueue(app, need.kind(), Trigger::Request, false, false));
         Ok(verdict)
@@ -230,8 +229,9 @@ impl Provider {
             .await?;
         if removed {
             tracing::info!(entry = %key, "entry released");
-            app.audit.record(
-                fort_core::audit::Event::new("released")
+            app.audit.record_caused_by(
+                origin,
+                fort_core::audit::Event::caused(fort_core::audit::CausedKind::Released)
                     .caller(origin)
                     .entry(&key)
                     .previous(held),

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use fort_core::audit::{CausedKind, Event};
 use fort_core::client::{Reply, Target};
 use fort_core::names::parse_entry_key;
 use fort_core::wire::{
@@ -424,11 +425,11 @@ fn acknowledged(app: &App, owed: &Owed) {
     app.provider.deliveries.queue.lock().attempts.remove(key);
     app.metrics.callbacks.inc(&[("outcome", "sent")]);
     let event = match &owed.notice {
-        Some(notice) => fort_core::audit::Event::new("verdict_delivered").reason(notice.reason()),
-        None if owed.revocation => fort_core::audit::Event::new("revocation_delivered"),
-        None => fort_core::audit::Event::new("delivered").response(owed.hash.clone()),
+        Some(notice) => Event::caused(CausedKind::VerdictDelivered).reason(notice.reason()),
+        None if owed.revocation => Event::caused(CausedKind::RevocationDelivered),
+        None => Event::caused(CausedKind::Delivered).response(owed.hash.clone()),
     };
-    app.audit.record(event.entry(key));
+    app.audit.record_for_entry(key, event.entry(key));
     match &owed.notice {
         Some(notice) => tracing::info!(entry = %key, verdict = ?notice, "verdict delivered"),
         None => tracing::info!(

@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 use super::state::{capability_of, Notice, NOTICE_CHARS};
 use super::{Pending, RunRecord, Trigger, WorkerSlot};
 use crate::app::App;
-use fort_core::audit::Event;
+use fort_core::audit::{Caused, CausedKind, Event};
 use fort_core::schema::Mode;
 
 pub(super) struct Worker {
@@ -415,7 +415,7 @@ impl Worker {
         pending: &Pending,
     ) -> Result<(Vec<Planned>, fort_core::store::Ticket), fort_core::store::PersistError> {
         let trigger = pending.trigger.unwrap_or(Trigger::Manual).as_str();
-        let mut events: Vec<(Event, Option<Arc<RawValue>>)> = Vec::new();
+        let mut events: Vec<(String, Event<Caused>, Option<Arc<RawValue>>)> = Vec::new();
         let staged = self.app.provider.store.change(|c| {
             let mut planned = Vec::new();
             for (key, seen, verdict) in candidates {
@@ -487,6 +487,7 @@ impl Worker {
                         let issued = matches!(event.event, "issued" | "renewed");
                         let force = pending.force || pending.force_entries.contains(key);
                         events.push((
+                            key.clone(),
                             event.entry(key).run(trigger, force),
                             new.clone().filter(|_| issued),
                         ));
@@ -501,13 +502,15 @@ impl Worker {
             }
             planned
         });
-        for (event, issued) in events {
+        for (entry, event, issued) in events {
             // The expiry a consumer will read from the payload (§11.4), read off the
             // store's lock.
             let expires = issued.and_then(|r| {
                 fort_fulfill::expiry::expiry(&fort_core::wire::payload_bytes_raw(&r))
             });
-            self.app.audit.record(event.expires_at(expires));
+            self.app
+                .audit
+                .record_for_entry(&entry, event.expires_at(expires));
         }
         staged
     }
@@ -528,19 +531,27 @@ impl Answer {
     /// The entry's record (docs/protocol.md §12): a response issued (renewed, when the
     /// consumer asked to renew), revoked, kept for a consumer who asked again, or a
     /// refusal or work under way; `None` when nothing about the entry happened.
-    fn event(self, verdict: &Verdict, now: Option<String>) -> Option<Event> {
+    fn event(self, verdict: &Verdict, now: Option<String>) -> Option<Event<Caused>> {
         Some(match verdict {
             Verdict::Refuse(reason) if self.notice_changed || self.changed => {
-                Event::new("refused").reason(reason).previous(self.previous)
+                Event::caused(CausedKind::Refused)
+                    .reason(reason)
+                    .previous(self.previous)
             }
-            Verdict::Wait(reason) if self.notice_changed => Event::new("pending").reason(reason),
+            Verdict::Wait(reason) if self.notice_changed => {
+                Event::caused(CausedKind::Pending).reason(reason)
+            }
             _ if self.changed => match now {
-                Some(hash) => Event::new(if self.renewed { "renewed" } else { "issued" })
-                    .response(Some(hash))
-                    .previous(self.previous),
-                None => Event::new("revoked").previous(self.previous),
+                Some(hash) => Event::caused(if self.renewed {
+                    CausedKind::Renewed
+                } else {
+                    CausedKind::Issued
+                })
+                .response(Some(hash))
+                .previous(self.previous),
+                None => Event::caused(CausedKind::Revoked).previous(self.previous),
             },
-            _ if self.requester && now.is_some() => Event::new("kept").response(now),
+            _ if self.requester && now.is_some() => Event::caused(CausedKind::Kept).response(now),
             _ => return None,
         })
     }

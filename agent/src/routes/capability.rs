@@ -122,7 +122,7 @@ pub(super) async fn async_item(
     let need = parsed.as_ref().ok().map(|b| b.need.clone());
     let result = async_item_checked(app, caller, name, spec, parsed).await;
     if let Err(e @ (ApiError::Forbidden(_) | ApiError::TooMany(..))) = &result {
-        let mut event = fort_core::audit::Event::new("denied")
+        let mut event = fort_core::audit::Event::caused(fort_core::audit::CausedKind::Denied)
             .caller(caller.origin.as_str())
             .key(caller.fingerprint())
             .capability(name)
@@ -131,11 +131,7 @@ pub(super) async fn async_item(
         if let Some(need) = need {
             event = event.need(fort_core::text::printable(&need, 200));
         }
-        app.audit.record_caused_by(
-            caller.origin.as_str(),
-            fort_core::audit::DENIED_BUDGET,
-            event,
-        );
+        app.audit.record_caused_by(caller.origin.as_str(), event);
     }
     result
 }

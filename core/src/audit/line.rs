@@ -163,7 +163,7 @@ mod tests {
     #[test]
     fn lines_are_the_bytes_serde_json_writes() {
         let awkward = "a \"quoted\" \\ back\tslash\n, \u{1} \u{7f} é 🔑 </script>";
-        let mut every = Event::new("checkpoint")
+        let mut every = Event::named("checkpoint")
             .caller(awkward)
             .key(Some("SHA256:abc/+=".into()))
             .consumer("app")
@@ -183,18 +183,18 @@ mod tests {
         every.witness = Some("d2l0bmVzcw==".into());
         every.index = Some("23".repeat(32));
         let events = [
-            Event::new("start"),
-            Event::new("accepted")
+            Event::named("start"),
+            Event::named("accepted")
                 .caller("app")
                 .entry("app:oidc/wiki")
                 .detail(json!({"renew": true})),
-            Event::new("issued")
+            Event::named("issued")
                 .entry("app:oidc/wiki")
                 .response(Some("ab".repeat(32)))
                 .detail(json!({"trigger": "request", "force": false}))
                 .expires_at(Some(1_800_000_000)),
-            Event::new("delivered").entry("no-colon"),
-            Event::new("refused").reason(""),
+            Event::named("delivered").entry("no-colon"),
+            Event::named("refused").reason(""),
             every,
         ];
         let mut events = events.to_vec();
@@ -204,7 +204,7 @@ mod tests {
             format!("{}\n{}", "x".repeat(33), "y".repeat(40)),
             format!("{}\\", "x".repeat(31)),
         ] {
-            events.push(Event::new("kept").consumer("app").need(need));
+            events.push(Event::named("kept").consumer("app").need(need));
         }
         for (i, event) in events.iter().enumerate() {
             for (seq, at) in [(1, 0), (10, 9), (u64::MAX, 1_700_000_000 + i as u64)] {
@@ -218,10 +218,10 @@ mod tests {
     fn a_run_is_the_detail_its_object_would_be() {
         for trigger in ["request", "manual", "a \"quoted\" one"] {
             for force in [false, true] {
-                let built = Event::new("issued")
+                let built = Event::named("issued")
                     .entry("app:oidc/wiki")
                     .detail(json!({"trigger": trigger, "force": force}));
-                let run = Event::new("issued")
+                let run = Event::named("issued")
                     .entry("app:oidc/wiki")
                     .run(trigger, force);
                 let (ours, _) = both(7, 8, crate::audit::GENESIS, &run);

@@ -43,12 +43,172 @@ pub fn checkpoint_trailer(host: &str, count: u64, head: &str, at: u64) -> String
     format!("fort-audit-checkpoint {host} {count} {head} {at}\n")
 }
 
+/// An event this host records on its own account (a start, a reload, a checkpoint): no
+/// remote party's request or callback can cause it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Own;
+
+/// An event a remote party can cause (its request, its callback, its operator call):
+/// recorded only through [`Audit::record_caused_by`], within that party's budget for the
+/// kind, so that no kind, this one or one added later, can be recorded past it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Caused;
+
+/// The kinds of [`Own`] events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnKind {
+    Start,
+    Stop,
+    Reload,
+    ReloadRefused,
+    Checkpoint,
+    TornTail,
+    Lost,
+    Suppressed,
+    /// Consumer side: a need no longer declared was released.
+    Released,
+}
+
+impl OwnKind {
+    pub const ALL: [OwnKind; 9] = [
+        OwnKind::Start,
+        OwnKind::Stop,
+        OwnKind::Reload,
+        OwnKind::ReloadRefused,
+        OwnKind::Checkpoint,
+        OwnKind::TornTail,
+        OwnKind::Lost,
+        OwnKind::Suppressed,
+        OwnKind::Released,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OwnKind::Start => "start",
+            OwnKind::Stop => "stop",
+            OwnKind::Reload => "reload",
+            OwnKind::ReloadRefused => "reload_refused",
+            OwnKind::Checkpoint => "checkpoint",
+            OwnKind::TornTail => "torn_tail",
+            OwnKind::Lost => "lost",
+            OwnKind::Suppressed => "suppressed",
+            OwnKind::Released => "released",
+        }
+    }
+}
+
+/// The kinds of [`Caused`] events, each with the budget of its records per origin. The
+/// match in [`CausedKind::budget`] is exhaustive: a kind added here says its budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CausedKind {
+    /// Provider: a request stored for its entry (origin: the caller).
+    Accepted,
+    /// Provider: a request refused before it reached an entry (origin: the caller).
+    Denied,
+    /// Every host: an operator call answered (origin: the caller, `local` on the socket).
+    Operator,
+    /// Every host: an operator call refused (403, 400): recorded without its parameters.
+    OperatorRefused,
+    /// Provider, per entry (origin: the entry's consumer): what a run did to it, what GC
+    /// did, what the consumer acknowledged or released.
+    Kept,
+    Issued,
+    Renewed,
+    Refused,
+    Pending,
+    Revoked,
+    Released,
+    Collected,
+    Delivered,
+    VerdictDelivered,
+    RevocationDelivered,
+    /// Consumer, per need (origin: the provider whose callback it was).
+    Applied,
+    ApplyFailed,
+    NeedRefused,
+    NeedRevoked,
+    Witnessed,
+}
+
+impl CausedKind {
+    pub const ALL: [CausedKind; 20] = [
+        CausedKind::Accepted,
+        CausedKind::Denied,
+        CausedKind::Operator,
+        CausedKind::OperatorRefused,
+        CausedKind::Kept,
+        CausedKind::Issued,
+        CausedKind::Renewed,
+        CausedKind::Refused,
+        CausedKind::Pending,
+        CausedKind::Revoked,
+        CausedKind::Released,
+        CausedKind::Collected,
+        CausedKind::Delivered,
+        CausedKind::VerdictDelivered,
+        CausedKind::RevocationDelivered,
+        CausedKind::Applied,
+        CausedKind::ApplyFailed,
+        CausedKind::NeedRefused,
+        CausedKind::NeedRevoked,
+        CausedKind::Witnessed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CausedKind::Accepted => "accepted",
+            CausedKind::Denied => "denied",
+            CausedKind::Operator | CausedKind::OperatorRefused => "operator",
+            CausedKind::Kept => "kept",
+            CausedKind::Issued => "issued",
+            CausedKind::Renewed => "renewed",
+            CausedKind::Refused | CausedKind::NeedRefused => "refused",
+            CausedKind::Pending => "pending",
+            CausedKind::Revoked | CausedKind::NeedRevoked => "revoked",
+            CausedKind::Released => "released",
+            CausedKind::Collected => "collected",
+            CausedKind::Delivered => "delivered",
+            CausedKind::VerdictDelivered => "verdict_delivered",
+            CausedKind::RevocationDelivered => "revocation_delivered",
+            CausedKind::Applied => "applied",
+            CausedKind::ApplyFailed => "apply_failed",
+            CausedKind::Witnessed => "witnessed",
+        }
+    }
+
+    /// How many records of this kind one origin may cause.
+    pub fn budget(self) -> Budget {
+        match self {
+            CausedKind::Accepted => ACCEPTED_BUDGET,
+            CausedKind::Denied | CausedKind::OperatorRefused => DENIED_BUDGET,
+            CausedKind::Operator => OPERATOR_BUDGET,
+            CausedKind::Kept
+            | CausedKind::Issued
+            | CausedKind::Renewed
+            | CausedKind::Refused
+            | CausedKind::Pending
+            | CausedKind::Revoked
+            | CausedKind::Released
+            | CausedKind::Collected
+            | CausedKind::Delivered
+            | CausedKind::VerdictDelivered
+            | CausedKind::RevocationDelivered => ENTRY_BUDGET,
+            CausedKind::Applied
+            | CausedKind::ApplyFailed
+            | CausedKind::NeedRefused
+            | CausedKind::NeedRevoked => CALLBACK_BUDGET,
+            CausedKind::Witnessed => WITNESSED_BUDGET,
+        }
+    }
+}
+
 /// One thing that happened, as its record names it. Never a secret: payloads and
 /// requests appear as hashes only (a request as a keyed hash, see [`Event::request`]).
 /// A record's line writes these fields in this order (`line.rs`, whose test holds it to
-/// this derived `Serialize`): a field added here is added there too.
+/// this derived `Serialize`): a field added here is added there too. `C` says who can
+/// cause it: [`Own`] or [`Caused`].
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct Event {
+pub struct Event<C = Own> {
     pub event: &'static str,
     /// Who asked: the verified origin of a request, an operator, `local` (admin socket).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -107,77 +267,137 @@ pub struct Event {
     /// `{"force":…,"trigger":…}` (see [`Event::run`]) when `detail` is not set.
     #[serde(skip)]
     pub run: Option<(&'static str, bool)>,
+    /// The kind of a [`Caused`] event, whose budget it is recorded within.
+    #[serde(skip)]
+    caused: Option<CausedKind>,
+    #[serde(skip)]
+    cause: std::marker::PhantomData<C>,
 }
 
-impl Event {
-    pub fn new(event: &'static str) -> Event {
+impl Event<Own> {
+    /// An event of this host's own.
+    pub fn own(kind: OwnKind) -> Event<Own> {
+        Event {
+            event: kind.as_str(),
+            ..Event::default()
+        }
+    }
+}
+
+impl Event<Own> {
+    /// Any event by its name, for tests of how records are written.
+    #[cfg(test)]
+    pub(crate) fn named(event: &'static str) -> Event<Own> {
         Event {
             event,
             ..Event::default()
         }
     }
-    pub fn caller(mut self, v: impl Into<String>) -> Event {
+}
+
+impl Event<Caused> {
+    /// An event a remote party can cause: recorded with [`Audit::record_caused_by`].
+    pub fn caused(kind: CausedKind) -> Event<Caused> {
+        Event {
+            event: kind.as_str(),
+            caused: Some(kind),
+            ..Event::default()
+        }
+    }
+
+    /// Admitted within its origin's budget: from here on it is written as any record.
+    fn admitted(self) -> Event<Own> {
+        Event {
+            event: self.event,
+            caller: self.caller,
+            key: self.key,
+            consumer: self.consumer,
+            provider: self.provider,
+            need: self.need,
+            capability: self.capability,
+            request: self.request,
+            response: self.response,
+            previous: self.previous,
+            expires_at: self.expires_at,
+            reason: self.reason,
+            status: self.status,
+            detail: self.detail,
+            count: self.count,
+            head: self.head,
+            signature: self.signature,
+            witness: self.witness,
+            index: self.index,
+            request_text: self.request_text,
+            run: self.run,
+            caused: None,
+            cause: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<C> Event<C> {
+    pub fn caller(mut self, v: impl Into<String>) -> Self {
         self.caller = Some(v.into());
         self
     }
-    pub fn key(mut self, v: Option<String>) -> Event {
+    pub fn key(mut self, v: Option<String>) -> Self {
         self.key = v;
         self
     }
-    pub fn consumer(mut self, v: impl Into<String>) -> Event {
+    pub fn consumer(mut self, v: impl Into<String>) -> Self {
         self.consumer = Some(v.into());
         self
     }
-    pub fn provider(mut self, v: impl Into<String>) -> Event {
+    pub fn provider(mut self, v: impl Into<String>) -> Self {
         self.provider = Some(v.into());
         self
     }
-    pub fn need(mut self, v: impl Into<String>) -> Event {
+    pub fn need(mut self, v: impl Into<String>) -> Self {
         self.need = Some(v.into());
         self
     }
-    pub fn capability(mut self, v: impl Into<String>) -> Event {
+    pub fn capability(mut self, v: impl Into<String>) -> Self {
         self.capability = Some(v.into());
         self
     }
     /// The request, kept as a keyed hash.
-    pub fn request(mut self, v: Arc<RawValue>) -> Event {
+    pub fn request(mut self, v: Arc<RawValue>) -> Self {
         self.request_text = Some(v);
         self
     }
-    pub fn response(mut self, v: Option<String>) -> Event {
+    pub fn response(mut self, v: Option<String>) -> Self {
         self.response = v;
         self
     }
-    pub fn previous(mut self, v: Option<String>) -> Event {
+    pub fn previous(mut self, v: Option<String>) -> Self {
         self.previous = v;
         self
     }
-    pub fn expires_at(mut self, v: Option<u64>) -> Event {
+    pub fn expires_at(mut self, v: Option<u64>) -> Self {
         self.expires_at = v;
         self
     }
-    pub fn reason(mut self, v: impl AsRef<str>) -> Event {
+    pub fn reason(mut self, v: impl AsRef<str>) -> Self {
         self.reason = Some(crate::text::printable(v.as_ref(), 300));
         self
     }
-    pub fn status(mut self, v: u16) -> Event {
+    pub fn status(mut self, v: u16) -> Self {
         self.status = Some(v);
         self
     }
-    pub fn detail(mut self, v: Value) -> Event {
+    pub fn detail(mut self, v: Value) -> Self {
         self.detail = Some(v);
         self
     }
     /// The `detail` of a record a handler run made: what triggered it and whether it was
     /// forced. The same bytes as `detail(json!({"trigger": …, "force": …}))`, without
     /// building a map for every entry a run answers.
-    pub fn run(mut self, trigger: &'static str, force: bool) -> Event {
+    pub fn run(mut self, trigger: &'static str, force: bool) -> Self {
         self.run = Some((trigger, force));
         self
     }
     /// `<consumer>:<type>/<id>` split into its consumer and need.
-    pub fn entry(self, key: &str) -> Event {
+    pub fn entry(self, key: &str) -> Self {
         match key.split_once(':') {
             Some((origin, need)) => self.consumer(origin).need(need),
             None => self.need(key),
@@ -235,7 +455,7 @@ struct Shared {
     copies: bool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Records a remote caller's requests cause, per caller and kind: see [`Budget`].
-    budgets: Mutex<std::collections::HashMap<(String, &'static str), Bucket>>,
+    budgets: Mutex<std::collections::HashMap<(String, CausedKind), Bucket>>,
     /// This host's latest checkpoint, as its callbacks carry it.
     latest: Mutex<Option<Witnessed>>,
     /// Per provider, the `(count, head)` last recorded as witnessed.
@@ -263,6 +483,27 @@ pub const DENIED_BUDGET: Budget = Budget {
 pub const ACCEPTED_BUDGET: Budget = Budget {
     burst: 4096,
     per_minute: 1024,
+};
+
+/// Operator calls answered: a script polling a fleet's status with entries, a burst of
+/// rotations; more is a caller writing the trail, not reading the host.
+pub const OPERATOR_BUDGET: Budget = Budget {
+    burst: 256,
+    per_minute: 120,
+};
+
+/// What runs, GC and deliveries record about one consumer's entries: a host's whole
+/// fleet of needs at once, then the pace of a caller that changes its requests all the
+/// time.
+pub const ENTRY_BUDGET: Budget = Budget {
+    burst: 4096,
+    per_minute: 1024,
+};
+
+/// What one provider's callbacks make a consumer record (applied, refused, revoked).
+pub const CALLBACK_BUDGET: Budget = Budget {
+    burst: 1024,
+    per_minute: 256,
 };
 
 /// Checkpoints one provider's callbacks have witnessed (`witnessed`): its checkpoints
@@ -342,9 +583,9 @@ impl Audit {
         self.shared.is_some()
     }
 
-    /// Hands `event` to the writer, stamped now. Never waits for the disk; a full queue
-    /// counts it as lost.
-    pub fn record(&self, event: Event) {
+    /// Hands `event`, one of this host's own, to the writer, stamped now. Never waits
+    /// for the disk; a full queue counts it as lost.
+    pub fn record(&self, event: Event<Own>) {
         let Some(s) = &self.shared else { return };
         let at = crate::wire::unix_now();
         let mut q = s.queue.lock();
@@ -362,24 +603,29 @@ impl Audit {
         }
     }
 
-    /// [`Audit::record`] for a record `caller`'s request caused, within `budget` for
-    /// records of its kind from that caller.
-    /// Whether the record was queued (not past the caller's budget).
-    pub fn record_caused_by(&self, caller: &str, budget: Budget, event: Event) -> bool {
+    /// [`Audit::record`] for a record `caller` caused (its request, its callback, its
+    /// call; for a provider's entry, the entry's consumer), within `caller`'s budget for
+    /// records of its kind. Whether the record was queued (not past the budget).
+    pub fn record_caused_by(&self, caller: &str, event: Event<Caused>) -> bool {
         let Some(s) = &self.shared else { return false };
         let now = std::time::Instant::now();
-        let kind = event.event;
+        let caused = event.caused.unwrap_or(CausedKind::Denied);
+        let budget = caused.budget();
+        let kind = caused.as_str();
         let suppressed = {
             let mut budgets = s.budgets.lock();
-            if budgets.len() >= BUDGETS_TRACKED && !budgets.contains_key(&(caller.to_owned(), kind))
+            if budgets.len() >= BUDGETS_TRACKED
+                && !budgets.contains_key(&(caller.to_owned(), caused))
             {
                 budgets.clear();
             }
-            let bucket = budgets.entry((caller.to_owned(), kind)).or_insert(Bucket {
-                tokens: f64::from(budget.burst),
-                last: now,
-                suppressed: 0,
-            });
+            let bucket = budgets
+                .entry((caller.to_owned(), caused))
+                .or_insert(Bucket {
+                    tokens: f64::from(budget.burst),
+                    last: now,
+                    suppressed: 0,
+                });
             let refill =
                 now.duration_since(bucket.last).as_secs_f64() * f64::from(budget.per_minute) / 60.0;
             bucket.tokens = (bucket.tokens + refill).min(f64::from(budget.burst));
@@ -393,13 +639,22 @@ impl Audit {
         };
         if suppressed > 0 {
             self.record(
-                Event::new("suppressed")
+                Event::own(OwnKind::Suppressed)
                     .caller(caller)
                     .detail(serde_json::json!({"event": kind, "records": suppressed})),
             );
         }
-        self.record(event);
+        self.record(event.admitted());
         true
+    }
+
+    /// [`Audit::record_caused_by`] for a record about a provider's entry
+    /// (`<consumer>:<type>/<id>`), within its consumer's budget: whatever made the record
+    /// (its request, a run, GC, its acknowledgement), the consumer's own records are what
+    /// it can fill the trail with.
+    pub fn record_for_entry(&self, entry: &str, event: Event<Caused>) -> bool {
+        let origin = entry.split_once(':').map_or(entry, |(origin, _)| origin);
+        self.record_caused_by(origin, event)
     }
 
     /// This host's latest signed checkpoint, for the header its callbacks carry
@@ -446,14 +701,14 @@ impl Audit {
         if !wanted(last.get(provider)) {
             return;
         }
-        let mut event = Event::new("witnessed")
+        let mut event = Event::caused(CausedKind::Witnessed)
             .provider(provider)
             .detail(serde_json::json!({ "at": w.at }));
         event.count = Some(w.count);
         event.head = Some(w.head.clone());
         event.signature = Some(w.witness.clone());
         // Marked as seen only once it is recorded: one past the budget is taken later.
-        if self.record_caused_by(provider, WITNESSED_BUDGET, event) {
+        if self.record_caused_by(provider, event) {
             if last.len() >= BUDGETS_TRACKED && !last.contains_key(provider) {
                 last.clear();
             }

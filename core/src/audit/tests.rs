@@ -26,8 +26,9 @@ fn write(dir: &Path, signer: &Signer, opts: Options, n: usize, from: usize) {
     let _ = dir;
     let audit = Audit::open(opts, signer.clone());
     for i in from..from + n {
-        audit.record(
-            Event::new("issued")
+        audit.record_caused_by(
+            "app",
+            Event::caused(CausedKind::Issued)
                 .consumer("app")
                 .need(format!("cred/{i}"))
                 .response(Some(format!("{i:064x}"))),
@@ -172,7 +173,7 @@ fn the_first_bad_record_is_named() {
 #[test]
 fn a_disabled_trail_records_nothing_and_is_never_unwritable() {
     let audit = Audit::disabled();
-    audit.record(Event::new("start"));
+    audit.record(Event::own(OwnKind::Start));
     assert!(audit.writable());
     assert!(audit.stats().is_none());
     audit.close();
@@ -216,18 +217,18 @@ fn a_caller_causes_at_most_its_budget_of_records() {
     let dir = tempfile::tempdir().unwrap();
     let signer = Signer::generate();
     let audit = Audit::open(options(dir.path(), 1 << 20, 4), signer);
-    let budget = Budget {
-        burst: 10,
-        per_minute: 600,
+    let denied = |who: &str| {
+        Event::caused(CausedKind::Denied)
+            .caller(who)
+            .capability("cred")
     };
-    let denied = |who: &str| Event::new("denied").caller(who).capability("cred");
-    for _ in 0..50 {
-        audit.record_caused_by("mallory", budget, denied("mallory"));
+    for _ in 0..100 {
+        audit.record_caused_by("mallory", denied("mallory"));
     }
-    audit.record_caused_by("app", budget, denied("app"));
-    // 600 a minute: one more fits after a tenth of a second.
-    std::thread::sleep(Duration::from_millis(300));
-    audit.record_caused_by("mallory", budget, denied("mallory"));
+    audit.record_caused_by("app", denied("app"));
+    // 64 a minute: one more fits after a second.
+    std::thread::sleep(Duration::from_millis(1100));
+    audit.record_caused_by("mallory", denied("mallory"));
     audit.close();
     let all = records(dir.path());
     let count = |who: &str| {
@@ -235,14 +236,14 @@ fn a_caller_causes_at_most_its_budget_of_records() {
             .filter(|r| r["event"] == "denied" && r["caller"] == who)
             .count()
     };
-    assert_eq!(count("mallory"), 11, "{all:?}");
+    assert_eq!(count("mallory"), 65, "{all:?}");
     assert_eq!(count("app"), 1);
     let summary: Vec<&Value> = all.iter().filter(|r| r["event"] == "suppressed").collect();
     assert_eq!(summary.len(), 1, "{all:?}");
     assert_eq!(summary[0]["caller"], "mallory");
     assert_eq!(
         summary[0]["detail"],
-        serde_json::json!({"event": "denied", "records": 40})
+        serde_json::json!({"event": "denied", "records": 36})
     );
 }
 
@@ -256,7 +257,7 @@ fn the_latest_checkpoint_travels_and_survives_a_restart() {
     let keys = vec![signer.public_key().clone()];
     let audit = Audit::open(options(dir.path(), 1 << 20, 4), signer.clone());
     assert_eq!(audit.latest_checkpoint(), None);
-    audit.record(Event::new("issued").need("cred/a"));
+    audit.record_caused_by("app", Event::caused(CausedKind::Issued).need("cred/a"));
     audit.close();
     let reopened = Audit::open(options(dir.path(), 1 << 20, 4), signer.clone());
     let header = reopened.latest_checkpoint().expect("the stop's checkpoint");
@@ -468,4 +469,45 @@ fn a_fifo_or_link_named_like_a_trail_file_hangs_and_redirects_nothing() {
         .unwrap()
         .problems
         .is_empty());
+}
+
+/// Every kind of record a remote party can cause is budgeted per origin, by its kind: a
+/// caller past the burst is held back, another caller of the same kind is not. Every kind
+/// is in docs/protocol.md §12.2.
+#[test]
+fn every_kind_a_remote_party_can_cause_is_budgeted_per_origin() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = Audit::open(options(dir.path(), 64 << 20, 4), Signer::generate());
+    for kind in CausedKind::ALL {
+        let burst = kind.budget().burst as usize;
+        assert!(burst > 0 && kind.budget().per_minute > 0, "{kind:?}");
+        let mut kept = 0;
+        for _ in 0..burst + 20 {
+            kept += usize::from(audit.record_caused_by(
+                &format!("mallory-{kind:?}"),
+                Event::caused(kind).need("cred/a"),
+            ));
+        }
+        // Refilled while the loop ran: a few at most.
+        assert!(
+            kept >= burst && kept < burst + 10,
+            "{kind:?}: {kept} of a burst of {burst}"
+        );
+        assert!(audit.record_caused_by(&format!("app-{kind:?}"), Event::caused(kind)));
+    }
+    audit.close();
+    let protocol = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/protocol.md"),
+    )
+    .unwrap();
+    let names = CausedKind::ALL
+        .iter()
+        .map(|k| k.as_str())
+        .chain(OwnKind::ALL.iter().map(|k| k.as_str()));
+    for name in names {
+        assert!(
+            protocol.contains(&format!("`{name}`")),
+            "{name} is not in §12.2"
+        );
+    }
 }

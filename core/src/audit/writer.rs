@@ -88,8 +88,8 @@ impl Writer {
             Ok(torn) => {
                 w.shared.writable.store(true, Ordering::Relaxed);
                 if torn > 0 {
-                    let event =
-                        Event::new("torn_tail").detail(serde_json::json!({ "bytes": torn }));
+                    let event = Event::own(super::OwnKind::TornTail)
+                        .detail(serde_json::json!({ "bytes": torn }));
                     w.chain(crate::wire::unix_now(), event);
                 }
             }
@@ -238,7 +238,8 @@ impl Writer {
                 self.spare = events;
             }
             if lost > 0 {
-                let event = Event::new("lost").detail(serde_json::json!({ "records": lost }));
+                let event =
+                    Event::own(super::OwnKind::Lost).detail(serde_json::json!({ "records": lost }));
                 self.append(crate::wire::unix_now(), event);
             }
             self.flush();
@@ -370,7 +371,7 @@ impl Writer {
             }
         };
         signed.extend_from_slice(trailer.as_bytes());
-        let mut event = Event::new("checkpoint");
+        let mut event = Event::own(super::OwnKind::Checkpoint);
         event.count = Some(self.seq);
         event.head = Some(self.head.clone());
         event.signature = Some(self.signer.sign_in(NAMESPACE, &signed));
