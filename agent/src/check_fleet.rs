@@ -144,6 +144,10 @@ pub fn check_fleet(dir: &Path, skip_handlers: bool) -> anyhow::Result<String> {
                 hosts: h.hosts.clone(),
                 provider: Some(provider.to_owned()),
                 consumer: Some(consumer.clone()),
+                // What the provider refuses at its door, from its own agent.toml.
+                limits: crate::config::Config::load(&p.dir.join("agent.toml"))
+                    .map(|c| crate::check_requests::DoorLimits::of(&c))
+                    .unwrap_or_default(),
             };
             match check_requests(&c) {
                 Ok(summary) => lines.push(format!("{consumer} → {provider}: {summary}")),

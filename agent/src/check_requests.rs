@@ -21,6 +21,67 @@ pub struct RequestCheck {
     pub provider: Option<String>,
     /// The consumer's host name: its need ids must be among the callers.
     pub consumer: Option<String>,
+    /// What the provider refuses at its door before any schema (its agent.toml; the
+    /// defaults when it is not known).
+    pub limits: DoorLimits,
+}
+
+/// The limits a provider applies to a request before it looks at it (docs/protocol.md
+/// §6.1): a request past any of them is refused at run time, so the check refuses it too.
+#[derive(Debug, Clone, Copy)]
+pub struct DoorLimits {
+    /// `max_request_bytes`: one stored request, as compact JSON (413 past it).
+    pub max_request_bytes: usize,
+    /// `body_limit`: the whole body that carries it (413 past it).
+    pub body_limit: usize,
+}
+
+impl Default for DoorLimits {
+    fn default() -> DoorLimits {
+        DoorLimits {
+            max_request_bytes: crate::config::defaults::max_request_bytes(),
+            body_limit: crate::config::defaults::body_limit(),
+        }
+    }
+}
+
+impl DoorLimits {
+    /// Those of the provider whose agent.toml is `config`.
+    pub fn of(config: &crate::config::Config) -> DoorLimits {
+        DoorLimits {
+            max_request_bytes: config.max_request_bytes,
+            body_limit: config.body_limit,
+        }
+    }
+
+    /// Why the provider refuses `request` for `need` at the door, if it does. A request
+    /// built from other needs' values is held to what is known of it: its own members
+    /// can only grow when those are filled in.
+    fn refusal(&self, need: &str, request: &Value) -> Option<String> {
+        let size = serde_json::to_vec(request).map_or(usize::MAX, |b| b.len());
+        if size > self.max_request_bytes {
+            return Some(format!(
+                "the request is {size} bytes as compact JSON; the provider stores at most {} (max_request_bytes), and answers 413",
+                self.max_request_bytes
+            ));
+        }
+        let depth = fort_core::wire::json_depth(request);
+        if depth > fort_core::wire::MAX_REQUEST_DEPTH {
+            return Some(format!(
+                "the request nests {depth} levels deep; the provider takes at most {}, and answers 400",
+                fort_core::wire::MAX_REQUEST_DEPTH
+            ));
+        }
+        // The body around it: {"need": …, "request": …, "renew": true}.
+        let body = size.saturating_add(need.len()).saturating_add(64);
+        if body > self.body_limit {
+            return Some(format!(
+                "the request's body is about {body} bytes; the provider reads at most {} (body_limit), and answers 413",
+                self.body_limit
+            ));
+        }
+        None
+    }
 }
 
 /// JSON pointers of every reference in `v` (to a payload or a key): their values are only
@@ -83,6 +144,9 @@ pub fn check_requests(c: &RequestCheck) -> anyhow::Result<String> {
                     key.id()
                 ));
             }
+        }
+        if let Some(why) = c.limits.refusal(key.as_str(), &spec.request) {
+            problems.push(format!("{key}: {why}"));
         }
         let Some(schema) = &cap.request_schema else {
             unchecked += 1;

@@ -391,6 +391,7 @@ async fn agent_main() -> ExitCode {
                 hosts,
                 provider,
                 consumer,
+                limits: Default::default(),
             };
             match fort_agent::check_requests::check_requests(&c) {
                 Ok(summary) => {

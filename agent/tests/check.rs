@@ -269,3 +269,41 @@ fn listen_addresses_must_be_ip_and_port_and_say_so() {
     );
     assert_eq!(err.matches("No such file").count(), 1, "{err}");
 }
+
+/// A request the provider would refuse at its door (past its `max_request_bytes`) fails
+/// the fleet check, held to that provider's own agent.toml; the
+/// same request passes once the provider takes it.
+#[test]
+fn the_fleet_check_holds_requests_to_the_providers_door_limits() {
+    let mut f = Fleet::new();
+    let h = f.script("provide", r#"jq -c 'with_entries(.value = "OK")'"#);
+    f.capability("p", "blob", json!({"handler": h, "mode": "async"}));
+    f.need(
+        "c",
+        "blob/big",
+        "p",
+        json!({"request": {"data": "x".repeat(75_000)}}),
+    );
+    let fleet_check = |f: &Fleet| {
+        f.write_files();
+        let out = Command::new(fort_tests::bin("fort-agent"))
+            .args(["check", "--fleet"])
+            .arg(f.dir.path())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = fleet_check(&f);
+    assert!(!ok, "the fleet check passed");
+    assert!(
+        err.contains("blob/big") && err.contains("max_request_bytes"),
+        "{err}"
+    );
+    // The provider that stores larger requests takes it.
+    f.host("p").extra_toml = "max_request_bytes = 131072\n".into();
+    let (_, err) = fleet_check(&f);
+    assert!(!err.contains("blob/big"), "{err}");
+}

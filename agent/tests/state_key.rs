@@ -309,3 +309,77 @@ async fn an_interrupted_rotation_finishes_and_finds_files_outside_the_state_dire
     );
     assert_eq!(key_id(&ca_key), Some(id2));
 }
+
+/// `fort-agent check` applies every rule the start applies to the state key, and both
+/// refuse a key another user owns or could replace: missing, readable by others (also
+/// through a link), owned by another user, in a directory others may write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_every_state_key_the_start_refuses() {
+    use std::os::unix::fs::PermissionsExt;
+    let (mut f, _) = forge();
+    let good = f.new_state_key("good");
+    let check = |f: &Fleet| {
+        let out = Command::new(fort_tests::bin("fort-agent"))
+            .args(["check", "--skip-handlers", "--config"])
+            .arg(f.config_path("forge"))
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    use_key(&mut f, Some(&good));
+    let (ok, err) = check(&f);
+    assert!(ok, "a good key: {err}");
+
+    let dir = f.dir.path().join("keys");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let copy = |name: &str, mode: u32| {
+        let p = dir.join(name);
+        std::fs::copy(&good, &p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        p
+    };
+    let readable = copy("readable", 0o644);
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&readable, &link).unwrap();
+    let shared = f.dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let in_shared = shared.join("key");
+    std::fs::copy(&good, &in_shared).unwrap();
+    std::fs::set_permissions(&in_shared, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut cases = vec![
+        (dir.join("missing"), "cannot read the state key"),
+        (readable, "mode 0644"),
+        (link, "mode 0644"),
+        (in_shared, "another user could replace"),
+    ];
+    let root = rustix_is_root();
+    if root {
+        let foreign = copy("foreign", 0o600);
+        std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+        cases.push((foreign, "belongs to user 65534"));
+    } else {
+        fort_tests::skip(
+            "check_refuses_every_state_key_the_start_refuses",
+            "a key owned by another user: chown needs root",
+        );
+    }
+    for (key, why) in cases {
+        use_key(&mut f, Some(&key));
+        let (ok, err) = check(&f);
+        assert!(!ok, "check passed {}", key.display());
+        assert!(err.contains(why), "{}: {err}", key.display());
+        let log = refused(&mut f);
+        assert!(log.contains(why), "serve: {}: {log}", key.display());
+    }
+}
+
+fn rustix_is_root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
