@@ -267,3 +267,57 @@ async fn a_flapping_home_moves_a_need_at_most_once_and_a_single_provider_lists_n
         );
     }
 }
+
+/// A consumer whose state was set aside while its first provider is down does not know
+/// where its need is served: its needs list must not name the dead first provider as
+/// the home, so the standby that serves the need keeps its entry (its GC would otherwise
+/// take it as served elsewhere and run the handler's cleanup on a live credential).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_lost_its_state_lets_no_standby_collect_the_need() {
+    let mut f = Fleet::new();
+    providers(&mut f, &["e1", "e2"]);
+    consumer(&mut f, &["e1", "e2"]);
+    f.start();
+    assert!(
+        eventually(Duration::from_secs(60), || row(&f)["state"] == "satisfied").await,
+        "{}",
+        row(&f)
+    );
+    f.kill("e1");
+    assert!(
+        eventually(Duration::from_secs(90), || token(&f).starts_with("e2-")
+            && row(&f)["from"] == "e2")
+        .await,
+        "served by the standby: {}",
+        row(&f)
+    );
+    let live = token(&f);
+
+    // The consumer's state set aside the documented way, e1 still down.
+    f.stop("app");
+    let out = std::process::Command::new(fort_tests::bin("fort-agent"))
+        .args(["set-aside", "--config"])
+        .arg(f.config_path("app"))
+        .arg("fulfillment-state.json")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    f.start_host("app");
+    let list = needs_list(&f, "e2").await;
+    assert_eq!(list["needs"], json!([NEED]), "{list}");
+    assert!(
+        list.get("served_by").is_none_or(|s| s.get(NEED).is_none()),
+        "a home the consumer has not confirmed is named: {list}"
+    );
+    // e2's sweeps, past their grace, keep the entry whose credential app still holds.
+    for _ in 0..3 {
+        let report = sweep(&f, "e2");
+        assert!(
+            report["removed"].as_array().is_some_and(|r| r.is_empty()),
+            "{report}"
+        );
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    assert!(has_entry(&f, "e2"), "the standby collected the live entry");
+    assert_eq!(token(&f), live);
+}

@@ -535,6 +535,7 @@ impl Fulfiller {
         }
         // Only the home's payloads are applied: the new home has answered.
         st.renew_at_home = false;
+        st.home_confirmed = true;
         st.payload_sha256 = Some(digest.to_owned());
         st.received += 1;
         st.received_at = Some(now);

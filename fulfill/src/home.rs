@@ -82,18 +82,21 @@ impl Fulfiller {
     }
 
     /// Per declared need that names several providers, the one serving it (§11.13,
-    /// `served_by` of the needs list).
+    /// `served_by` of the needs list), when that home is confirmed: it answered a request
+    /// for the need or its payload was applied. A need whose home is not confirmed (its
+    /// state was lost or set aside, it has just moved) is left out, which a provider reads
+    /// as "no proof" and keeps its entry: never as served elsewhere.
     pub fn served_by(&self) -> BTreeMap<String, String> {
         let needs = self.inner.view.lock().needs.clone();
         self.inner.store.read(|states| {
             needs
                 .iter()
                 .filter(|(_, spec)| spec.from.several())
-                .map(|(key, spec)| {
-                    let home = states
-                        .get(key.as_str())
-                        .map_or(spec.from.first(), |st| home_of(spec, st));
-                    (key.to_string(), home.to_owned())
+                .filter_map(|(key, spec)| {
+                    let st = states.get(key.as_str())?;
+                    let home = home_of(spec, st);
+                    (st.home_confirmed && st.from == home)
+                        .then(|| (key.to_string(), home.to_owned()))
                 })
                 .collect()
         })
@@ -243,6 +246,7 @@ impl Fulfiller {
                 st.moved_because = Some(reason.to_owned());
                 st.moves = st.moves.saturating_add(1);
                 st.renew_at_home = true;
+                st.home_confirmed = false;
                 c.put(key_s.clone(), st);
                 true
             })

@@ -171,6 +171,8 @@ impl Fulfiller {
             return self.transport_failure(key, spec, &home, error).await;
         }
         self.inner.view.lock().failures.remove(key);
+        // A signed 2xx from the home: it serves this need (§11.13, `served_by`).
+        let confirms = (200..300).contains(&reply.status) && reply.verified();
         match reply.status {
             202 => {
                 tracing::debug!(need = %key, from = %home, "request accepted");
@@ -187,6 +189,7 @@ impl Fulfiller {
                     // The callback already said what became of the need.
                     self.update_lazy(key, |st| {
                         st.sent_sha256 = Some(resolved_hash.clone());
+                        st.home_confirmed |= confirms && st.from == home;
                         true
                     });
                     return;
@@ -194,6 +197,7 @@ impl Fulfiller {
                 if let Some(verdict) = verdict.filter(|_| reply.verified()) {
                     self.update_lazy(key, |st| {
                         st.sent_sha256 = Some(resolved_hash.clone());
+                        st.home_confirmed |= confirms && st.from == home;
                         true
                     });
                     if let Err(e) = self.deliver(key, &home, verdict).await {
@@ -203,6 +207,7 @@ impl Fulfiller {
                 }
                 self.update_lazy(key, |st| {
                     st.sent_sha256 = Some(resolved_hash);
+                    st.home_confirmed |= confirms && st.from == home;
                     if matches!(st.phase, Phase::Failed | Phase::Waiting) {
                         st.phase = Phase::Pending;
                         st.since = sent_at;
@@ -218,6 +223,7 @@ impl Fulfiller {
                 // An rpc-mode capability answers at once: treat the body as a callback.
                 self.update_lazy(key, |st| {
                     st.sent_sha256 = Some(resolved_hash);
+                    st.home_confirmed |= confirms && st.from == home;
                     true
                 });
                 if let Err(e) = self

@@ -124,6 +124,12 @@ pub struct NeedState {
     /// served the need before issues afresh instead of answering what it held.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub renew_at_home: bool,
+    /// The home (`from`) has shown that it serves this need: it answered a request for it
+    /// (a signed 2xx) or its payload was applied. Only a confirmed home is named in the
+    /// needs list's `served_by` (§11.13): a consumer that lost its state, or has just
+    /// moved, must not let another provider conclude that it serves the need elsewhere.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub home_confirmed: bool,
     /// Per key the need declares, the public key and the CSR its requests carry
     /// (§11.10); never a private key.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
