@@ -295,7 +295,10 @@ impl App {
             crate::provider::sealing::SealedResponses::sealing(state_key.as_deref(), &path);
         let provider_store = open_state(&path, field, &config, sealing)?;
         let (path, field) = open_store(fort_fulfill::state::FILE, fort_fulfill::state::FIELD);
-        let fulfill_store = open_state(&path, field, &config, Sealing::Never)?;
+        // The payloads it keeps (before they are applied, and for references) are
+        // sealed with the state key too.
+        let sealing = fort_fulfill::sealing::SealedPayloads::sealing(state_key.as_deref(), &path);
+        let fulfill_store = open_state(&path, field, &config, sealing)?;
         let flush_stop = CancellationToken::new();
         tasks.spawn(provider_store.clone().run_flusher(flush_stop.clone()));
         tasks.spawn(fulfill_store.clone().run_flusher(flush_stop.clone()));

@@ -181,20 +181,32 @@ pub fn rotate(
         Err(_) => None,
     };
     let (mut resealed, mut already) = (0usize, 0usize);
-    // The provider's cached responses, sealed inside a file that is otherwise plain.
+    // The provider's cached responses and the consumer's kept payloads, each sealed
+    // inside a file that is otherwise plain.
     let provider = config.state_dir.join(crate::provider::state::FILE);
+    let consumer = config.state_dir.join(fort_fulfill::state::FILE);
     let sealing = SealedResponses::sealing;
-    match fort_core::store::reseal(
-        &provider,
-        crate::provider::state::FIELD,
-        sealing(old.as_ref(), &provider),
-        Arc::new(SealedResponses::new(&new, &provider)),
-    )
-    .map_err(|e| e.to_string())?
-    {
-        Resealed::Resealed => resealed += 1,
-        Resealed::Already => already += 1,
-        Resealed::Plain | Resealed::Absent => {}
+    let payloads = fort_fulfill::sealing::SealedPayloads::sealing;
+    let outcomes = [
+        fort_core::store::reseal(
+            &provider,
+            crate::provider::state::FIELD,
+            sealing(old.as_ref(), &provider),
+            Arc::new(SealedResponses::new(&new, &provider)),
+        ),
+        fort_core::store::reseal(
+            &consumer,
+            fort_fulfill::state::FIELD,
+            payloads(old.as_ref(), &consumer),
+            Arc::new(fort_fulfill::sealing::SealedPayloads::new(&new, &consumer)),
+        ),
+    ];
+    for outcome in outcomes {
+        match outcome.map_err(|e| e.to_string())? {
+            Resealed::Resealed => resealed += 1,
+            Resealed::Already => already += 1,
+            Resealed::Plain | Resealed::Absent => {}
+        }
     }
     let files = known_sealed_files(&config.state_dir, extra_dirs)?;
     let mut left: Vec<String> = Vec::new();

@@ -18,6 +18,7 @@ mod reload;
 mod request;
 mod safe_path;
 mod schedule;
+pub mod sealing;
 pub mod state;
 mod status;
 mod swap;
