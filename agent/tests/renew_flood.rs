@@ -82,3 +82,48 @@ async fn a_renew_flood_from_a_valid_host_costs_one_renewal_per_interval() {
     assert_eq!(reply.status, 202);
     assert!(eventually(Duration::from_secs(10), || renewals(&f, "d:tok/api") == 1).await);
 }
+
+/// A capability whose credentials live seconds renews each one as it comes due, with the
+/// agent's default `renew_interval` (ten minutes): a response past half of its lifetime
+/// is always renewable, so the interval bounds a caller that asks too early, never one
+/// whose credential is due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_lived_credentials_renew_as_they_come_due_under_the_default_interval() {
+    let mut f = Fleet::new();
+    let d = f.dir.path().display().to_string();
+    let h = f.script(
+        "provide",
+        &format!(
+            r#"cat > {d}/input
+jq -c --argjson now "$(date +%s)" --arg t "$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')" \
+  'with_entries(.value = (if .value.renew or .value.response == null then {{"token": $t, "expires_at": ($now + 8)}} else .value.response end))' {d}/input"#
+        ),
+    );
+    f.capability(
+        "p",
+        "tok",
+        json!({"handler": h, "mode": "async", "cacheResponse": true}),
+    );
+    let file = f.dir.path().join("c/token");
+    f.need(
+        "c",
+        "tok/api",
+        "p",
+        json!({"nag_seconds": 1, "renew_before_seconds": 5,
+               "files": [{"path": file, "pointer": "/token"}]}),
+    );
+    f.start();
+    let mut seen = std::collections::BTreeSet::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(30) && seen.len() < 4 {
+        if let Ok(t) = std::fs::read_to_string(&file) {
+            seen.insert(t);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        seen.len() >= 4,
+        "{} tokens in 30 s: renewals were held back by the agent-wide interval",
+        seen.len()
+    );
+}

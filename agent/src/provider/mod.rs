@@ -121,6 +121,14 @@ impl Provider {
         }
     }
 
+    /// When the response `key` holds expires, as its consumer reads it (§11.4).
+    fn held_expiry(&self, key: &str) -> Option<u64> {
+        let response = self
+            .store
+            .read(|m| m.get(key).and_then(|e| e.response.clone()))?;
+        fort_fulfill::expiry::expiry(&fort_core::wire::payload_bytes_raw(&response))
+    }
+
     /// The least time between two renewals of one entry (`renew_interval`).
     pub fn with_renew_interval(mut self, interval: std::time::Duration) -> Provider {
         self.renewals = renewals::Renewals::new(interval);
@@ -141,14 +149,18 @@ impl Provider {
     ) -> Result<Option<Notice>, UpsertError> {
         let key = entry_key(origin, need);
         let request = state::raw(&request);
-        // Renewed too recently: stored as a plain request; the consumer asks again.
+        // Renewed too recently, and not yet due: stored as a plain request; the consumer
+        // asks again.
         let renew = renew
-            && (self.renewals.allows(&key) || {
-                app.metrics
-                    .renewals_held
-                    .inc(&[("capability", need.kind())]);
-                false
-            });
+            && (self
+                .renewals
+                .allows(&key, self.held_expiry(&key), unix_now())
+                || {
+                    app.metrics
+                        .renewals_held
+                        .inc(&[("capability", need.kind())]);
+                    false
+                });
         let prefix = format!("{origin}:{}/", need.kind());
         let now = unix_now();
         let mut verdict = None;

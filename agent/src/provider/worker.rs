@@ -449,9 +449,11 @@ impl Worker {
                 if changed {
                     entry.set_response(new.clone());
                     // A new response is what a renewal asked for.
-                    if std::mem::take(&mut entry.renew) {
-                        self.app.provider.renewals.renewed(key);
-                    }
+                    let renewal = std::mem::take(&mut entry.renew);
+                    self.app
+                        .provider
+                        .renewals
+                        .replaced(key, renewal, fort_core::wire::unix_now());
                     changed_any = true;
                 }
                 if notice_changed {
