@@ -258,6 +258,14 @@ pub(super) async fn step(
         if need_row(fleet, NEED).await?["satisfied"] == true {
             break;
         }
+        // The CA's fetches answered 403: say so now, not as a timeout later.
+        if nginx.refused_challenges() > 0 {
+            bail!(
+                "nginx answered pebble's HTTP-01 fetches with 403: its workers cannot read the webroot {} (a directory above it does not let them pass). Run the demo with TMPDIR set to a directory others can pass through (for example TMPDIR=/tmp); nginx's log: {}",
+                nginx.webroot().display(),
+                nginx.access_log_path().display()
+            );
+        }
         wait.tick().await?;
     }
     let key = fleet.delivered(NEED, "key.pem");

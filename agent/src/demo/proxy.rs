@@ -51,7 +51,7 @@ impl DemoNginx {
         std::fs::create_dir_all(dir.join("vhosts"))?;
         let webroot = tempfile::Builder::new()
             .prefix("fort-demo-webroot-")
-            .tempdir()?;
+            .tempdir_in(webroot_parent()?)?;
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(webroot.path(), std::fs::Permissions::from_mode(0o755))?;
@@ -99,6 +99,19 @@ impl DemoNginx {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(Some(me))
+    }
+
+    /// Challenges nginx refused (403) so far: its workers could not read the webroot.
+    pub(super) fn refused_challenges(&self) -> usize {
+        self.access_log()
+            .lines()
+            .filter(|l| l.contains("/.well-known/acme-challenge/") && l.contains("\" 403 "))
+            .count()
+    }
+
+    /// Where nginx logs what it served.
+    pub(super) fn access_log_path(&self) -> std::path::PathBuf {
+        self.dir.join("access.log")
     }
 
     /// What nginx served so far (its access log).
@@ -264,4 +277,60 @@ pub(super) async fn step(fleet: &mut Fleet, nginx: Option<&DemoNginx>) -> anyhow
     println!("  GET http://{NAME}/ at nginx: {status}: \"{body}\"");
     println!("  GET http://elsewhere.demo.test/ at nginx: {other} (no vhost has that name)");
     Ok("a vhost at a real nginx forwards by name to app's web server".into())
+}
+
+/// Where the webroot can go: a directory nginx's workers can reach. Run as root, nginx's
+/// workers are user `nobody`, which must be able to pass through every directory above
+/// the webroot; `$TMPDIR` under a private directory (mode 0700) would make every challenge
+/// a 403 that only nginx's log shows. The temporary directory when others can pass
+/// through it, else `/tmp` or `/var/tmp`; none of them: say so and how to fix it.
+fn webroot_parent() -> anyhow::Result<std::path::PathBuf> {
+    webroot_parent_of(&std::env::temp_dir())
+}
+
+fn webroot_parent_of(tmp: &Path) -> anyhow::Result<std::path::PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    let tmp = tmp.to_owned();
+    if !root {
+        return Ok(tmp);
+    }
+    let passable = |dir: &Path| {
+        dir.ancestors()
+            .all(|d| std::fs::metadata(d).is_ok_and(|m| m.mode() & 0o001 != 0))
+    };
+    for candidate in [tmp.as_path(), Path::new("/tmp"), Path::new("/var/tmp")] {
+        if candidate.is_dir() && passable(candidate) {
+            return Ok(candidate.to_owned());
+        }
+    }
+    bail!(
+        "nginx's workers (user nobody) could not read an ACME challenge webroot under {} or /tmp: a directory above it does not let others pass (mode without o+x). Run the demo with TMPDIR set to a directory others can pass through (for example TMPDIR=/tmp)",
+        tmp.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// As root, a `$TMPDIR` under a private directory is passed over for one nginx's
+    /// workers can reach.
+    #[test]
+    fn the_webroot_goes_where_nginx_workers_can_read_it() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        if !std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
+            return; // not root: nginx's workers are the demo's own user
+        }
+        let private = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700))
+            .unwrap();
+        let tmp = private.path().join("tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        let chosen = webroot_parent_of(&tmp).unwrap();
+        assert!(!chosen.starts_with(private.path()), "{}", chosen.display());
+        std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        assert_eq!(webroot_parent_of(&tmp).unwrap(), tmp);
+    }
 }
