@@ -17,6 +17,10 @@ export FORT_SKIPPED=${FORT_SKIPPED:-$PWD/target/fort-skipped.txt}
 skipped=$FORT_SKIPPED
 mkdir -p "$(dirname "$skipped")"
 rm -f "$skipped"
+# What the lanes covered (the crash lane's points and kills, the chaos run's figures):
+# tests write it through fort_tests::figure, and it is printed at the end.
+export FORT_FIGURES=${FORT_FIGURES:-$PWD/target/fort-figures.txt}
+rm -f "$FORT_FIGURES"
 # The compatibility lane's previous release (tests/compat.rs): built once, then cached;
 # when it cannot be built, the lane's tests say SKIP and why. The tree's binaries first,
 # so that its build finds the dependencies compiled.
@@ -26,6 +30,11 @@ cargo nextest run --workspace --locked "$@"
 status=$?
 
 echo
+if [ -s "$FORT_FIGURES" ]; then
+  echo "Figures of the lanes:"
+  sed 's/^/  /' "$FORT_FIGURES"
+  echo
+fi
 if [ -s "$skipped" ]; then
   echo "Skipped: $(sort -u "$skipped" | wc -l) part(s) of tests did not run here (the rest of each test passed):"
   sort -u "$skipped" | sed 's/^/  SKIP /'

@@ -279,6 +279,12 @@ impl App {
                 })
                 .map_err(|e| StartError::Io(format!("cannot create {}", dir.display()), e))?;
         }
+        // Temporary files of writes a kill cut short (the agent's, a handler's): never
+        // state, and their writers are gone, as no handler runs yet.
+        let removed = fort_core::store::remove_stale_temporaries_below(&config.state_dir);
+        if removed > 0 {
+            tracing::info!(removed, dir = %config.state_dir.display(), "removed temporary files that writes cut short by a kill left");
+        }
         let state_key = crate::state_key::load_and_check(&config).map_err(StartError::Invalid)?;
         let tasks = TaskTracker::new();
         let audit = open_audit(&config, &signer);

@@ -202,7 +202,7 @@ pub(crate) fn write_all(
         ..Written::default()
     };
     for (i, p) in planned.into_iter().enumerate() {
-        if i == 1 {
+        if i == 1 && together.is_none() {
             // Some of the payload's files written one by one, not all.
             fort_core::crash::point("deliver.file.swapped");
         }

@@ -575,6 +575,25 @@ pub fn skip(test: &str, reason: &str) {
     }
 }
 
+/// Records a figure a lane measured (`crash lane: 22 of 22 points …`), which
+/// `scripts/test.sh` prints at the end of the run: what a lane covered is part of its
+/// result, not only in its captured output.
+pub fn figure(line: &str) {
+    eprintln!("{line}");
+    let path = std::env::var_os("FORT_FIGURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fort-figures.txt")
+        });
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(file, "{line}");
+    }
+}
+
 /// The text a metrics listener serves.
 pub fn metrics(addr: SocketAddr) -> String {
     let (_, _, body) = raw_http_plain(
@@ -708,6 +727,11 @@ impl Agent {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// `Some(status)` once the agent has exited (a crash point killed it, say).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.exited()
     }
 
     pub fn kill9(&mut self) {

@@ -323,14 +323,12 @@ mod tests {
             return; // not root: nginx's workers are the demo's own user
         }
         let private = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700))
-            .unwrap();
+        std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
         let tmp = private.path().join("tmp");
         std::fs::create_dir(&tmp).unwrap();
         let chosen = webroot_parent_of(&tmp).unwrap();
         assert!(!chosen.starts_with(private.path()), "{}", chosen.display());
-        std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o755))
-            .unwrap();
+        std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         assert_eq!(webroot_parent_of(&tmp).unwrap(), tmp);
     }
 }

@@ -683,6 +683,25 @@ pub fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
     Ok(file)
 }
 
+/// [`remove_stale_temporaries`] in `dir` and every directory below it (not `set-aside/`,
+/// whose files are no longer the agent's): the number removed.
+pub fn remove_stale_temporaries_below(dir: &Path) -> usize {
+    let mut removed = 0;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        removed += remove_stale_temporaries(&d);
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) && e.file_name() != "set-aside" {
+                todo.push(e.path());
+            }
+        }
+    }
+    removed
+}
+
 /// Removes temporary files a killed process left behind in `dir` (`.<file>.tmp.<pid>.<n>`
 /// whose writer is gone; see [`temporary_pid`]).
 pub fn remove_stale_temporaries(dir: &Path) -> usize {

@@ -32,9 +32,9 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 pub use files::{
-    remove_stale_temporaries, remove_stale_temporaries_of, set_aside, temporary_pid, write_atomic,
-    write_atomic_at, LoadError, PLAIN_SNAPSHOT_READS, SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS,
-    SNAPSHOT_VERSION,
+    remove_stale_temporaries, remove_stale_temporaries_below, remove_stale_temporaries_of,
+    set_aside, temporary_pid, write_atomic, write_atomic_at, LoadError, PLAIN_SNAPSHOT_READS,
+    SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS, SNAPSHOT_VERSION,
 };
 pub use seal::{reseal, Resealed, Seal, Sealing};
 
@@ -316,6 +316,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         match folded {
             Ok(n) => {
                 snapshot_bytes = n;
+                crate::crash::point("store.fold.logs");
                 for g in files::log_generations(&dir, &name)? {
                     if g < generation {
                         let _ = std::fs::remove_file(files::log_path(&dir, &name, g));

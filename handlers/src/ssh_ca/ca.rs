@@ -39,6 +39,8 @@ impl Ca {
     /// ed25519 key there first (mode 0400, never replacing a file that appeared
     /// meanwhile). `comment` ends the public line.
     pub fn load(path: &Path, generate: bool, comment: &str) -> anyhow::Result<Ca> {
+        // A write of the key cut short by a kill left a temporary file: never the key.
+        fort_core::store::remove_stale_temporaries_of(path);
         if generate && !path.exists() {
             generate_key(path)?;
         }
