@@ -335,10 +335,10 @@ async fn a_newer_format_is_refused_by_name_and_recover_keeps_what_it_reads() {
 
     // A format version above the ones it reads: refused by name too.
     let mut newer = needs.clone();
-    newer["version"] = json!(3);
+    newer["version"] = json!(4);
     put_state(&f, "c", "fulfillment-state.json", &newer);
     let log = f.try_start_host("c").expect_err("the agent must refuse");
-    assert!(log.contains("fulfillment-state.json: version: format version 3; this release reads versions [1, 2]; written by fort 9.0.0"), "{log}");
+    assert!(log.contains("fulfillment-state.json: version: format version 4; this release reads versions [1, 2, 3]; written by fort 9.0.0"), "{log}");
 
     // --recover: the files go aside, every record this release reads is kept.
     put_state(&f, "c", "fulfillment-state.json", &needs);

@@ -535,7 +535,11 @@ async fn random_kills_while_rotations_run_lose_nothing() {
     );
     let mut failed_starts = Vec::new();
     for i in 0..kills {
-        let host = if rng.next().is_multiple_of(2) { "p" } else { "c" };
+        let host = if rng.next().is_multiple_of(2) {
+            "p"
+        } else {
+            "c"
+        };
         let delay = Duration::from_millis(rng.next() % 1500);
         let until = Instant::now() + delay;
         while Instant::now() < until {

@@ -231,13 +231,14 @@ async fn another_key_no_key_and_a_changed_response_stop_the_start_and_rotate_mov
     let out = rotate();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && text.contains("sealed 1 file(s)"),
+        // provider-state.json, and the consumer state beside it.
+        out.status.success() && text.contains("sealed 2 file(s)"),
         "{out:?}"
     );
     let out = rotate();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains("sealed 0 file(s)") && text.contains("(1 already were)"),
+        text.contains("sealed 0 file(s)") && text.contains("(2 already were)"),
         "{text}"
     );
     assert!(refused(&mut f).contains("not with this one"));

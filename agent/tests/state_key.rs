@@ -128,11 +128,12 @@ async fn plaintext_is_sealed_in_place_and_a_wrong_key_is_refused_at_start() {
             .output()
             .unwrap()
     };
-    // The CA key and whatever state the handler keeps beside it, and the provider's
-    // cached responses (sealed inside provider-state.json, which is otherwise plain).
+    // The CA key and whatever state the handler keeps beside it, the provider's cached
+    // responses and the consumer's kept payloads (sealed inside provider-state.json and
+    // fulfillment-state.json, which are otherwise plain).
     let files = fort_core::sealed::sealed_files(&f.host_dir("forge").join("state")).unwrap();
     assert!(files.contains(&ca_key), "{files:?}");
-    let sealed_count = files.len() + 1;
+    let sealed_count = files.len() + 2;
     let out = rotate(&k1, &k2);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
