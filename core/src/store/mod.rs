@@ -14,11 +14,11 @@
 //! disk) leaves memory exactly as it was, and every change that was waiting for it fails
 //! with it rather than being kept half-applied.
 
+mod atomic;
 mod files;
 mod seal;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,10 +31,13 @@ use serde::Serialize;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+pub use atomic::{
+    open_log, remove_stale_temporaries, remove_stale_temporaries_below,
+    remove_stale_temporaries_of, temporary_pid, write_atomic, write_atomic_at,
+};
 pub use files::{
-    remove_stale_temporaries, remove_stale_temporaries_below, remove_stale_temporaries_of,
-    set_aside, temporary_pid, write_atomic, write_atomic_at, LoadError, PLAIN_SNAPSHOT_READS,
-    SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS, SNAPSHOT_VERSION,
+    set_aside, LoadError, PLAIN_SNAPSHOT_READS, SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS,
+    SNAPSHOT_VERSION,
 };
 pub use seal::{reseal, Resealed, Seal, Sealing};
 
@@ -527,7 +530,7 @@ impl<V: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Store<V> {
         let path = files::log_path(&self.inner.dir, &self.inner.name, writer.generation);
         let log = writer.log.take();
         let (log, written, damaged) =
-            tokio::task::spawn_blocking(move || append(log, &path, &bytes))
+            tokio::task::spawn_blocking(move || atomic::append(log, &path, &bytes))
                 .await
                 .unwrap_or_else(|e| (None, Err(std::io::Error::other(e.to_string())), false));
         writer.log = log;
@@ -679,46 +682,6 @@ pub struct Recovery {
 
 /// A change that could not be staged; the closure's result is still handed back.
 struct Staged<R>(R, PersistError);
-
-/// Appends `bytes` to the log (opening it if needed) and syncs it. On failure the file
-/// is cut back to its length before, so a partial write never sits between good records;
-/// the third value says when even that failed (the log then ends in damage).
-fn append(
-    log: Option<std::fs::File>,
-    path: &Path,
-    bytes: &[u8],
-) -> (Option<std::fs::File>, std::io::Result<u64>, bool) {
-    let mut file = match log {
-        Some(f) => f,
-        None => match files::open_log(path) {
-            Ok(f) => f,
-            Err(e) => return (None, Err(e), false),
-        },
-    };
-    let before = match file.metadata() {
-        Ok(m) => m.len(),
-        Err(e) => return (None, Err(e), false),
-    };
-    let written = write_with_crash_points(&mut file, bytes).and_then(|()| file.sync_data());
-    match written {
-        Ok(()) => (Some(file), Ok(bytes.len() as u64), false),
-        Err(e) => match file.set_len(before).and_then(|()| file.sync_data()) {
-            Ok(()) => (Some(file), Err(e), false),
-            Err(_) => (None, Err(e), true),
-        },
-    }
-}
-
-/// Writes `bytes` whole, with the crash points of a log append: half of it written (a
-/// torn record), and all of it written but not yet synced.
-fn write_with_crash_points(file: &mut std::fs::File, bytes: &[u8]) -> std::io::Result<()> {
-    let half = bytes.len() / 2;
-    file.write_all(&bytes[..half])?;
-    crate::crash::point("store.log.torn");
-    file.write_all(&bytes[half..])?;
-    crate::crash::point("store.log.appended");
-    Ok(())
-}
 
 #[cfg(test)]
 mod sealed_tests;
