@@ -91,6 +91,21 @@ pub async fn run(args: GcArgs, json_out: bool) -> Result<()> {
             json!({"nag_seconds": 3600}),
         );
     }
+    // The first `absent` origins are also listed for a need they no longer declare (the
+    // provider's deploy still has it, theirs went first): the provider accepts its
+    // request, and the sweep finds it absent. A host may only ever hold need ids the
+    // provider lists for it.
+    let absent = args.absent.min(args.origins);
+    let callers = &mut fleet
+        .host("forge")
+        .capabilities
+        .get_mut(CAP)
+        .expect("declared above")["callers"];
+    for o in origins.iter().take(absent) {
+        if let Some(ids) = callers[o.as_str()].as_array_mut() {
+            ids.push(json!("stale"));
+        }
+    }
     fleet.write_files();
     let mut p = vec![AgentProc::spawn(&fleet, "forge")?];
     util::wait_listening(&mut p, Duration::from_secs(20))?;
@@ -136,7 +151,6 @@ pub async fn run(args: GcArgs, json_out: bool) -> Result<()> {
         .collect();
 
     // Entries the origins do not declare: proven absent by the sweep.
-    let absent = args.absent.min(args.origins);
     let forge = &fleet.hosts["forge"];
     let address = format!("https://{}", forge.addr);
     let keys = vec![forge.signer.public_key().clone()];
