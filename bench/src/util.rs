@@ -51,6 +51,7 @@ pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<Path
             path.display()
         );
     }
+    let path = std::path::absolute(&path)?;
     let _ = AGENT_BIN.set(path.clone());
     let _ = AGENT_LOG.set(log_level.to_owned());
     Ok(path)
@@ -514,7 +515,8 @@ pub fn handler_bin(explicit: Option<PathBuf>) -> Result<PathBuf> {
             path.display()
         );
     }
-    Ok(path)
+    // Agents run it from their own directories: a relative path would name nothing there.
+    Ok(std::path::absolute(&path)?)
 }
 
 /// Runs a handler as the agent does: `input` written to its stdin by a thread of its own
