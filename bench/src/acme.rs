@@ -585,6 +585,12 @@ pub async fn run(args: AcmeArgs, json_out: bool) -> Result<()> {
         walls.push(wall);
     }
     let untouched = std::fs::read(&state_path)? == before;
+    util::unchanged_summary(
+        &mut r,
+        &walls,
+        input.as_object().map_or(0, Map::len),
+        &state_path,
+    );
     walls.sort();
     let (median, slowest) = (walls[walls.len() / 2], walls[walls.len() - 1]);
     let n = input.as_object().map_or(0, Map::len);

@@ -235,6 +235,7 @@ fn one_server(args: &DnsRecordArgs, bin: &Path, flavor: Flavor, json_out: bool) 
         unchanged.len(),
         "primary stopped",
         GOAL,
+        &dir.path().join("state.json"),
     );
     report.finish();
     Ok(())

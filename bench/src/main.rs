@@ -24,6 +24,7 @@ mod schema;
 mod sshca;
 mod stall;
 mod status;
+mod unchanged;
 mod util;
 
 use std::path::PathBuf;
@@ -55,6 +56,7 @@ use clap::{Parser, Subcommand};
   fort-bench proxy --create 500 --unchanged 10000
   fort-bench ssh-ca --certs 500 --unchanged 10000
   fort-bench acme --count 200 --unchanged 10000
+  fort-bench unchanged --entries 10000 --runs 5
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -125,6 +127,9 @@ enum Cmd {
     /// What sealing the state costs: the ssh-ca handler over M unchanged entries with
     /// plaintext and with sealed state, in alternating runs, as a ratio.
     AtRest(at_rest::AtRestArgs),
+    /// Every capability's handler over N unchanged entries (what a provider pays on every
+    /// request), measured the same way and side by side: median run, state per entry.
+    Unchanged(unchanged::UnchangedArgs),
 }
 
 fn main() -> ExitCode {
@@ -165,6 +170,7 @@ fn main() -> ExitCode {
             Cmd::SshCa(a) => sshca::run(a, json).await,
             Cmd::Acme(a) => acme::run(a, json).await,
             Cmd::AtRest(a) => at_rest::run(a, json).await,
+            Cmd::Unchanged(a) => unchanged::run(a, json).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -247,6 +247,7 @@ pub async fn run(args: OidcArgs, json_out: bool) -> Result<()> {
             ms(cpus[cpus.len() - 1])
         ),
     );
+    util::unchanged_summary(&mut r, &walls, args.unchanged, &config.state_file);
     r.target("10,000 unchanged entries < 200 ms", ms(slowest) < 200.0);
     r.target("unchanged entries answered without an HTTP call", same);
     r.finish();

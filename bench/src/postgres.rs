@@ -200,6 +200,7 @@ pub async fn run(args: PostgresArgs, json_out: bool) -> Result<()> {
             ms(slowest)
         ),
     );
+    util::unchanged_summary(&mut r, &walls, args.unchanged, &config.state_file);
     r.target("10,000 unchanged entries < 200 ms", ms(slowest) < 200.0);
     r.target("unchanged entries answered without the server", same);
     pg.start_again().map_err(|e| anyhow!(e))?;

@@ -201,6 +201,7 @@ pub async fn run(args: ProxyArgs, json_out: bool) -> Result<()> {
         unchanged.len(),
         "no nginx call",
         GOAL,
+        &dir.path().join("state.json"),
     );
     report.finish();
     Ok(())

@@ -247,6 +247,7 @@ pub async fn run(args: SshCaArgs, json_out: bool) -> Result<()> {
     let nothing_signed = state0["state"]["next_serial"] == state1["state"]["next_serial"]
         && ino0 == ino1
         && mtime0 == mtime1;
+    util::unchanged_summary(&mut r, &walls, args.unchanged, &dir.join("state.json"));
     walls.sort();
     let best = walls[0];
     r.line(

@@ -35,6 +35,14 @@ pub fn new_fleet() -> Fleet {
 
 /// Finds `fort-agent`: `--agent-bin`, then `$FORT_BIN_FORT_AGENT`, then next to this exe
 /// (both built into the same target dir).
+/// The fort-agent binary the benchmarks start (set by [`init_agent_bin`]).
+pub fn agent_bin() -> Result<PathBuf> {
+    AGENT_BIN
+        .get()
+        .cloned()
+        .ok_or_else(|| anyhow!("the fort-agent binary is not set"))
+}
+
 pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<PathBuf> {
     let path = match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_AGENT").map(PathBuf::from))
     {
@@ -384,6 +392,40 @@ pub fn spread(values: &mut [u64]) -> (u64, u64, u64) {
 }
 
 /// Numbers printed as aligned lines, or as one JSON object with `--json`.
+/// The figures every capability benchmark gives of its runs over unchanged entries, the
+/// same way (`fort-bench unchanged` puts them side by side): the median and slowest of
+/// the runs' wall times (a whole process: start, read the input, load the state, answer),
+/// and the state the handler keeps for them, in all and per entry.
+pub fn unchanged_summary(
+    report: &mut Report,
+    walls: &[Duration],
+    entries: usize,
+    state: &std::path::Path,
+) {
+    let mut walls = walls.to_vec();
+    walls.sort_unstable();
+    let state_bytes = std::fs::metadata(state).map_or(0, |m| m.len());
+    let per_entry = state_bytes / entries.max(1) as u64;
+    report.line(
+        "unchanged_summary",
+        json!({
+            "entries": entries,
+            "runs": walls.len(),
+            "median_ms": ms(percentile(&walls, 0.5)),
+            "max_ms": ms(percentile(&walls, 1.0)),
+            "state_bytes": state_bytes,
+            "state_bytes_per_entry": per_entry,
+        }),
+        format!(
+            "{entries} unchanged entries: median {:.1} ms, max {:.1} ms over {} runs; state {:.1} MiB ({per_entry} bytes per entry)",
+            ms(percentile(&walls, 0.5)),
+            ms(percentile(&walls, 1.0)),
+            walls.len(),
+            state_bytes as f64 / (1024.0 * 1024.0)
+        ),
+    );
+}
+
 /// Handler runs over unchanged entries: the wall time of each, and the handler's own
 /// count of its time (its first line of notes ends with "<n> ms").
 #[derive(Default)]
@@ -415,7 +457,9 @@ impl UnchangedRuns {
         input_bytes: usize,
         why_no_calls: &str,
         goal: Duration,
+        state: &std::path::Path,
     ) {
+        unchanged_summary(report, &self.walls, entries, state);
         self.walls.sort_unstable();
         self.own.sort_unstable();
         let median = percentile(&self.walls, 0.5);

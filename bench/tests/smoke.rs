@@ -137,6 +137,18 @@ const SMOKES: &[Smoke] = &[
         args: &["--unchanged", "100", "--hosts", "10", "--runs", "2"],
         needs: &[],
     },
+    Smoke {
+        name: "unchanged",
+        args: &[
+            "--entries",
+            "100",
+            "--runs",
+            "2",
+            "--only",
+            "ssh-ca,postgres",
+        ],
+        needs: &["ssh-keygen"],
+    },
     // acme has a smoke run of its own in cli.rs (acme_small), with pebble and lego.
 ];
 
@@ -234,6 +246,7 @@ smoke_tests! {
     smoke_proxy => "proxy",
     smoke_ssh_ca => "ssh-ca",
     smoke_at_rest => "at-rest",
+    smoke_unchanged => "unchanged",
 }
 
 /// Every command `fort-bench --help` lists has a smoke run (acme's is in cli.rs).
