@@ -333,7 +333,7 @@ pub fn is_sealed(bytes: &[u8]) -> bool {
     struct Probe {
         sealed: Option<serde::de::IgnoredAny>,
     }
-    bytes.windows(FORMAT.len()).any(|w| w == FORMAT.as_bytes())
+    memchr::memmem::find(bytes, FORMAT.as_bytes()).is_some()
         && serde_json::from_slice::<Probe>(bytes).is_ok_and(|p| p.sealed.is_some())
 }
 
