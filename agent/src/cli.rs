@@ -272,3 +272,17 @@ fn error_note(reply: &Reply) -> String {
         None => format!("HTTP {}", reply.status),
     }
 }
+
+/// A command that prints ends quietly when its reader goes away (`fort-agent audit verify
+/// | head -1`): SIGPIPE back to its default, which ends the process as a shell's tools
+/// end, instead of the runtime's "ignore", which turns the next write into a panic. Only
+/// for commands that print and exit: the daemon keeps ignoring it (a peer that closes its
+/// connection must never end the agent). The sockets fort writes to are unaffected either
+/// way: std sends on them with MSG_NOSIGNAL.
+#[allow(unsafe_code)]
+pub fn quiet_on_closed_pipe() {
+    // SAFETY: signal(2) with SIG_DFL before any thread that could write has started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

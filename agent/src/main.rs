@@ -331,6 +331,9 @@ fn tune_allocator() {}
 
 async fn agent_main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve { .. } | Command::Demo { .. }) {
+        fort_agent::cli::quiet_on_closed_pipe();
+    }
     match cli.command {
         Command::Serve { config, recover } => {
             init_tracing();

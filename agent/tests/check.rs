@@ -307,3 +307,42 @@ fn the_fleet_check_holds_requests_to_the_providers_door_limits() {
     let (_, err) = fleet_check(&f);
     assert!(!err.contains("blob/big"), "{err}");
 }
+
+/// Every command that prints ends quietly when its reader goes away, as `| head -1`
+/// does: no panic, no error message, whether it printed one line or many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn printing_commands_end_quietly_when_the_reader_goes_away() {
+    use std::process::Stdio;
+    let mut f = fleet();
+    f.write_files();
+    f.start_host("p");
+    f.stop("p");
+    let config = f.config_path("p");
+    let config = config.to_str().unwrap();
+    let commands: [(&str, Vec<&str>); 4] = [
+        ("fort-agent", vec!["audit", "show", "--config", config]),
+        ("fort-agent", vec!["audit", "verify", "--config", config]),
+        (
+            "fort-agent",
+            vec!["check", "--skip-handlers", "--config", config],
+        ),
+        ("fort", vec!["--help"]),
+    ];
+    for (program, args) in commands {
+        let mut child = Command::new(fort_tests::bin(program))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away before anything is read.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{program} {args:?}: {stderr}"
+        );
+        assert_ne!(out.status.code(), Some(101), "{program} {args:?}: {stderr}");
+    }
+}

@@ -132,16 +132,22 @@ pub fn formats_before_announcing(file: &str) -> Option<u32> {
 
 /// The status document's `state_formats` (docs/protocol.md §11.12).
 pub fn formats_json() -> Value {
-    let map: Map<String, Value> = FORMATS
-        .iter()
-        .map(|f| {
-            (
-                f.file.to_owned(),
-                serde_json::json!({"writes": f.writes, "reads": [f.reads.iter().min(), f.reads.iter().max()]}),
-            )
+    // The same on every call (every status document carries it): built once.
+    static FORMATS_JSON: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    FORMATS_JSON
+        .get_or_init(|| {
+            let map: Map<String, Value> = FORMATS
+                .iter()
+                .map(|f| {
+                    (
+                        f.file.to_owned(),
+                        serde_json::json!({"writes": f.writes, "reads": [f.reads.iter().min(), f.reads.iter().max()]}),
+                    )
+                })
+                .collect();
+            Value::Object(map)
         })
-        .collect();
-    Value::Object(map)
+        .clone()
 }
 
 /// One step from a document's root to a member.

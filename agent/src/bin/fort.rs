@@ -208,6 +208,7 @@ fn default_origin() -> String {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    fort_agent::cli::quiet_on_closed_pipe();
     let cli = Cli::parse();
     if let Command::Audit(command) = &cli.command {
         return audit(command, &cli.hosts);

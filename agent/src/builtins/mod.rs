@@ -290,14 +290,7 @@ pub fn status(app: &Arc<App>, entries: Entries) -> Value {
 /// a fleet (requests and responses are kept as their JSON text; a stored request is at
 /// most `max_request_bytes`).
 fn memory(app: &Arc<App>) -> Value {
-    let rss_kb: u64 = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0);
+    let rss_kb = rss_kb();
     let entries = app.provider.store.read(|e| e.len()) as u64;
     json!({
         "rss_bytes": rss_kb * 1024,
@@ -305,6 +298,29 @@ fn memory(app: &Arc<App>) -> Value {
         "rss_per_entry_bytes": (entries > 0).then(|| rss_kb * 1024 / entries),
         "max_request_bytes": app.config.max_request_bytes,
     })
+}
+
+/// The agent's resident memory in kB, read from /proc at most once a second: reading and
+/// parsing /proc/self/status was a tenth of the CPU of a signed `status` call.
+fn rss_kb() -> u64 {
+    static LAST: parking_lot::Mutex<Option<(std::time::Instant, u64)>> =
+        parking_lot::Mutex::new(None);
+    let mut last = LAST.lock();
+    if let Some((at, kb)) = *last {
+        if at.elapsed() < std::time::Duration::from_secs(1) {
+            return kb;
+        }
+    }
+    let kb = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0);
+    *last = Some((std::time::Instant::now(), kb));
+    kb
 }
 
 /// The `manifest` document: declared needs and capabilities.
