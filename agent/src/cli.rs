@@ -277,8 +277,9 @@ fn error_note(reply: &Reply) -> String {
 /// | head -1`): SIGPIPE back to its default, which ends the process as a shell's tools
 /// end, instead of the runtime's "ignore", which turns the next write into a panic. Only
 /// for commands that print and exit: the daemon keeps ignoring it (a peer that closes its
-/// connection must never end the agent). The sockets fort writes to are unaffected either
-/// way: std sends on them with MSG_NOSIGNAL.
+/// connection must never end the agent). The TCP connections a command makes are
+/// unaffected (std sends on them with MSG_NOSIGNAL), and the admin socket is written one
+/// request line before the daemon answers.
 #[allow(unsafe_code)]
 pub fn quiet_on_closed_pipe() {
     // SAFETY: signal(2) with SIG_DFL before any thread that could write has started.
