@@ -255,3 +255,71 @@ fn the_audit_example_verifies_with_openssh_and_fort() {
     let first = fort.problems.first().expect("a problem");
     assert_eq!((first.line, first.seq), (3, Some(3)), "{first}");
 }
+
+/// Every command line of the README's "Commands" block is one its program takes: each
+/// subcommand exists, and each option it shows is among those the subcommand's help lists
+/// (a README that shows `fort audit show --signer` while `show` refuses it is caught).
+#[test]
+fn the_readme_commands_are_what_the_programs_take() {
+    let readme = read(&repo().join("README.md"));
+    let block = readme
+        .split("## Commands")
+        .nth(1)
+        .and_then(|rest| rest.split("```").nth(1))
+        .expect("a Commands block");
+    let mut checked = 0;
+    for line in block.lines() {
+        let Some(program) = ["fort-agent ", "fort "]
+            .into_iter()
+            .find(|p| line.starts_with(p))
+        else {
+            continue;
+        };
+        // The command line proper, before the two or more spaces of its description.
+        let command = line.split("   ").next().unwrap_or(line);
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let subcommand: Vec<&str> = words[1..]
+            .iter()
+            .take_while(|w| {
+                !w.starts_with('-') && w.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+            })
+            .copied()
+            .collect();
+        // `show|verify`-style alternatives are not one command: each is written out.
+        assert!(
+            !words.iter().any(|w| w.contains('|')
+                && w.split('|')
+                    .all(|part| !part.is_empty() && part.chars().all(|c| c.is_ascii_lowercase()))),
+            "{line}"
+        );
+        let out = std::process::Command::new(fort_tests::bin(program.trim()))
+            .args(&subcommand)
+            .arg("--help")
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{line}: {program}{} --help failed",
+            subcommand.join(" ")
+        );
+        for flag in words
+            .iter()
+            .filter(|w| w.trim_start_matches('[').starts_with("--"))
+        {
+            let flag = flag
+                .trim_start_matches('[')
+                .trim_end_matches([']', '…'])
+                .split(['=', ']'])
+                .next()
+                .unwrap_or_default();
+            assert!(
+                help.contains(flag),
+                "README: `{command}`: {program}{} takes no {flag}:\n{help}",
+                subcommand.join(" ")
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked >= 25, "{checked} command lines checked");
+}
