@@ -36,7 +36,7 @@ impl HostFiles {
 
 /// Every problem found, one per line, or a summary of what was checked.
 pub fn check_fleet(dir: &Path, skip_handlers: bool) -> anyhow::Result<String> {
-    let mut hosts: BTreeMap<String, HostFiles> = BTreeMap::new();
+    let mut candidates: BTreeMap<String, HostFiles> = BTreeMap::new();
     for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
         let entry = entry?;
         if !entry.path().is_dir() {
@@ -45,16 +45,32 @@ pub fn check_fleet(dir: &Path, skip_handlers: bool) -> anyhow::Result<String> {
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
-        hosts.insert(name, HostFiles::new(entry.path()));
+        candidates.insert(name, HostFiles::new(entry.path()));
+    }
+    // A fleet directory may hold other things (a CA's files, scripts): a host is a
+    // directory named after a host of the fleet's registry (any host's hosts.json).
+    let registry = candidates
+        .values()
+        .find_map(|h| Registry::load(&h.hosts).ok());
+    let mut lines = Vec::new();
+    let mut hosts: BTreeMap<String, HostFiles> = BTreeMap::new();
+    for (name, files) in candidates {
+        match &registry {
+            Some(r) if !r.is_host(&name) => lines.push(format!(
+                "note: {name}/ passed over: no host {name} in the fleet's hosts.json"
+            )),
+            _ => {
+                hosts.insert(name, files);
+            }
+        }
     }
     if hosts.is_empty() {
         bail!(
-            "{}: no host directories (expected <host>/hosts.json, needs.json, capabilities.json, agent.toml)",
+            "{}: no host directories (expected <host>/hosts.json, needs.json, capabilities.json, agent.toml, for the hosts of hosts.json)",
             dir.display()
         );
     }
     let mut problems = Vec::new();
-    let mut lines = Vec::new();
 
     // Each host as its own build checks it.
     for (name, h) in &hosts {

@@ -346,3 +346,28 @@ async fn printing_commands_end_quietly_when_the_reader_goes_away() {
         assert_ne!(out.status.code(), Some(101), "{program} {args:?}: {stderr}");
     }
 }
+
+/// A fleet directory may hold other things than hosts (a CA's files, the handlers'
+/// scripts): `check --fleet` passes them over, saying so, instead of failing on each.
+#[test]
+fn the_fleet_check_passes_over_directories_that_are_not_hosts() {
+    let mut f = Fleet::new();
+    let h = f.script("provide", r#"jq -c 'with_entries(.value = "OK")'"#);
+    f.capability("p", "blob", json!({"handler": h, "mode": "async"}));
+    f.need("c", "blob/x", "p", json!({}));
+    f.write_files();
+    std::fs::create_dir_all(f.dir.path().join("pebble/certs")).unwrap();
+    let out = Command::new(fort_tests::bin("fort-agent"))
+        .args(["check", "--fleet"])
+        .arg(f.dir.path())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("note: pebble/ passed over"), "{stdout}");
+    assert!(stdout.contains("note: scripts/ passed over"), "{stdout}");
+    assert!(stdout.contains("ok: 2 hosts"), "{stdout}");
+}
