@@ -39,7 +39,9 @@ if ! nix-instantiate --eval --strict --json "$here/tests/eval.nix" \
   --arg lib "import $(jq -n --arg p "$libdir" '$p')" --argstr mode check \
   --arg fleetFile "$fleet" >"$work/fleet.json" 2>"$work/eval.err"; then
   echo "the fleet does not evaluate, or an assertion fails:"
-  sed -n 's/^error: *//p; s/^ *host /host /p' "$work/eval.err" | grep -v '^ *…' | sed 's/^/  /'
+  # An error line is printed once (`t` ends the line's commands after it); the lines
+  # of a multi-line message that name a host, once each.
+  sed -n -e 's/^error: *//p' -e t -e 's/^ *host /host /p' "$work/eval.err" | grep -v '^ *…' | sed 's/^/  /'
   exit 1
 fi
 write_hosts "$work/fleet.json" "$work/fleet"

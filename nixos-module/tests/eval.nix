@@ -58,7 +58,12 @@ let
       checked = etc."fort/agent.toml".source;
     in
     if problems config != [ ] then
-      throw "host ${name}: ${lib.concatStringsSep "\n" (problems config)}"
+      # One line per problem, each naming its host once (many messages name it already).
+      throw (
+        lib.concatMapStringsSep "\n" (
+          m: if lib.hasPrefix "host ${name}: " m then m else "host ${name}: ${m}"
+        ) (problems config)
+      )
     else
       {
         hosts = json "hosts.json";
