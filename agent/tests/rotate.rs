@@ -455,3 +455,45 @@ async fn a_consumer_asked_to_ask_again() {
     let (ok, _) = f.admin("c1", &["resend", "cred/nope"]);
     assert!(!ok);
 }
+
+/// A run an operator triggers that fails says why, to that operator: how the handler
+/// ended and the last line it wrote on stderr; the status every known caller reads keeps
+/// only the short class.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_tells_the_operator_who_triggered_it_why() {
+    let mut f = Fleet::new();
+    f.principal("ops");
+    let failing = f.script(
+        "failing",
+        "cat >/dev/null\necho 'starting' >&2\necho 'cannot reach the CA at https://ca.test/dir: connection refused' >&2\nexit 3",
+    );
+    f.capability("p", "cred", json!({"handler": failing, "mode": "async"}));
+    f.host("p").extra_toml = "[access]\ntrigger = [\"ops\"]\n".into();
+    f.start();
+    let (code, out, err) = f.fort("ops", "p", &["trigger", "p", "cred"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("FAILED: exit_nonzero"), "{out}");
+    assert!(
+        out.contains(
+            "why: exited with code 3: cannot reach the CA at https://ca.test/dir: connection refused"
+        ),
+        "{out}"
+    );
+    let (code, json_out, _) = f.fort("ops", "p", &["trigger", "p", "cred", "--json"]);
+    assert_eq!(code, 1);
+    let v: Value = serde_json::from_str(&json_out).unwrap();
+    assert!(
+        v["run"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("connection refused"),
+        "{v}"
+    );
+    // What a host reads in status: the class of the failure, not the handler's words.
+    let status = f
+        .post("p", "p", "/agent/capabilities/status", &json!({}))
+        .await;
+    let text = String::from_utf8_lossy(&status.body);
+    assert!(text.contains("exit_nonzero"), "{text}");
+    assert!(!text.contains("connection refused"), "{text}");
+}

@@ -27,6 +27,9 @@ pub fn trigger_text(host: &str, t: &Value) -> String {
         "{host}: {cap} handler ran {}{forced}",
         run_outcome(&t["run"])
     );
+    if let Some(reason) = t["run"]["reason"].as_str() {
+        let _ = writeln!(out, "  why: {}", printable(reason, 300));
+    }
     if let Some(entry) = t["entry"].as_str() {
         let entry = printable(entry, TEXT_CELL);
         let (before, after) = (t["before"].as_str(), t["after"].as_str());

@@ -69,6 +69,11 @@ pub struct RunRecord {
     pub ok: bool,
     /// Short reason on failure (`exit_nonzero`, `timeout`, `not_an_object`, …).
     pub error: Option<String>,
+    /// What failed, for the operator who asked for the run (`trigger`): how the handler
+    /// ended and the last line it wrote on stderr, one printable line of at most 300
+    /// characters. Never in `status`, which every known caller may read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     pub entries: usize,
     pub callbacks: usize,
 }
@@ -314,7 +319,10 @@ impl Provider {
         let mut stats = self.stats.lock();
         let s = stats.entry(capability.to_owned()).or_default();
         s.runs += 1;
-        s.last = Some(record);
+        s.last = Some(RunRecord {
+            reason: None,
+            ..record
+        });
     }
 
     /// Entries per capability (no delivery bookkeeping looked at).

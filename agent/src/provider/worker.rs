@@ -158,6 +158,7 @@ impl Worker {
             duration_ms: 0,
             ok: false,
             error: None,
+            reason: None,
             entries: 0,
             callbacks: 0,
         };
@@ -253,6 +254,7 @@ impl Worker {
             }
             Err(e) => {
                 tracing::warn!(capability = %self.capability, trigger = trigger.as_str(), error = %e.summary(), stderr = e.stderr_excerpt(2048).unwrap_or_default(), "handler failed; nothing changed");
+                record.reason = Some(run_reason(&e));
                 Err(e.class().to_owned())
             }
         };
@@ -261,6 +263,8 @@ impl Worker {
             Err(reason) => {
                 if reason == "not_an_object" {
                     tracing::warn!(capability = %self.capability, "handler output is not a JSON object; nothing changed");
+                    record.reason =
+                        Some("the handler printed something other than a JSON object".into());
                 }
                 app.metrics
                     .handler_runs
@@ -557,4 +561,25 @@ impl Answer {
             _ => return None,
         })
     }
+}
+
+/// Why a handler run failed, for the operator who asked for it: how it ended, and the last
+/// line it wrote on stderr (where fort's handlers say what went wrong; a handler writes no
+/// secret there), printable, bounded.
+fn run_reason(e: &fort_core::process::RunError) -> String {
+    let last_line = match e {
+        fort_core::process::RunError::Exit { stderr, .. }
+        | fort_core::process::RunError::Signal { stderr, .. } => stderr
+            .lines()
+            .rev()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .map(str::to_owned),
+        _ => None,
+    };
+    let text = match last_line {
+        Some(line) => format!("{}: {line}", e.summary()),
+        None => e.summary(),
+    };
+    printable(&text, 300)
 }
