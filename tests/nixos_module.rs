@@ -89,6 +89,42 @@ fn a_fleet_is_checked_with_only_the_nixpkgs_lib() {
     // Each problem once, and each named after its host once.
     assert_eq!(text.matches(refusal).count(), 1, "{text}");
     assert!(!text.contains("host app: host app:"), "{text}");
+
+    // The files each host would install, for hosts without NixOS, from the fleet checked.
+    let out = dir.path().join("rendered");
+    let (passed, text) = run_script(TEST, "../check-fleet.sh", |cmd| {
+        cmd.arg(&fleet)
+            .arg("--out")
+            .arg(&out)
+            .args(["--handler", "/opt/fort/bin/fort-handler"]);
+    })
+    .expect("ran above");
+    assert!(passed, "{text}");
+    for host in ["app", "edge"] {
+        let etc = out.join(host).join("etc/fort");
+        for file in ["hosts.json", "needs.json", "capabilities.json", "agent.toml"] {
+            assert!(etc.join(file).is_file(), "{host}: {file}:\n{text}");
+        }
+        let toml = std::fs::read_to_string(etc.join("agent.toml")).unwrap();
+        assert!(toml.contains("hosts = \"/etc/fort/hosts.json\""), "{toml}");
+        assert!(toml.contains(&format!("host = \"{host}\"")), "{toml}");
+    }
+    let caps: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(out.join("edge/etc/fort/capabilities.json")).unwrap(),
+    )
+    .unwrap();
+    let handled = caps.as_object().unwrap().values().filter(|c| {
+        c["handler"] == "/opt/fort/bin/fort-handler"
+    });
+    let mut configs = 0;
+    for c in handled {
+        let config = c["args"][2].as_str().unwrap();
+        assert!(config.starts_with("/etc/fort/handlers/"), "{c}");
+        let rendered = out.join("edge").join(config.trim_start_matches('/'));
+        assert!(rendered.is_file(), "{}", rendered.display());
+        configs += 1;
+    }
+    assert!(configs >= 2, "{caps:#}");
 }
 
 #[test]
