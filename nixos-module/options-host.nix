@@ -469,10 +469,94 @@ let
       };
     }
   );
+  # A file rendered from a template over several needs' payloads (§11.14).
+  template = types.submodule (
+    { name, config, ... }:
+    {
+      options = {
+        template = mkOption {
+          type = types.str;
+          example = "DATABASE_URL={{ needs[\"postgres/wiki\"].uri }}\n";
+          description = ''
+            The file's text as a template (Jinja's syntax, rendered by minijinja: no code,
+            no file, no include); `needs["<type>/<id>"]` is a need's payload. A value the
+            payload does not have is an error, and nothing is written.
+          '';
+        };
+        needs = mkOption {
+          type = types.nonEmptyListOf types.str;
+          example = [
+            "postgres/wiki"
+            "oidc/wiki"
+          ];
+          description = ''
+            The needs (`<type>/<id>`, declared on this host) the template reads: it is
+            rendered once all are satisfied, and again whenever one of their payloads
+            changes. A need with an encrypted file cannot be read (its payload is never
+            kept in plaintext); encrypt the template's file instead.
+          '';
+        };
+        path = mkOption {
+          type = types.str;
+          default =
+            if config.encrypt then
+              "/var/lib/fort/credentials/templates/${name}.cred"
+            else
+              "/run/fort/templates/${name}";
+          defaultText = literalExpression ''
+            if encrypt then "/var/lib/fort/credentials/templates/<name>.cred"
+            else "/run/fort/templates/<name>"
+          '';
+          description = "Where the rendered file is written, atomically.";
+        };
+        encrypt = mkOption {
+          type = types.bool;
+          default = false;
+          description = ''
+            Store the rendering as a systemd encrypted credential, as a need's file with
+            `encrypt` (see docs/at-rest.md).
+          '';
+        };
+        owner = mkOption {
+          type = types.str;
+          default = "root";
+          description = "Owner of the file (a user name).";
+        };
+        group = mkOption {
+          type = types.str;
+          default = "root";
+          description = "Group of the file.";
+        };
+        mode = mkOption {
+          type = types.strMatching "[0-7]{3,4}";
+          default = "0400";
+          description = "Permissions of the file, in octal.";
+        };
+        credentialFor = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          description = "Services that receive the file as a systemd credential, as a need's file's.";
+        };
+        restartUnits = unitList [ "wiki.service" ] "Units restarted once each time the rendered file changes.";
+        reloadUnits = unitList [ ] "Units reloaded once each time the rendered file changes.";
+      };
+    }
+  );
 in
 {
   options.fort = {
     host = {
+      templates = mkOption {
+        type = types.attrsOf template;
+        default = { };
+        description = ''
+          Files rendered from a template over the values of several needs (an
+          application's environment file with a database's URL and an OIDC client's
+          secret), written like a need's file and rendered again only when an input
+          changes; the units that use them are restarted once per change. The template
+          is this host's own configuration, never a provider's.
+        '';
+      };
       needs = mkOption {
         type = attrsNamed "type" (attrsNamed "id" need);
         default = { };

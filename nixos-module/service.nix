@@ -52,8 +52,35 @@ let
   capabilitiesJson = fortLib.capabilitiesJson { inherit capabilities callers; };
   # The same bytes on every host: derived once for the fleet under lib.mkFleet's `cluster`.
   inherit (cluster.facts) hostsText;
-  needsText = builtins.toJSON needsJson;
-  unitGrants = fortLib.unitGrants needsJson;
+  # Files rendered from templates (§11.14), beside the needs; left out when there are
+  # none, so needs.json is byte for byte what it was for such hosts.
+  templatesJson = lib.mapAttrs (
+    _: t:
+    {
+      inherit (t)
+        template
+        needs
+        path
+        owner
+        group
+        mode
+        ;
+      restart_units = t.restartUnits;
+      reload_units = t.reloadUnits;
+    }
+    // lib.optionalAttrs (t.credentialFor != [ ]) { credential_for = t.credentialFor; }
+    // lib.optionalAttrs t.encrypt { encrypt = cfg.credentialEncryption.withKey; }
+  ) config.fort.host.templates;
+  needsText = builtins.toJSON (
+    needsJson // lib.optionalAttrs (templatesJson != { }) { "$templates" = templatesJson; }
+  );
+  unitGrants = fortLib.unitGrants (
+    needsJson
+    // lib.mapAttrs (_: t: {
+      inherit (t) restart_units reload_units;
+      files = [ { credential_for = t.credential_for or [ ]; } ];
+    }) templatesJson
+  );
   capabilitiesText = builtins.toJSON capabilitiesJson;
   hostsFile = pkgs.writeText "fort-hosts.json" hostsText;
   needsFile = pkgs.writeText "fort-needs.json" needsText;

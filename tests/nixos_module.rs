@@ -102,7 +102,12 @@ fn a_fleet_is_checked_with_only_the_nixpkgs_lib() {
     assert!(passed, "{text}");
     for host in ["app", "edge"] {
         let etc = out.join(host).join("etc/fort");
-        for file in ["hosts.json", "needs.json", "capabilities.json", "agent.toml"] {
+        for file in [
+            "hosts.json",
+            "needs.json",
+            "capabilities.json",
+            "agent.toml",
+        ] {
             assert!(etc.join(file).is_file(), "{host}: {file}:\n{text}");
         }
         let toml = std::fs::read_to_string(etc.join("agent.toml")).unwrap();
@@ -113,9 +118,11 @@ fn a_fleet_is_checked_with_only_the_nixpkgs_lib() {
         &std::fs::read(out.join("edge/etc/fort/capabilities.json")).unwrap(),
     )
     .unwrap();
-    let handled = caps.as_object().unwrap().values().filter(|c| {
-        c["handler"] == "/opt/fort/bin/fort-handler"
-    });
+    let handled = caps
+        .as_object()
+        .unwrap()
+        .values()
+        .filter(|c| c["handler"] == "/opt/fort/bin/fort-handler");
     let mut configs = 0;
     for c in handled {
         let config = c["args"][2].as_str().unwrap();

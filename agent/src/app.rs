@@ -305,9 +305,16 @@ impl App {
         // sealed with the state key too.
         let sealing = fort_fulfill::sealing::SealedPayloads::sealing(state_key.as_deref(), &path);
         let fulfill_store = open_state(&path, field, &config, sealing)?;
+        // What templates last rendered: hashes only, nothing to seal.
+        let (path, field) = open_store(
+            fort_fulfill::templates::FILE,
+            fort_fulfill::templates::FIELD,
+        );
+        let template_store = open_state(&path, field, &config, Sealing::Never)?;
         let flush_stop = CancellationToken::new();
         tasks.spawn(provider_store.clone().run_flusher(flush_stop.clone()));
         tasks.spawn(fulfill_store.clone().run_flusher(flush_stop.clone()));
+        tasks.spawn(template_store.clone().run_flusher(flush_stop.clone()));
 
         let nonces = NonceStore::open(
             Some(&config.state_dir),
@@ -350,6 +357,7 @@ impl App {
             tasks.clone(),
             shutdown.clone(),
         );
+        fulfiller.set_template_store(template_store);
         let app = Arc::new(App {
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
             schema_checks: Arc::new(Semaphore::new(schema_checks())),
@@ -393,6 +401,7 @@ impl App {
             .reload(loaded.needs.clone(), Arc::new(loaded.registry.clone()))
             .await
             .map_err(|e| StartError::Invalid(e.to_string()))?;
+        fulfiller.set_templates(loaded.templates.clone());
         tasks.spawn(fulfiller.run());
         tasks.spawn(crate::provider::gc::run_periodic(app.clone()));
         crate::provider::callbacks::start(&app);
@@ -452,6 +461,7 @@ impl App {
             .reload(loaded.needs, Arc::new(loaded.registry))
             .await
             .map_err(|e| e.to_string())?;
+        self.fulfiller.set_templates(loaded.templates);
         tracing::info!("configuration reloaded");
         Ok(())
     }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use fort_core::schema::{self, Capabilities, Needs, Registry, SchemaError};
+use fort_core::schema::{self, Capabilities, Needs, Registry, SchemaError, Templates};
 
 use crate::config::Config;
 
@@ -11,6 +11,8 @@ use crate::config::Config;
 pub struct Loaded {
     pub registry: Registry,
     pub needs: Needs,
+    /// Files rendered from templates over several needs (needs.json's `$templates`).
+    pub templates: Templates,
     pub capabilities: Capabilities,
     /// §11.7: the hash of the three files' bytes as they were read for this view.
     pub manifest_sha256: String,
@@ -134,6 +136,21 @@ impl Loaded {
             Some(f) => schema::needs_from_bytes(&f.path, &f.bytes, &registry)?,
             None => Needs::new(),
         };
+        let templates = match &files.needs {
+            Some(f) => schema::templates_from_bytes(&f.path, &f.bytes, &needs)?,
+            None => Templates::new(),
+        };
+        for (name, t) in &templates {
+            fort_fulfill::templates::compile(name, &t.template).map_err(|e| {
+                LoadError::Invalid(format!(
+                    "{}: $templates.{name}.template: {e}",
+                    files
+                        .needs
+                        .as_ref()
+                        .map_or_else(String::new, |f| f.path.display().to_string())
+                ))
+            })?;
+        }
         let capabilities = match &files.capabilities {
             Some(f) => schema::capabilities_from_bytes(&f.path, &f.bytes, &registry)?,
             None => Capabilities::new(),
@@ -155,6 +172,7 @@ impl Loaded {
         Ok(Loaded {
             registry,
             needs,
+            templates,
             capabilities,
             manifest_sha256: files.manifest_sha256(),
         })

@@ -71,7 +71,8 @@ pub const FORMATS: &[Format] = &[
     Format {
         file: "fulfillment-state.json",
         writes: crate::store::SNAPSHOT_VERSION,
-        reads: &crate::store::PLAIN_SNAPSHOT_READS,
+        // Version 3 with a state key (the payloads it keeps sealed, docs/at-rest.md).
+        reads: &crate::store::SNAPSHOT_READS,
     },
     Format {
         file: "nonces.log",

@@ -386,6 +386,12 @@ impl Fulfiller {
         if before.payload_sha256.as_deref() != Some(digest) || !before.satisfied {
             self.wake_dependents(key);
         }
+        if self.inner.view.lock().template_inputs.contains(key) {
+            let (me, need) = (self.clone(), key.clone());
+            self.inner.tasks.spawn(async move {
+                me.render_templates(Some(&need)).await;
+            });
+        }
         self.after(key, next_attendance(spec, &state, now));
         true
     }
@@ -396,6 +402,10 @@ impl Fulfiller {
     /// need nothing refers to.
     fn kept_payload(&self, key: &NeedKey, spec: &NeedSpec, payload: &[u8]) -> Option<Vec<u8>> {
         let view = self.inner.view.lock();
+        // Read by a template: kept whole (a template reads no need with encrypted files).
+        if view.template_inputs.contains(key) && !spec.files.iter().any(|f| f.encrypted()) {
+            return Some(payload.to_vec());
+        }
         if !view.referenced.contains(key) {
             return None;
         }
@@ -447,7 +457,7 @@ impl Fulfiller {
                 tracing::warn!(need = %key, error = %e.summary(), stderr = e.stderr_excerpt(STDERR_IN_LOG).unwrap_or_default(), "need handler failed");
                 return Err(format!("handler failed: {}", e.summary()));
             }
-        } else if spec.side_effect_only() && payload != b"OK" && payload != b"OK\n" {
+        } else if self.side_effect_only(key, spec) && payload != b"OK" && payload != b"OK\n" {
             // The payload may be a credential sent to the wrong need: only its size and
             // hash ever reach the log and the state.
             return Err(format!(

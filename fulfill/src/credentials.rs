@@ -127,7 +127,7 @@ fn said(e: &fort_core::process::RunError) -> String {
 }
 
 impl Fulfiller {
-    fn creds(&self) -> Creds<'_> {
+    pub(crate) fn creds(&self) -> Creds<'_> {
         Creds {
             program: &self.inner.opts.systemd_creds,
             env: &self.inner.opts.handler_environment,

@@ -33,7 +33,7 @@ impl Fulfiller {
         let spec = self.spec(key).ok_or(DeliverError::UnknownNeed)?;
         let decided = match what {
             Delivered::Payload([]) => self.revoked(key, &spec, origin).await,
-            Delivered::Payload(payload) if spec.side_effect_only() => {
+            Delivered::Payload(payload) if self.side_effect_only(key, &spec) => {
                 self.side_effect(key, &spec, origin, payload).await
             }
             Delivered::Payload(payload) => {

@@ -98,6 +98,8 @@ pub(crate) struct View {
     pub(crate) dependents: HashMap<NeedKey, Vec<NeedKey>>,
     /// Needs whose payload other needs' requests are built from (it is kept).
     pub referenced: HashSet<NeedKey>,
+    /// Needs templates read (§11.14): their payload is kept too.
+    pub(crate) template_inputs: HashSet<NeedKey>,
     /// Needs whose applier runs (`apply.rs`).
     pub(crate) applying: HashSet<NeedKey>,
     /// Providers failing, and needs that moved (§11.13).
@@ -125,6 +127,8 @@ pub(crate) struct Inner {
     pub spawned: std::sync::atomic::AtomicU64,
     pub units: Units,
     pub(crate) started: std::sync::atomic::AtomicBool,
+    /// Files rendered from templates over several needs (§11.14).
+    pub(crate) templates: crate::templates::TemplateRoom,
 }
 
 #[derive(Clone)]
@@ -176,6 +180,7 @@ impl Fulfiller {
                 spawned: Default::default(),
                 units,
                 started: Default::default(),
+                templates: Default::default(),
             }),
         }
     }

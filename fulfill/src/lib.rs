@@ -22,6 +22,7 @@ pub mod sealing;
 pub mod state;
 mod status;
 mod swap;
+pub mod templates;
 mod units;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};

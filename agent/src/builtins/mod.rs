@@ -273,6 +273,26 @@ pub fn status(app: &Arc<App>, entries: Entries) -> Value {
         "nonces": app.nonces.len(),
         "memory": memory(app),
     });
+    // Files rendered from templates (§11.14), by name: hashes and why not, never content.
+    let templates = app.fulfiller.template_states();
+    if !templates.is_empty() {
+        doc["templates"] = templates
+            .into_iter()
+            .map(|(name, t)| {
+                let state = match (&t.reason, &t.rendered_sha256) {
+                    (None, Some(_)) => "rendered",
+                    (Some(_), Some(_)) => "stale",
+                    _ => "waiting",
+                };
+                (
+                    name,
+                    json!({"state": state, "reason": t.reason, "rendered_at": t.rendered_at,
+                           "rendered_sha256": t.rendered_sha256, "files": t.files.keys().collect::<Vec<_>>()}),
+                )
+            })
+            .collect::<serde_json::Map<String, Value>>()
+            .into();
+    }
     match entries {
         Entries::NotAsked => {}
         Entries::Shown => {

@@ -9,6 +9,7 @@ mod hosts;
 pub mod keys;
 mod needs;
 pub mod refs;
+pub mod templates;
 
 use std::path::Path;
 
@@ -25,6 +26,7 @@ pub use needs::{
     load_needs, needs_from_bytes, validate_needs, FileSpec, NeedSpec, Needs, Providers,
     MAX_PROVIDERS,
 };
+pub use templates::{templates_from_bytes, TemplateSpec, Templates};
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
 pub const BUILTIN_CAPABILITIES: [&str; 7] = [

@@ -221,7 +221,26 @@ pub fn needs_from_bytes(
     bytes: &[u8],
     registry: &Registry,
 ) -> Result<Needs, SchemaError> {
-    let raw: BTreeMap<String, NeedSpec> = parse_json(file, bytes)?;
+    // Parsed member by member, so that the templates beside the needs (§11.14) are not
+    // taken for one; a field at fault is still named from the file's root.
+    let members: BTreeMap<String, Box<serde_json::value::RawValue>> = parse_json(file, bytes)?;
+    let mut raw = BTreeMap::new();
+    for (key, value) in members {
+        if key == super::templates::TEMPLATES_KEY {
+            continue;
+        }
+        let de = &mut serde_json::Deserializer::from_str(value.get());
+        let spec: NeedSpec =
+            serde_path_to_error::deserialize(de).map_err(|e| SchemaError::Parse {
+                file: file.display().to_string(),
+                path: match e.path().to_string().as_str() {
+                    "." => key.clone(),
+                    inner => format!("{key}.{inner}"),
+                },
+                message: e.inner().to_string(),
+            })?;
+        raw.insert(key, spec);
+    }
     validate_needs(file, raw, registry)
 }
 
@@ -251,7 +270,7 @@ fn is_mode(s: &str) -> bool {
     digits.len() == 3 && digits.bytes().all(|c| (b'0'..=b'7').contains(&c))
 }
 
-fn check_file(key: &str, f: &FileSpec) -> Result<(), String> {
+pub(super) fn check_file(key: &str, f: &FileSpec) -> Result<(), String> {
     let where_ = format!("need {key:?}: file {:?}", f.label());
     let clean = f.path.is_absolute()
         && f.path.components().count() > 1
