@@ -56,6 +56,14 @@ pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<Path
     Ok(path)
 }
 
+/// The agent binary [`init_agent_bin`] found.
+pub fn agent_bin() -> Result<PathBuf> {
+    AGENT_BIN
+        .get()
+        .cloned()
+        .ok_or_else(|| anyhow!("agent binary not set"))
+}
+
 pub fn require_jq() -> Result<()> {
     let ok = Command::new("jq")
         .arg("--version")
