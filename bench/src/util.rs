@@ -23,6 +23,11 @@ pub fn set_keep(keep: bool) {
     let _ = KEEP.set(keep);
 }
 
+/// Whether `--keep` was given.
+pub fn keeping() -> bool {
+    KEEP.get().copied().unwrap_or(false)
+}
+
 /// A fresh fleet directory, kept after the run with `--keep`.
 pub fn new_fleet() -> Fleet {
     let mut fleet = Fleet::new();

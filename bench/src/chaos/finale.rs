@@ -161,7 +161,24 @@ pub fn trails_and_secrets(w: &World, passwords: &BTreeSet<String>) -> (usize, u6
             .args(["audit", "verify"])
             .arg(audit(h))
             .args(["--signer", h, "--json", "--witnesses"]);
-        for other in hosts.iter().filter(|o| *o != h) {
+        // Those who talk to it: a provider's consumers, a consumer's providers.
+        let peers: BTreeSet<String> = if w.layout.is_provider(h) {
+            w.layout
+                .consumers
+                .iter()
+                .filter(|c| {
+                    w.layout
+                        .needs_of(&c.name)
+                        .values()
+                        .flatten()
+                        .any(|p| p == h)
+                })
+                .map(|c| c.name.clone())
+                .collect()
+        } else {
+            w.layout.needs_of(h).into_values().flatten().collect()
+        };
+        for other in &peers {
             cmd.arg(audit(other));
         }
         match cmd.output() {

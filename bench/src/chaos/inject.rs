@@ -306,6 +306,21 @@ pub async fn fault(w: Arc<World>, e: Event) {
                     }
                 }
             }
+            // A dropping rule is seen to hold: no connection gets through (to an agent
+            // that is up; the run's own calls from outside still do).
+            if e.kind != Kind::Slow {
+                let (f, t, _) = &directions[0];
+                let to = w.fleet.hosts[t].addr;
+                let blocked = lock(&w.net).as_ref().map(|n| !n.connects(f, to));
+                let held = blocked == Some(true);
+                *lock(&w.stats).partitions_seen.entry(held).or_default() += 1;
+                let seen = if held {
+                    "no connection gets through"
+                } else {
+                    "A CONNECTION STILL GETS THROUGH"
+                };
+                lock(&w.timeline).note(id, seen);
+            }
             tokio::time::sleep(e.hold).await;
             for (f, t, l) in &directions {
                 if let Some(net) = lock(&w.net).as_mut() {

@@ -227,7 +227,8 @@ impl Layout {
                     &config,
                     json!({"state_file": fleet.host_dir(p).join("state/handlers/postgres/state.json"),
                            "host": "127.0.0.1", "socket_dir": socket_dir, "port": port,
-                           "admin_role": fort_tests::postgres::ADMIN, "peers": peers})
+                           "admin_role": fort_tests::postgres::ADMIN, "peers": peers,
+                           "connections_per_caller": 4})
                     .to_string(),
                 )
                 .expect("write postgres config");

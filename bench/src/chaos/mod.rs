@@ -106,6 +106,8 @@ pub struct Stats {
     pub handler_runs_caught: u64,
     pub rotations: u64,
     pub ops: BTreeMap<String, u64>,
+    /// Partitions checked with a connection across them: (whether it was refused) → count.
+    pub partitions_seen: BTreeMap<bool, u64>,
 }
 
 /// Everything the run's tasks share.
@@ -393,9 +395,20 @@ pub async fn run(args: ChaosArgs, json_out: bool, log_level: String) -> Result<(
         stopping: AtomicBool::new(false),
     });
     let outcome = run_fleet(&world, &args, plan, &skips, &rates, json_out).await;
-    // Whatever happened: every agent, namespace, mount and server goes.
+    // Whatever happened: every agent, namespace, mount and server goes. With --keep, a
+    // copy of each state directory stays (its tmpfs goes).
     lock(&world.procs).kill_all();
     lock(&world.net).take();
+    if util::keeping() && lock(&world.mounts).is_some() {
+        for h in world.layout.hosts() {
+            let d = world.fleet.host_dir(&h);
+            let _ = std::process::Command::new("cp")
+                .arg("-a")
+                .arg(d.join("state"))
+                .arg(d.join("state-kept"))
+                .status();
+        }
+    }
     lock(&world.mounts).take();
     outcome
 }

@@ -157,6 +157,27 @@ impl Net {
         PathBuf::from("/run/netns").join(&self.namespaces[host].0)
     }
 
+    /// Whether a TCP connection from `from`'s namespace to `to` (an address of another
+    /// host) is made within a second: how a fault is seen to hold.
+    pub fn connects(&self, from: &str, to: std::net::SocketAddr) -> bool {
+        let path = self.netns_path(from);
+        std::thread::spawn(move || {
+            let Ok(ns) = std::fs::File::open(&path) else {
+                return false;
+            };
+            use std::os::fd::AsRawFd;
+            #[allow(unsafe_code)]
+            // SAFETY: setns(2) on an open namespace file; it moves this thread alone,
+            // which ends right after.
+            let joined = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } == 0;
+            joined
+                && std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_secs(1))
+                    .is_ok()
+        })
+        .join()
+        .unwrap_or(false)
+    }
+
     /// Adds `link` to the traffic from `from` to `to`.
     pub fn add(&mut self, from: &str, to: &str, link: Link) -> Result<(), String> {
         *self

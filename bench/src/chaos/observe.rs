@@ -58,6 +58,9 @@ pub struct Observer {
     pub tokens_applied: u64,
     pub passwords_applied: u64,
     pub moves: u64,
+    /// Certificates newly applied to needs naming several CAs, and how many of them were
+    /// told apart by the CA that signed them (the home-period check).
+    pub attributed: (u64, u64),
     pub polls: u64,
     pub longest: Longest,
     /// Passwords seen in consumers' files: searched for in trails and sealed state.
@@ -403,6 +406,8 @@ impl Observer {
                     }
                 }
                 if changed && track.credential.is_some() {
+                    self.attributed.0 += 1;
+                    self.attributed.1 += u64::from(seen.signer.is_some());
                     if let Some(p) = &seen.signer {
                         let old = prev.as_ref().map(|(h, _)| h.clone());
                         let late = since.is_some_and(|s| seen.applied_at > s as f64 + 2.0);

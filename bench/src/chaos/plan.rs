@@ -80,10 +80,10 @@ impl Kind {
         match self {
             // The time the host is down before it is started again: mostly a moment,
             // sometimes long enough for its needs to move (drawn towards the short end).
-            Kind::Kill => (0, 90),
+            Kind::Kill => (0, 120),
             Kind::HandlerKill => (0, 10),
-            Kind::Hang => (5, 45),
-            Kind::Partition | Kind::OneWay => (15, 60),
+            Kind::Hang => (5, 60),
+            Kind::Partition | Kind::OneWay => (15, 90),
             Kind::Slow => (20, 60),
             Kind::DiskFull => (10, 40),
             Kind::Clock => (40, 90),

@@ -118,6 +118,13 @@ pub fn print(w: &World, run: &Run, json_out: bool) {
         serde_json::Value::Object(by_kind),
         format!("{total}: {}", shown.join(", ")),
     );
+    let held = stats.partitions_seen.get(&true).copied().unwrap_or(0);
+    let leaked = stats.partitions_seen.get(&false).copied().unwrap_or(0);
+    r.line(
+        "partitions_seen_to_hold",
+        json!({"held": held, "did_not": leaked}),
+        format!("{held} partitions seen to hold (a connection across each refused), {leaked} not"),
+    );
     r.line(
         "handler_runs_killed",
         stats.handler_runs_caught,
@@ -158,7 +165,10 @@ pub fn print(w: &World, run: &Run, json_out: bool) {
     r.line(
         "moves",
         o.moves,
-        format!("{} moves of needs naming several CAs", o.moves),
+        format!(
+            "{} moves of needs naming several CAs; {} of {} certificates newly applied to them held to their home by the CA that signed them",
+            o.moves, o.attributed.1, o.attributed.0
+        ),
     );
     r.line(
         "failed_starts",
@@ -226,5 +236,6 @@ pub fn print(w: &World, run: &Run, json_out: bool) {
     }
     r.target("no invariant violated", tl.violations.is_empty());
     r.target("zero failed starts", stats.failed_starts == 0);
+    r.target("every partition held", leaked == 0);
     r.finish();
 }
