@@ -158,11 +158,8 @@ impl Procs {
             .stdout(Stdio::null())
             .stderr(log);
         die_with_parent(&mut cmd);
-        let stop = Stop {
-            signal: libc::SIGTERM,
-            grace: Duration::from_secs(20),
-        };
-        let running = Running::spawn(&mut cmd, stop).map_err(|e| format!("spawn: {e}"))?;
+        // Stopped by a signal to the run: at once. A graceful stop is stop_taken's.
+        let running = Running::spawn(&mut cmd, Stop::KILL).map_err(|e| format!("spawn: {e}"))?;
         h.pid = running.id();
         h.proc = Some(running);
         h.state = State::Starting;
@@ -285,10 +282,16 @@ fn sample_one(h: &mut Host) {
     }
 }
 
-/// SIGTERM and up to 20 s to finish, then SIGKILL of what is left (blocking).
+/// SIGTERM, as systemd stops it, and up to 20 s to finish; then SIGKILL of what is
+/// left (blocking).
 pub fn stop_taken(mut p: Running) {
     let children = descendants(p.id());
-    p.stop();
+    signal(p.id(), libc::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while p.exited().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    p.kill();
     for c in children {
         signal(c, libc::SIGKILL);
     }
