@@ -63,7 +63,7 @@ pub struct ChaosArgs {
     #[arg(long = "rate")]
     rates: Vec<String>,
     /// Faults holding at once, at most.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 6)]
     max_active: usize,
     /// Nag interval of every need.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -525,6 +525,7 @@ async fn run_fleet(
             fault_phase,
             settled,
             trails: (verified, witnessed),
+            max_active: args.max_active,
         },
         json_out,
     );

@@ -324,3 +324,71 @@ pub fn fingerprint(plan: &Plan) -> String {
     }
     format!("{h:016x}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::layout::Timing;
+
+    fn layout() -> Layout {
+        let t = Timing {
+            nag: 10,
+            failover_after: 30,
+            lifetime: 120,
+            gc_grace: 30,
+            gc_interval: 20,
+        };
+        Layout::new(30, 4, 3, true, t)
+    }
+
+    fn rates() -> BTreeMap<Kind, f64> {
+        Kind::ALL.iter().map(|k| (*k, k.default_rate())).collect()
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_plan_and_another_seed_another() {
+        let l = layout();
+        let d = Duration::from_secs(1800);
+        let a = make(42, &l, &rates(), d, 6);
+        let b = make(42, &l, &rates(), d, 6);
+        let c = make(43, &l, &rates(), d, 6);
+        assert_eq!(fingerprint(&a), fingerprint(&b));
+        assert_ne!(fingerprint(&a), fingerprint(&c));
+        assert!(a.events.len() > 30, "{}", a.events.len());
+        let kinds: std::collections::BTreeSet<Kind> = a.events.iter().map(|e| e.kind).collect();
+        assert_eq!(kinds.len(), Kind::ALL.len(), "{kinds:?}");
+    }
+
+    #[test]
+    fn faults_never_overlap_on_a_host_and_at_most_max_active_hold() {
+        let l = layout();
+        let d = Duration::from_secs(1800);
+        let mut r = rates();
+        for v in r.values_mut() {
+            *v *= 4.0;
+        }
+        let p = make(7, &l, &r, d, 3);
+        let span = |e: &Event| (e.at, e.at + e.hold + Duration::from_secs(15));
+        for (i, a) in p.events.iter().enumerate() {
+            let (s, e) = span(a);
+            assert!(a.at + a.hold <= d);
+            let mut overlapping = 0;
+            for b in &p.events[..i] {
+                let (bs, be) = span(b);
+                if bs <= s && s < be {
+                    overlapping += 1;
+                    assert!(
+                        a.hosts.iter().all(|h| !b.hosts.contains(h)),
+                        "{a:?} overlaps {b:?}"
+                    );
+                }
+                let _ = e;
+            }
+            assert!(overlapping < 3, "{a:?}: {overlapping} already hold");
+        }
+        assert!(
+            p.dropped.values().sum::<u64>() > 0,
+            "a busy plan drops some"
+        );
+    }
+}

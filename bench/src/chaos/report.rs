@@ -20,6 +20,7 @@ pub struct Run<'a> {
     pub settled: Duration,
     /// Trails verified, witnessed checkpoints checked.
     pub trails: (usize, u64),
+    pub max_active: usize,
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -113,10 +114,15 @@ pub fn print(w: &World, run: &Run, json_out: bool) {
         }
     }
     let total: u64 = stats.injected.values().sum();
+    let not_placed: u64 = run.plan.dropped.values().sum();
     r.line(
         "faults",
         serde_json::Value::Object(by_kind),
-        format!("{total}: {}", shown.join(", ")),
+        format!(
+            "{total}: {} ({not_placed} drawn found no free host or {} faults holding already)",
+            shown.join(", "),
+            run.max_active
+        ),
     );
     let held = stats.partitions_seen.get(&true).copied().unwrap_or(0);
     let leaked = stats.partitions_seen.get(&false).copied().unwrap_or(0);
