@@ -8,6 +8,7 @@
 mod acme;
 mod at_rest;
 mod burst;
+mod chaos;
 mod converge;
 mod cycle;
 mod deliver;
@@ -57,6 +58,7 @@ use clap::{Parser, Subcommand};
   fort-bench ssh-ca --certs 500 --unchanged 10000
   fort-bench acme --count 200 --unchanged 10000
   fort-bench unchanged --entries 10000 --runs 5
+  fort-bench chaos --duration 1h --seed 42
   fort-bench --json converge")]
 struct Cli {
     /// Print one JSON object instead of aligned lines.
@@ -130,10 +132,27 @@ enum Cmd {
     /// Every capability's handler over N unchanged entries (what a provider pays on every
     /// request), measured the same way and side by side: median run, state per entry.
     Unchanged(unchanged::UnchangedArgs),
+    /// A fleet of 40+ agents under seeded random faults (kills, hangs, partitions, slow
+    /// links, full disks, clocks off, kills mid-run and mid-rotation, reloads, rollbacks)
+    /// with invariants checked throughout and at the end; the figures, and any violation
+    /// with its seed.
+    Chaos(chaos::ChaosArgs),
+    /// The chaos run's token issuer (an async handler; not for use by hand).
+    #[command(hide = true)]
+    ChaosTokenHandler(chaos::token::TokenHandlerArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Cmd::ChaosTokenHandler(a) = cli.command {
+        return match chaos::token::run(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("token handler: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Err(e) = util::init_agent_bin(cli.agent_bin.clone(), &cli.agent_log) {
         eprintln!("fort-bench: {e:#}");
         return ExitCode::from(2);
@@ -151,6 +170,7 @@ fn main() -> ExitCode {
         }
     };
     let json = cli.json;
+    let log_level = cli.agent_log.clone();
     // Every agent is owned inside these futures and killed when they return.
     let result = rt.block_on(async move {
         match cli.command {
@@ -171,6 +191,8 @@ fn main() -> ExitCode {
             Cmd::Acme(a) => acme::run(a, json).await,
             Cmd::AtRest(a) => at_rest::run(a, json).await,
             Cmd::Unchanged(a) => unchanged::run(a, json).await,
+            Cmd::Chaos(a) => chaos::run(a, json, log_level).await,
+            Cmd::ChaosTokenHandler(_) => unreachable!("handled before the runtime"),
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -23,6 +23,11 @@ pub fn set_keep(keep: bool) {
     let _ = KEEP.set(keep);
 }
 
+/// Whether `--keep` was given.
+pub fn keeping() -> bool {
+    KEEP.get().copied().unwrap_or(false)
+}
+
 /// A fresh fleet directory, kept after the run with `--keep`.
 pub fn new_fleet() -> Fleet {
     let mut fleet = Fleet::new();
@@ -63,6 +68,14 @@ pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<Path
     let _ = AGENT_BIN.set(path.clone());
     let _ = AGENT_LOG.set(log_level.to_owned());
     Ok(path)
+}
+
+/// The agent binary [`init_agent_bin`] found.
+pub fn agent_bin() -> Result<PathBuf> {
+    AGENT_BIN
+        .get()
+        .cloned()
+        .ok_or_else(|| anyhow!("agent binary not set"))
 }
 
 pub fn require_jq() -> Result<()> {

@@ -26,6 +26,7 @@ fn help_lists_every_benchmark() {
         "postgres",
         "ssh-ca",
         "acme",
+        "chaos",
     ] {
         assert!(
             text.lines()

@@ -511,3 +511,69 @@ fn every_kind_a_remote_party_can_cause_is_budgeted_per_origin() {
         );
     }
 }
+
+/// A checkpoint chained while its file could not grow (a full disk: here a file size
+/// limit, which fails a write as ENOSPC does) is written once there is room again, and
+/// goes into the checkpoint index then: the trail verifies. (The limit is the process's:
+/// nextest runs each test in a process of its own.)
+#[test]
+#[allow(unsafe_code)]
+fn a_checkpoint_written_after_a_full_disk_is_indexed() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let dir = tempfile::tempdir().unwrap();
+    let signer = Signer::generate();
+    let keys = vec![signer.public_key().clone()];
+    let mut opts = options(dir.path(), 1 << 20, 4);
+    opts.checkpoint_interval = Duration::from_millis(200);
+    let audit = Audit::open(opts, signer.clone());
+    let record = |i: usize| {
+        audit.record_caused_by(
+            "app",
+            Event::caused(CausedKind::Issued)
+                .consumer("app")
+                .need(format!("cred/{i}"))
+                .response(Some(format!("{i:064x}"))),
+        );
+    };
+    let checkpoints = || {
+        records(dir.path())
+            .iter()
+            .filter(|r| r["event"] == "checkpoint")
+            .count()
+    };
+    let wait_for = |what: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !what() {
+            assert!(std::time::Instant::now() < deadline, "timed out");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    record(0);
+    wait_for(&|| checkpoints() == 1);
+    // The records after it are written; then the file may not grow, and the checkpoint
+    // that covers them is chained but cannot be written.
+    record(1);
+    let file = files(dir.path()).unwrap()[0].clone();
+    wait_for(&|| std::fs::read_to_string(&file).unwrap().contains("cred/1"));
+    // SAFETY: signal(2) with SIG_IGN: a write past the limit fails with EFBIG instead
+    // of killing the process.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    let before = getrlimit(Resource::Fsize);
+    let size = std::fs::metadata(&file).unwrap().len();
+    setrlimit(
+        Resource::Fsize,
+        Rlimit {
+            current: Some(size),
+            maximum: before.maximum,
+        },
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(!audit.writable(), "the checkpoint could not be written");
+    setrlimit(Resource::Fsize, before).unwrap();
+    wait_for(&|| checkpoints() >= 2);
+    audit.close();
+    let v = verify(dir.path(), "forge", &keys).unwrap();
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert!(v.checkpoints >= 3, "{}", v.checkpoints);
+}

@@ -52,6 +52,9 @@ pub(super) struct Writer {
     spare: Vec<(u64, Event)>,
     /// The checkpoint index (§12.3b); `None` until it can be opened.
     index: Option<super::index::IndexWriter>,
+    /// Checkpoints chained but not yet on disk and in the index, oldest first: one whose
+    /// write failed (a full disk) is written by a later flush, and indexed then.
+    unindexed: Vec<(u64, String, u64, Witnessed)>,
 }
 
 /// A file's name: the seq of its first record, so names sort in the chain's order.
@@ -83,6 +86,7 @@ impl Writer {
             forward,
             spare: Vec::new(),
             index: None,
+            unindexed: Vec::new(),
         };
         match w.resume() {
             Ok(torn) => {
@@ -300,22 +304,44 @@ impl Writer {
         }
     }
 
-    /// Writes the chained records; on failure keeps them for the next try.
+    /// Writes the chained records; on failure keeps them for the next try. Checkpoints
+    /// among them go into the index once they are on disk.
     fn flush(&mut self) -> bool {
-        if self.unsaved.is_empty() {
+        if !self.unsaved.is_empty() {
+            if let Err(e) = self.write_unsaved() {
+                self.complain(&format!("cannot write the audit trail: {e}"));
+                return false;
+            }
+            self.unsaved.clear();
+            self.recovered();
+        }
+        self.index_written()
+    }
+
+    /// Syncs the file and adds the checkpoints written to it to the index, in order;
+    /// false while one is left (the next checkpoint links to the index after it).
+    /// Handed to consumers only once it is on disk, and in the index: a crash must not
+    /// leave them holding a checkpoint the trail does not.
+    fn index_written(&mut self) -> bool {
+        if self.unindexed.is_empty() {
             return true;
         }
-        match self.write_unsaved() {
-            Ok(()) => {
-                self.unsaved.clear();
-                self.recovered();
-                true
-            }
-            Err(e) => {
-                self.complain(&format!("cannot write the audit trail: {e}"));
-                false
+        let Some(c) = &self.current else {
+            return false;
+        };
+        let synced = crate::fsx::open_regular(&c.path).and_then(|f| f.sync_data());
+        crate::crash::point("audit.checkpoint.written");
+        if let Err(e) = synced {
+            self.complain(&format!("cannot sync the audit trail: {e}"));
+            return false;
+        }
+        for (count, head, at, witnessed) in std::mem::take(&mut self.unindexed) {
+            match self.index.as_mut().map(|i| i.append(count, &head, at)) {
+                Some(Err(e)) => self.complain(&format!("cannot write the checkpoint index: {e}")),
+                _ => *self.shared.latest.lock() = Some(witnessed),
             }
         }
+        true
     }
 
     fn write_unsaved(&mut self) -> std::io::Result<()> {
@@ -391,27 +417,10 @@ impl Writer {
         event.index = self.index.as_ref().map(|i| i.head.clone());
         let (count, head) = (self.seq, self.head.clone());
         self.chain(at, event);
+        self.unindexed.push((count, head, at, witnessed));
         if self.flush() {
             self.since_checkpoint = 0;
             self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
-            if let Some(c) = &self.current {
-                let synced = crate::fsx::open_regular(&c.path).and_then(|f| f.sync_data());
-                crate::crash::point("audit.checkpoint.written");
-                match synced {
-                    // Handed to consumers only once it is on disk, and in the index: a
-                    // crash must not leave them holding a checkpoint the trail does not.
-                    Ok(()) => {
-                        let indexed = self.index.as_mut().map(|i| i.append(count, &head, at));
-                        match indexed {
-                            Some(Err(e)) => {
-                                self.complain(&format!("cannot write the checkpoint index: {e}"))
-                            }
-                            _ => *self.shared.latest.lock() = Some(witnessed),
-                        }
-                    }
-                    Err(e) => self.complain(&format!("cannot sync the audit trail: {e}")),
-                }
-            }
         }
     }
 
@@ -419,7 +428,7 @@ impl Writer {
     /// past `max_files` go.
     fn rotate(&mut self, _at: u64) {
         self.checkpoint();
-        if !self.unsaved.is_empty() {
+        if !self.unsaved.is_empty() || !self.unindexed.is_empty() {
             return;
         }
         self.current = None;
