@@ -652,19 +652,24 @@ rec {
           }
           # Written only when the need has keys, as the agent hashes its declaration.
           // lib.optionalAttrs (n.keys != { }) {
-            keys = mapAttrs (_: k: {
-              type = k.type;
-              inherit (k)
-                path
-                owner
-                group
-                mode
-                format
-                names
-                certificate
-                reuse
-                ;
-            }) n.keys;
+            keys = mapAttrs (
+              _: k:
+              {
+                type = k.type;
+                inherit (k)
+                  path
+                  owner
+                  group
+                  mode
+                  format
+                  names
+                  certificate
+                  reuse
+                  ;
+              }
+              # Written only when set, as the agent hashes the declaration.
+              // lib.optionalAttrs (k.authorized or false) { authorized = true; }
+            ) n.keys;
           }
         )
       ) (needList needs)
