@@ -2,6 +2,7 @@
 //! its own 127.0.0.x address and free port, generated SSH key, state directory and config,
 //! and is killed on drop (and however the test ends: cleanup).
 
+pub mod borg;
 pub mod cleanup;
 pub mod dns;
 pub mod nginx;
