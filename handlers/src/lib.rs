@@ -13,6 +13,7 @@ pub mod oidc;
 pub mod postgres;
 pub mod proxy;
 pub mod schema;
+pub mod scrape;
 pub mod ssh_ca;
 
 use std::future::Future;
@@ -85,6 +86,7 @@ pub const CAPABILITIES: &[Capability] = &[
     oidc::CAPABILITY,
     postgres::CAPABILITY,
     proxy::CAPABILITY,
+    scrape::CAPABILITY,
     ssh_ca::CAPABILITY,
 ];
 

@@ -10,6 +10,7 @@ pub mod oidc;
 pub mod pebble;
 pub mod pki;
 pub mod postgres;
+pub mod prometheus;
 pub mod sshd;
 pub mod syslog;
 mod wire;
