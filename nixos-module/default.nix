@@ -40,13 +40,7 @@ in
     ./service.nix
     ./delivery.nix
     ./alerts.nix
-    ./capabilities/acme.nix
-    ./capabilities/certificates.nix
-    ./capabilities/dns-record.nix
-    ./capabilities/oidc.nix
-    ./capabilities/postgres.nix
-    ./capabilities/proxy.nix
-    ./capabilities/ssh-ca.nix
+    ./capabilities
   ];
 
   config = {

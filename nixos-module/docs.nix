@@ -20,13 +20,7 @@ let
         ./options.nix
         ./options-host.nix
         ./alerts.nix
-        ./capabilities/acme.nix
-        ./capabilities/certificates.nix
-        ./capabilities/dns-record.nix
-        ./capabilities/oidc.nix
-        ./capabilities/postgres.nix
-        ./capabilities/proxy.nix
-        ./capabilities/ssh-ca.nix
+        ./capabilities
         # The NixOS options the capability modules set (assertions, sshd's and nginx's config),
         # declared so the evaluation accepts their definitions; not rendered.
         stubs.module

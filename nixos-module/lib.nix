@@ -411,6 +411,51 @@ rec {
           outside "principals" (
             if kind == "user" then policy.userPrincipals else policy.hostPrincipals
           ) (strings (request.principals or [ ]));
+        # Full access (append_only = false) to the repositories the provider grants it.
+        backup-repo =
+          let
+            granted = patternsOf policy.fullAccess;
+          in
+          optional ((request.append_only or true) == false && !(permits granted need.id)) {
+            path = "request.append_only";
+            message = "false asks for full access to repository ${need.id}, which ${capability} grants ${origin} ${
+              if granted == [ ] then "to no repository" else "only to ${concatStringsSep ", " granted}"
+            }";
+          };
+        # The port and the labels the provider allows this host.
+        scrape =
+          let
+            ranges = map (
+              r:
+              let
+                ends = map lib.toInt (splitString "-" r);
+              in
+              {
+                low = head ends;
+                high = lib.last ends;
+              }
+            ) ((policy.ports.${origin} or [ ]) ++ (policy.ports."*" or [ ]));
+            port = request.port or null;
+            labelNames = if builtins.isAttrs (request.labels or null) then attrNames request.labels else [ ];
+            reserved =
+              n:
+              elem n ([ "job" "instance" "fort_host" "fort_need" ] ++ policy.reservedLabels) || hasPrefix "__" n;
+            allowedLabels = patternsOf policy.labels;
+          in
+          optional (builtins.isInt port && !(any (r: port >= r.low && port <= r.high) ranges)) {
+            path = "request.port";
+            message = "${toString port} is not a port ${capability} scrapes ${origin} on (allowed: ${
+              concatStringsSep ", " ((policy.ports.${origin} or [ ]) ++ (policy.ports."*" or [ ]))
+            })";
+          }
+          ++ map (n: {
+            path = "request.labels.${n}";
+            message =
+              if reserved n then
+                "the label ${n} is reserved; ${capability} sets job, instance, __… and fort_* itself"
+              else
+                "${n} is not a label ${capability} lets ${origin} set (allowed: ${concatStringsSep ", " allowedLabels})";
+          }) (filter (n: reserved n || !(elem (toLower n) allowedLabels)) labelNames);
       };
       # A file's pointer names a member of the response: the first step must be one.
       pointers = concatMap (
@@ -652,19 +697,24 @@ rec {
           }
           # Written only when the need has keys, as the agent hashes its declaration.
           // lib.optionalAttrs (n.keys != { }) {
-            keys = mapAttrs (_: k: {
-              type = k.type;
-              inherit (k)
-                path
-                owner
-                group
-                mode
-                format
-                names
-                certificate
-                reuse
-                ;
-            }) n.keys;
+            keys = mapAttrs (
+              _: k:
+              {
+                type = k.type;
+                inherit (k)
+                  path
+                  owner
+                  group
+                  mode
+                  format
+                  names
+                  certificate
+                  reuse
+                  ;
+              }
+              # Written only when set, as the agent hashes the declaration.
+              // lib.optionalAttrs (k.authorized or false) { authorized = true; }
+            ) n.keys;
           }
         )
       ) (needList needs)

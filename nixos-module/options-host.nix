@@ -209,6 +209,16 @@ let
           default = false;
           description = "Keep the key across renewals; by default every renewal asks with a new key.";
         };
+        authorized = mkOption {
+          type = types.bool;
+          default = false;
+          description = ''
+            The provider authorizes the key instead of certifying it (an
+            `authorized_keys` entry, as `backup-repo` makes): the value at `certificate`
+            is the key's own OpenSSH public key line, which the provider answers once it
+            has authorized that key.
+          '';
+        };
       };
     }
   );

@@ -208,7 +208,16 @@ fn fort_handler_prints_the_schema_the_module_writes() {
     compared.dedup();
     assert_eq!(
         compared,
-        ["acme", "dns-record", "oidc", "postgres", "proxy", "ssh-ca"],
+        [
+            "acme",
+            "backup-repo",
+            "dns-record",
+            "oidc",
+            "postgres",
+            "proxy",
+            "scrape",
+            "ssh-ca"
+        ],
         "every capability fort-handler serves is rendered by the module's test fleet"
     );
 }

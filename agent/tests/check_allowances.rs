@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 fn serve_everything(f: &mut Fleet, cfg: &Path) {
     std::fs::write(cfg.join("tsig.key"), "c2VjcmV0\n").unwrap();
     std::fs::write(cfg.join("token"), "t\n").unwrap();
-    let configs: [(&str, &str, Value); 6] = [
+    let configs: [(&str, &str, Value); 8] = [
         (
             "dns-record",
             "dns-record",
@@ -61,6 +61,21 @@ fn serve_everything(f: &mut Fleet, cfg: &Path) {
             "hosts_file": "/etc/fort/hosts.json",
             "host_principals": {"*": ["{origin}", "{origin}.example.test"]}}),
         ),
+        (
+            "backup-repo",
+            "backup-repo",
+            json!({
+            "state_file": cfg.join("borg.json"), "repositories_dir": "/srv/borg",
+            "authorized_keys_file": cfg.join("authorized_keys"), "host": "edge.example.test",
+            "full_access": {"*": ["{origin}-full"]}}),
+        ),
+        (
+            "scrape",
+            "scrape",
+            json!({
+            "state_file": cfg.join("scrape.json"), "targets_dir": cfg.join("targets"),
+            "ports": {"*": ["9100"]}}),
+        ),
     ];
     for (name, handler, config) in configs {
         let path = cfg.join(format!("{name}.json"));
@@ -89,6 +104,13 @@ fn check(f: &Fleet) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// A repository with full access, reached with a key the consumer makes.
+fn borg_need(keys: &Path) -> Value {
+    json!({"request": {"public_key": {"$fort_key": "ssh", "as": "openssh"}, "append_only": false},
+           "keys": {"ssh": {"type": "ed25519", "format": "openssh", "path": keys.join("ssh_key"),
+                            "certificate": "/public_key", "authorized": true}}})
+}
+
 fn csr_need(names: &[&str], keys: &Path) -> Value {
     json!({"request": {"csr": {"$fort_key": "tls", "as": "csr"}},
            "keys": {"tls": {"type": "ecdsa-p256", "path": keys.join("key.pem"), "names": names}}})
@@ -101,7 +123,7 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
     serve_everything(&mut f, cfg.path());
     let keys = tempfile::tempdir().unwrap();
     // Within their allowances: web's requests.
-    let ok: [(&str, Value); 6] = [
+    let ok: [(&str, Value); 8] = [
         (
             "dns-record/www",
             json!({"request": {"name": "www.web.example.test"}}),
@@ -123,6 +145,8 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
             "ssh-ca/host",
             json!({"request": {"kind": "host", "public_key": fort_core::sign::Signer::generate().public_openssh(), "principals": ["web"]}}),
         ),
+        ("backup-repo/web-full", borg_need(keys.path())),
+        ("scrape/node", json!({"request": {"port": 9100}})),
     ];
     for (need, spec) in ok {
         f.need("web", need, "edge", spec);
@@ -136,7 +160,7 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
 
     // app asks for what web may have.
     let app_keys = tempfile::tempdir().unwrap();
-    let wrong: [(&str, Value, &str); 6] = [
+    let wrong: [(&str, Value, &str); 8] = [
         ("dns-record/www", json!({"request": {"name": "www.web.example.test"}}),
          "app may not hold records at www.web.example.test (allowed for app: *.app.example.test)"),
         ("proxy/site", json!({"request": {"server_names": ["site.web.example.test"], "port": 80}}),
@@ -149,6 +173,10 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
          "app may not register the client name web-wiki (the provider's allow list; allowed for app: app-wiki)"),
         ("ssh-ca/host", json!({"request": {"kind": "host", "public_key": fort_core::sign::Signer::generate().public_openssh(), "principals": ["web"]}}),
          "principal web is not one app may have on a host certificate (allowed for app: app, app.example.test)"),
+        ("backup-repo/web-full", borg_need(app_keys.path()),
+         "app may not have full access (append_only = false) to repository web-full (allowed for app: app-full); its key may only add archives"),
+        ("scrape/node", json!({"request": {"port": 22}}),
+         "port 22 is not one app may be scraped on (allowed for app: 9100)"),
     ];
     for (need, spec, _) in &wrong {
         f.need("app", need, "edge", spec.clone());
@@ -169,7 +197,7 @@ fn requests_outside_a_providers_allowances_fail_the_fleet_check_by_name() {
             ),
         "{report}"
     );
-    assert!(report.contains("7 problem(s)"), "{report}");
+    assert!(report.contains("9 problem(s)"), "{report}");
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! SSHSIG signing and verification, the `/etc/fort/*.json` schemas and a signed client;
 //! plus the runtime pieces every crate shares (durable state files, the subprocess helper).
 
+pub mod accounts;
 pub mod audit;
 pub mod canonical;
 pub mod client;

@@ -219,9 +219,26 @@ enum Certificate {
     /// PEM X.509 certificates (DER), the first one the key's.
     X509(Vec<Vec<u8>>),
     Openssh(Box<ssh_key::Certificate>),
+    /// For a key the provider authorizes rather than certifies (`authorized`): the
+    /// public key it says it authorized. No validity window: the provider's record of
+    /// the key is what lapses.
+    Authorized(ssh_key::public::KeyData),
 }
 
 impl Certificate {
+    /// What the payload carries for `spec`'s key.
+    fn for_key(spec: &KeySpec, text: &str) -> Result<Certificate, String> {
+        if !spec.authorized {
+            return Certificate::read(text);
+        }
+        ssh_key::PublicKey::from_openssh(text.trim())
+            .map(|k| Certificate::Authorized(k.key_data().clone()))
+            .map_err(|_| {
+                "it is not an OpenSSH public key line (the key is authorized, not certified)"
+                    .to_owned()
+            })
+    }
+
     fn read(text: &str) -> Result<Certificate, String> {
         let pem = crate::certs::all(text.as_bytes())?;
         if !pem.is_empty() {
@@ -238,7 +255,7 @@ impl Certificate {
     fn leaf(&self) -> Option<&[u8]> {
         match self {
             Certificate::X509(pem) => pem.first().map(Vec::as_slice),
-            Certificate::Openssh(_) => None,
+            Certificate::Openssh(_) | Certificate::Authorized(_) => None,
         }
     }
 
@@ -249,6 +266,7 @@ impl Certificate {
                 Ok(crate::certs::parse(leaf).public_key().raw == m.spki().as_slice())
             }
             Certificate::Openssh(cert) => Ok(*cert.public_key() == m.ssh_public()?),
+            Certificate::Authorized(key) => Ok(*key == m.ssh_public()?),
         }
     }
 
@@ -263,6 +281,7 @@ impl Certificate {
                 let unix = |t: u64| i64::try_from(t).unwrap_or(i64::MAX);
                 crate::certs::check_window(unix(cert.valid_after()), unix(cert.valid_before()), now)
             }
+            Certificate::Authorized(_) => Ok(()),
         }
     }
 }
@@ -514,7 +533,7 @@ pub(crate) fn to_install(
                     k.certificate
                 )
             })?;
-        let certificate = Certificate::read(text).map_err(|e| {
+        let certificate = Certificate::for_key(k, text).map_err(|e| {
             format!(
                 "key {name}: the value at {:?}: {e}; not installed",
                 k.certificate
@@ -644,5 +663,30 @@ mod tests {
         let rsa = Material::generate(KeyType::Rsa2048).unwrap();
         assert!(Material::from_pem(KeyType::Rsa3072, &rsa.pem()).is_err());
         assert!(Material::from_pem(KeyType::Rsa2048, &rsa.pem()).is_ok());
+    }
+
+    #[test]
+    fn an_authorized_key_matches_its_own_public_line_only() {
+        let spec = |authorized: bool| -> KeySpec {
+            serde_json::from_value(serde_json::json!({
+                "type": "ed25519", "path": "/k", "format": "openssh", "authorized": authorized
+            }))
+            .unwrap()
+        };
+        let m = Material::generate(KeyType::Ed25519).unwrap();
+        let other = Material::generate(KeyType::Ed25519).unwrap();
+        let line = m.openssh().unwrap();
+        let ack = Certificate::for_key(&spec(true), &format!("{line} fort@backup\n")).unwrap();
+        assert!(ack.certifies(&m).unwrap() && !ack.certifies(&other).unwrap());
+        assert!(ack.check_validity(0).is_ok() && ack.leaf().is_none());
+        // A certified key is never matched by a bare public key, nor the reverse.
+        assert!(Certificate::for_key(&spec(false), &line).is_err());
+        let params = CertificateParams::new(vec!["a.example.org".to_owned()]).unwrap();
+        let pem = params.self_signed(&m.pair).unwrap().pem();
+        assert!(Certificate::for_key(&spec(true), &pem).is_err());
+        // The field is written only when set: declarations without it hash as before.
+        assert!(!serde_json::to_string(&spec(false))
+            .unwrap()
+            .contains("authorized"));
     }
 }

@@ -1,10 +1,11 @@
 //! fort's capability handlers: each drives one real server (an ACME CA, an SSH CA, nginx,
-//! PostgreSQL, a DNS primary, an OpenID provider) for every entry of its capability, as
+//! PostgreSQL, a DNS primary, an OpenID provider, a borg backup server, Prometheus) for every entry of its capability, as
 //! docs/handlers.md's contract says: all entries in, one answer per entry out, decided per
 //! entry, cleaning up only what it created. One binary serves them all:
 //! `fort-handler <capability> --config FILE`.
 
 pub mod acme;
+pub mod backup_repo;
 pub mod common;
 pub mod dns;
 pub mod dns_record;
@@ -12,6 +13,7 @@ pub mod oidc;
 pub mod postgres;
 pub mod proxy;
 pub mod schema;
+pub mod scrape;
 pub mod ssh_ca;
 
 use std::future::Future;
@@ -79,10 +81,12 @@ pub type Refusals = std::collections::BTreeMap<String, String>;
 /// Every capability, in `--help` order.
 pub const CAPABILITIES: &[Capability] = &[
     acme::CAPABILITY,
+    backup_repo::CAPABILITY,
     dns_record::CAPABILITY,
     oidc::CAPABILITY,
     postgres::CAPABILITY,
     proxy::CAPABILITY,
+    scrape::CAPABILITY,
     ssh_ca::CAPABILITY,
 ];
 

@@ -86,6 +86,16 @@ let
         }
         // lib.optionalAttrs (config.services.prometheus.ruleFiles != [ ]) {
           prometheusRuleFiles = map baseNameOf config.services.prometheus.ruleFiles;
+        }
+        # What the backup-repo and scrape capabilities wire into other services.
+        // lib.optionalAttrs (config.services.prometheus.scrapeConfigs != [ ]) {
+          prometheusScrapeConfigs = config.services.prometheus.scrapeConfigs;
+        }
+        // lib.optionalAttrs (config.services.openssh.authorizedKeysFiles != [ ]) {
+          sshAuthorizedKeysFiles = config.services.openssh.authorizedKeysFiles;
+        }
+        // lib.optionalAttrs (config.services.borgbackup.jobs != { }) {
+          borgbackupJobs = config.services.borgbackup.jobs;
         };
         # The installed bytes, for run.sh to hash on its own.
         texts = lib.genAttrs [ "hosts" "needs" "capabilities" ] (f: etc."fort/${f}.json".source.text);

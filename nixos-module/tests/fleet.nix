@@ -2,12 +2,13 @@
 # the example set (nixos-module/interfaces), fleet-wide.
 #   forge:  provides oidc (fort-handler oidc through its options, triggered by
 #           pocket-id-setup), ssl-cert, tls (fort-handler acme through its options),
-#           postgres (fort-handler postgres through its options) and ssh-ca (fort-handler's
-#           SSH CA), and consumes its own sshd host certificate (fort.host.sshCertificate);
-#           handler environment; metrics
+#           postgres (fort-handler postgres through its options), ssh-ca (fort-handler's
+#           SSH CA) and borg (fort-handler backup-repo through its options), and
+#           consumes its own sshd host certificate (fort.host.sshCertificate); handler
+#           environment; metrics
 #   beacon: provides proxy (fort-handler proxy through its options), ping (rpc, its
-#           own interface) and dns-record (fort-handler dns-record through its
-#           options); consumes oidc (two
+#           own interface), dns-record (fort-handler dns-record through its
+#           options) and metrics (fort-handler scrape through its options); consumes oidc (two
 #           instances, defaults filled in) and ssl-cert (a file outside /run/fort);
 #           runs as user "fort" under strictSandbox; its port set through settings.listen
 #   app:    consumes oidc (instance wiki, by name and by tag) with two payload files, one
@@ -15,7 +16,9 @@
 #           ssl-cert with a file, renewal and restart; a certificate from forge's ACME
 #           capability (tls) for a key it makes (fort.host.certificates); proxy with
 #           beacon's certificate set, waiting for oidc; dns-record for its own address
-#           under a name beacon allows it; postgres under a name forge allows it
+#           under a name beacon allows it; postgres under a name forge allows it; a borg
+#           backup to forge (fort.host.backups) and an exporter beacon scrapes
+#           (fort.host.exporters)
 # `extra.<host>` adds modules to a host (the broken fleets use it). The fleet's
 # declarations are mkFleet's `cluster`, evaluated once for the fleet; clusterIn =
 # "shared" puts the same module in `shared` instead, where every host evaluates it (the
@@ -151,6 +154,13 @@ in
               userPrincipals.ops = [ "root" ];
               userValidity = "1h";
             };
+            # Borg repositories behind forge's sshd: handler, args, interface and config
+            # file come from the module.
+            borg.backupRepo = {
+              host = "forge.example.org";
+              quota = "50G";
+              fullAccess.app = [ "archive" ];
+            };
           };
           # Its own sshd's host certificate from its own CA, or beacon's when forge's
           # fails; sshd trusts both CAs and both KRLs (the agent's key is the sshd host
@@ -206,6 +216,11 @@ in
               };
               allow."*" = [ "{origin}.example.org" "*.{origin}.example.org" ];
               defaultTtl = 600;
+            };
+            # Its Prometheus scrapes what the fleet declares, at each host's own address.
+            metrics.scrape = {
+              ports."*" = [ "9100-9199" ];
+              labels."*" = [ "env" ];
             };
             ping = {
               handler = pkgs.writeShellScript "ping" "echo pong";
@@ -313,6 +328,18 @@ in
               files."vhost.json" = { };
               after = [ "oidc/wiki" ];
             };
+          };
+          # A borg backup to forge with a key made here, and an exporter beacon scrapes.
+          fort.host.backups.home = {
+            from = "forge";
+            capability = "borg";
+            paths = [ "/home" ];
+          };
+          fort.host.exporters.node = {
+            from = "beacon";
+            capability = "metrics";
+            port = 9100;
+            labels.env = "prod";
           };
           # A DynamicUser service: the secret arrives as a credential, the client id is
           # read from the delivered file's path (as another module reads a sops secret).

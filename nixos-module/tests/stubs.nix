@@ -70,6 +70,7 @@ in
     gnused = drv "gnused-4.9" { };
     jq = drv "jq-1.7.1" { };
     openssl = drv "openssl-3.4.0" { };
+    borgbackup = drv "borgbackup-1.4.0" { };
     systemd = drv "systemd-257" { };
     fort = drv "fort-0.1.0" { };
     callPackage = _: _: fort;
@@ -201,9 +202,24 @@ in
         type = types.listOf types.path;
         default = [ ];
       };
+      # The scrape jobs the scrape capability adds.
+      services.prometheus.scrapeConfigs = mkOption {
+        type = types.listOf types.raw;
+        default = [ ];
+      };
       services.openssh.extraConfig = mkOption {
         type = types.lines;
         default = "";
+      };
+      services.openssh.authorizedKeysFiles = mkOption {
+        type = types.listOf types.str;
+        default = [ ];
+      };
+      # As NixOS's (nixos/modules/services/backup/borgbackup.nix), the jobs the backups
+      # of fort.host.backups run.
+      services.borgbackup.jobs = mkOption {
+        type = types.attrsOf freeform;
+        default = { };
       };
       users.users = mkOption {
         type = types.attrsOf freeform;

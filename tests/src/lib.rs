@@ -2,6 +2,7 @@
 //! its own 127.0.0.x address and free port, generated SSH key, state directory and config,
 //! and is killed on drop (and however the test ends: cleanup).
 
+pub mod borg;
 pub mod cleanup;
 pub mod dns;
 pub mod nginx;
@@ -9,6 +10,7 @@ pub mod oidc;
 pub mod pebble;
 pub mod pki;
 pub mod postgres;
+pub mod prometheus;
 pub mod sshd;
 pub mod syslog;
 mod wire;

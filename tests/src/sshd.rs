@@ -91,6 +91,25 @@ pub struct Sshd {
 impl Sshd {
     /// sshd with `files`, its config and log written to `dir`, listening on `addr`.
     pub fn start(dir: &Path, addr: SocketAddr, files: &SshdFiles) -> Sshd {
+        Sshd::start_with(
+            dir,
+            addr,
+            &files.host_key,
+            &format!(
+                "HostCertificate {}\n\
+                 TrustedUserCAKeys {}\n\
+                 RevokedKeys {}\n\
+                 AuthorizedKeysFile none\n",
+                files.host_certificate.display(),
+                files.trusted_user_ca_keys.display(),
+                files.revoked_keys.display(),
+            ),
+        )
+    }
+
+    /// sshd with `host_key` and the settings `extra` (lines of sshd_config), its config
+    /// and log written to `dir`, listening on `addr`; public keys only, no PAM.
+    pub fn start_with(dir: &Path, addr: SocketAddr, host_key: &Path, extra: &str) -> Sshd {
         // sshd refuses to start without its privilege separation directory.
         let _ = std::fs::create_dir_all("/run/sshd");
         std::fs::create_dir_all(dir).expect("sshd dir");
@@ -100,10 +119,7 @@ impl Sshd {
             format!(
                 "ListenAddress {addr}\n\
                  HostKey {}\n\
-                 HostCertificate {}\n\
-                 TrustedUserCAKeys {}\n\
-                 RevokedKeys {}\n\
-                 AuthorizedKeysFile none\n\
+                 {extra}\
                  PubkeyAuthentication yes\n\
                  PasswordAuthentication no\n\
                  KbdInteractiveAuthentication no\n\
@@ -112,10 +128,7 @@ impl Sshd {
                  StrictModes no\n\
                  PidFile {d}/sshd-{port}.pid\n\
                  LogLevel VERBOSE\n",
-                files.host_key.display(),
-                files.host_certificate.display(),
-                files.trusted_user_ca_keys.display(),
-                files.revoked_keys.display(),
+                host_key.display(),
                 d = dir.display(),
                 port = addr.port(),
             ),

@@ -84,6 +84,12 @@ pub struct KeySpec {
     /// Keep the key across renewals.
     #[serde(default)]
     pub reuse: bool,
+    /// The provider authorizes the key instead of certifying it (an `authorized_keys`
+    /// entry): the value at `certificate` is then the key's own OpenSSH public key line,
+    /// which the provider answers once it has authorized that key. Written only when
+    /// set, so a declaration without it reads and hashes as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub authorized: bool,
 }
 
 impl KeySpec {

@@ -5,6 +5,7 @@
 pub mod allow;
 pub mod config;
 pub mod entries;
+pub mod files;
 pub mod hosts;
 pub mod isolate;
 pub mod state;
