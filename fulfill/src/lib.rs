@@ -22,6 +22,7 @@ pub mod state;
 mod status;
 mod swap;
 mod units;
+mod wireguard_key;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};
 pub use home::LastMove;
