@@ -1,6 +1,6 @@
 //! fort's capability handlers: each drives one real server (an ACME CA, an SSH CA, nginx,
-//! PostgreSQL, a DNS primary, an OpenID provider) for every entry of its capability, as
-//! docs/handlers.md's contract says: all entries in, one answer per entry out, decided per
+//! PostgreSQL, a DNS primary, an OpenID provider), or coordinates a WireGuard mesh, for
+//! every entry of its capability, as docs/handlers.md's contract says: all entries in, one answer per entry out, decided per
 //! entry, cleaning up only what it created. One binary serves them all:
 //! `fort-handler <capability> --config FILE`.
 
@@ -8,6 +8,7 @@ pub mod acme;
 pub mod common;
 pub mod dns;
 pub mod dns_record;
+pub mod mesh;
 pub mod oidc;
 pub mod postgres;
 pub mod proxy;
@@ -80,6 +81,7 @@ pub type Refusals = std::collections::BTreeMap<String, String>;
 pub const CAPABILITIES: &[Capability] = &[
     acme::CAPABILITY,
     dns_record::CAPABILITY,
+    mesh::CAPABILITY,
     oidc::CAPABILITY,
     postgres::CAPABILITY,
     proxy::CAPABILITY,

@@ -1,6 +1,6 @@
 # Request interfaces of the capabilities the example handlers serve
 # (handlers/examples/*-provider.sh) and of fort-handler's capabilities (dns-record,
-# postgres, acme, ssh-ca), as the flake's `lib.interfaces`. Pass them to lib.mkFleet's
+# postgres, acme, ssh-ca, mesh), as the flake's `lib.interfaces`. Pass them to lib.mkFleet's
 # `interfaces`, or use them as a starting point for your own.
 {
   oidc = ./oidc.nix;
@@ -10,4 +10,5 @@
   postgres = ./postgres.nix;
   acme = ./acme.nix;
   ssh-ca = ./ssh-ca.nix;
+  mesh = ./mesh.nix;
 }
