@@ -12,6 +12,7 @@ pub mod postgres;
 pub mod sshd;
 pub mod syslog;
 mod wire;
+pub mod wireguard;
 
 pub use wire::*;
 
