@@ -38,8 +38,6 @@ pub fn new_fleet() -> Fleet {
     fleet
 }
 
-/// Finds `fort-agent`: `--agent-bin`, then `$FORT_BIN_FORT_AGENT`, then next to this exe
-/// (both built into the same target dir).
 /// The fort-agent binary the benchmarks start (set by [`init_agent_bin`]).
 pub fn agent_bin() -> Result<PathBuf> {
     AGENT_BIN
@@ -48,6 +46,8 @@ pub fn agent_bin() -> Result<PathBuf> {
         .ok_or_else(|| anyhow!("the fort-agent binary is not set"))
 }
 
+/// Finds `fort-agent`: `--agent-bin`, then `$FORT_BIN_FORT_AGENT`, then next to this exe
+/// (both built into the same target dir).
 pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<PathBuf> {
     let path = match explicit.or_else(|| std::env::var_os("FORT_BIN_FORT_AGENT").map(PathBuf::from))
     {
@@ -68,14 +68,6 @@ pub fn init_agent_bin(explicit: Option<PathBuf>, log_level: &str) -> Result<Path
     let _ = AGENT_BIN.set(path.clone());
     let _ = AGENT_LOG.set(log_level.to_owned());
     Ok(path)
-}
-
-/// The agent binary [`init_agent_bin`] found.
-pub fn agent_bin() -> Result<PathBuf> {
-    AGENT_BIN
-        .get()
-        .cloned()
-        .ok_or_else(|| anyhow!("agent binary not set"))
 }
 
 pub fn require_jq() -> Result<()> {

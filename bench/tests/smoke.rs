@@ -249,7 +249,8 @@ smoke_tests! {
     smoke_unchanged => "unchanged",
 }
 
-/// Every command `fort-bench --help` lists has a smoke run (acme's is in cli.rs).
+/// Every command `fort-bench --help` lists has a smoke run (acme's is in cli.rs, and
+/// chaos runs for five minutes in chaos.rs).
 #[test]
 fn every_benchmark_is_smoke_tested() {
     let out = Command::new(env!("CARGO_BIN_EXE_fort-bench"))
@@ -273,7 +274,7 @@ fn every_benchmark_is_smoke_tested() {
     assert!(commands.len() >= 15, "{commands:?} from:\n{text}");
     for c in commands {
         assert!(
-            c == "acme" || SMOKES.iter().any(|s| s.name == c),
+            c == "acme" || c == "chaos" || SMOKES.iter().any(|s| s.name == c),
             "fort-bench {c} has no smoke run in bench/tests/smoke.rs"
         );
     }

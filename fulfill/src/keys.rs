@@ -2,7 +2,8 @@
 //! kept as the need's *next* key in the agent's own directory until a certificate for it
 //! arrives, then installed at its path together with the payload's files. Requests carry
 //! only its public half or a CSR; a payload whose certificate is for another key is not
-//! applied.
+//! applied. A WireGuard key has no certificate: its payload names its public key back
+//! (`crate::wireguard_key`).
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -18,6 +19,7 @@ use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, PublicKeyData
 use serde::{Deserialize, Serialize};
 
 use crate::safe_path::{open_parent, open_regular};
+use crate::wireguard_key::WireguardKey;
 
 /// A key file larger than this is not one fort wrote.
 const MAX_KEY_FILE: u64 = 64 * 1024;
@@ -36,15 +38,23 @@ pub struct KeyRecord {
 
 /// A private key in memory.
 pub(crate) struct Material {
-    pair: KeyPair,
+    pair: Pair,
     key_type: KeyType,
 }
 
-fn algorithm(t: KeyType) -> &'static rcgen::SignatureAlgorithm {
+/// The key itself: one that signs (a CSR, a certificate's key), or a WireGuard key,
+/// which signs nothing and has no certificate.
+enum Pair {
+    Signing(Box<KeyPair>),
+    Wireguard(WireguardKey),
+}
+
+fn algorithm(t: KeyType) -> Result<&'static rcgen::SignatureAlgorithm, String> {
     match t {
-        KeyType::EcdsaP256 => &rcgen::PKCS_ECDSA_P256_SHA256,
-        KeyType::Ed25519 => &rcgen::PKCS_ED25519,
-        KeyType::Rsa2048 | KeyType::Rsa3072 => &rcgen::PKCS_RSA_SHA256,
+        KeyType::EcdsaP256 => Ok(&rcgen::PKCS_ECDSA_P256_SHA256),
+        KeyType::Ed25519 => Ok(&rcgen::PKCS_ED25519),
+        KeyType::Rsa2048 | KeyType::Rsa3072 => Ok(&rcgen::PKCS_RSA_SHA256),
+        KeyType::Wireguard => Err("a wireguard key signs nothing".to_owned()),
     }
 }
 
@@ -60,6 +70,12 @@ fn rsa_bits(public: &[u8]) -> Option<usize> {
 impl Material {
     /// A new key from the operating system's random source (ring).
     pub(crate) fn generate(t: KeyType) -> Result<Material, String> {
+        if t == KeyType::Wireguard {
+            return Ok(Material {
+                pair: Pair::Wireguard(WireguardKey::generate()),
+                key_type: t,
+            });
+        }
         let failed = |e: String| format!("cannot make a {} key: {e}", t.as_str());
         let pair = match t.rsa_bits() {
             // ring signs with RSA keys but does not make them: the rsa crate does, from
@@ -71,30 +87,54 @@ impl Material {
                 let der = key.to_pkcs8_der().map_err(|e| failed(e.to_string()))?;
                 KeyPair::from_pkcs8_der_and_sign_algo(
                     &rustls_pki_types::PrivatePkcs8KeyDer::from(der.as_bytes()),
-                    algorithm(t),
+                    algorithm(t)?,
                 )
                 .map_err(|e| failed(e.to_string()))?
             }
-            None => KeyPair::generate_for(algorithm(t)).map_err(|e| failed(e.to_string()))?,
+            None => KeyPair::generate_for(algorithm(t)?).map_err(|e| failed(e.to_string()))?,
         };
-        Ok(Material { pair, key_type: t })
+        Ok(Material {
+            pair: Pair::Signing(Box::new(pair)),
+            key_type: t,
+        })
     }
 
-    /// A PKCS#8 PEM key, which must be of type `t`.
+    /// A key as it is kept (the next key): PKCS#8 PEM, which must be of type `t`; a
+    /// WireGuard key as its file holds it.
     fn from_pem(t: KeyType, pem: &str) -> Result<Material, String> {
-        let pair = KeyPair::from_pkcs8_pem_and_sign_algo(pem, algorithm(t))
+        if t == KeyType::Wireguard {
+            return Ok(Material {
+                pair: Pair::Wireguard(WireguardKey::from_text(pem)?),
+                key_type: t,
+            });
+        }
+        let pair = KeyPair::from_pkcs8_pem_and_sign_algo(pem, algorithm(t)?)
             .map_err(|e| format!("not a PKCS#8 {} key: {e}", t.as_str()))?;
         if t.rsa_bits()
             .is_some_and(|bits| rsa_bits(pair.der_bytes()) != Some(bits))
         {
             return Err(format!("not an {} key", t.as_str()));
         }
-        Ok(Material { pair, key_type: t })
+        Ok(Material {
+            pair: Pair::Signing(Box::new(pair)),
+            key_type: t,
+        })
+    }
+
+    /// The signing key pair (every type but `wireguard`).
+    fn signing(&self) -> Result<&KeyPair, String> {
+        match &self.pair {
+            Pair::Signing(pair) => Ok(pair.as_ref()),
+            Pair::Wireguard(_) => Err("a wireguard key signs nothing".to_owned()),
+        }
     }
 
     /// A key as it was installed, in `format`.
     fn from_file(t: KeyType, format: KeyFormat, bytes: &[u8]) -> Result<Material, String> {
         let text = std::str::from_utf8(bytes).map_err(|_| "not a key file".to_owned())?;
+        if t == KeyType::Wireguard {
+            return Material::from_pem(t, text);
+        }
         match format {
             KeyFormat::Pem => Material::from_pem(t, text),
             KeyFormat::Openssh => {
@@ -110,23 +150,34 @@ impl Material {
                     .map_err(|e| format!("cannot encode the key: {e}"))?;
                 let pair = KeyPair::try_from(der.as_bytes())
                     .map_err(|e| format!("cannot read the key: {e}"))?;
-                Ok(Material { pair, key_type: t })
+                Ok(Material {
+                    pair: Pair::Signing(Box::new(pair)),
+                    key_type: t,
+                })
             }
         }
     }
 
-    /// The private key as PKCS#8 PEM (how the next key is kept).
+    /// The private key as PKCS#8 PEM (how the next key is kept); a WireGuard key as its
+    /// file holds it.
     fn pem(&self) -> String {
-        self.pair.serialize_pem()
+        match &self.pair {
+            Pair::Signing(pair) => pair.serialize_pem(),
+            Pair::Wireguard(key) => String::from_utf8_lossy(&key.file_content()).into_owned(),
+        }
     }
 
-    /// The private key file's content in `format`.
+    /// The private key file's content in `format` (a WireGuard key's is always `wg`'s).
     pub(crate) fn file_content(&self, format: KeyFormat) -> Result<Vec<u8>, String> {
+        if let Pair::Wireguard(key) = &self.pair {
+            return Ok(key.file_content());
+        }
         match format {
             KeyFormat::Pem => Ok(self.pem().into_bytes()),
             KeyFormat::Openssh => {
-                let signing = ed25519_dalek::SigningKey::from_pkcs8_der(self.pair.serialized_der())
-                    .map_err(|e| format!("not an ed25519 key: {e}"))?;
+                let signing =
+                    ed25519_dalek::SigningKey::from_pkcs8_der(self.signing()?.serialized_der())
+                        .map_err(|e| format!("not an ed25519 key: {e}"))?;
                 let pair = ssh_key::private::Ed25519Keypair::from_seed(&signing.to_bytes());
                 let key = ssh_key::PrivateKey::from(pair);
                 let text = key
@@ -137,16 +188,19 @@ impl Material {
         }
     }
 
-    fn public_raw(&self) -> &[u8] {
-        self.pair.der_bytes()
+    fn public_raw(&self) -> Vec<u8> {
+        match &self.pair {
+            Pair::Signing(pair) => pair.der_bytes().to_vec(),
+            Pair::Wireguard(key) => key.public_raw().to_vec(),
+        }
     }
 
     fn public_sha256(&self) -> String {
-        sha256_hex(self.public_raw())
+        sha256_hex(&self.public_raw())
     }
 
     fn ssh_public(&self) -> Result<ssh_key::public::KeyData, String> {
-        let raw = self.public_raw();
+        let raw = &self.public_raw()[..];
         match self.key_type {
             KeyType::Ed25519 => {
                 let bytes: [u8; 32] = raw
@@ -175,6 +229,7 @@ impl Material {
                     },
                 ))
             }
+            KeyType::Wireguard => Err("a wireguard key has no OpenSSH form".to_owned()),
         }
     }
 
@@ -195,7 +250,7 @@ impl Material {
         }
         params.distinguished_name = dn;
         params
-            .serialize_request(&self.pair)
+            .serialize_request(self.signing()?)
             .and_then(|csr| csr.pem())
             .map_err(|e| format!("cannot make a CSR: {e}"))
     }
@@ -210,7 +265,19 @@ impl Material {
     /// The key's SubjectPublicKeyInfo: the algorithm and curve too, not only the key's
     /// bits (an X25519 key has the same 32 bytes as an ed25519 one).
     fn spki(&self) -> Vec<u8> {
-        self.pair.subject_public_key_info()
+        match &self.pair {
+            Pair::Signing(pair) => pair.subject_public_key_info(),
+            Pair::Wireguard(key) => key.spki(),
+        }
+    }
+
+    /// The public key as a `public` reference stands for it: PEM SubjectPublicKeyInfo, or
+    /// a WireGuard key's base64 (`wg pubkey`).
+    fn public_text(&self) -> String {
+        match &self.pair {
+            Pair::Signing(pair) => pair.public_key_pem(),
+            Pair::Wireguard(key) => key.public_base64(),
+        }
     }
 }
 
@@ -472,7 +539,7 @@ pub(crate) fn form(
     records: &mut BTreeMap<String, KeyRecord>,
 ) -> Result<String, String> {
     match form {
-        KeyForm::Public => Ok(m.pair.public_key_pem()),
+        KeyForm::Public => Ok(m.public_text()),
         KeyForm::Openssh => m.openssh(),
         KeyForm::Csr => {
             let public = m.public_sha256();
@@ -524,15 +591,32 @@ pub(crate) fn to_install(
     let mut chosen = Vec::new();
     let mut leaves = Vec::new();
     for (name, k) in &spec.keys {
+        let wireguard = k.key_type == KeyType::Wireguard;
         let text = json
             .pointer(&k.certificate)
             .and_then(|v| v.as_str())
             .ok_or_else(|| {
                 format!(
-                    "the payload has no certificate (a string) at {:?} for key {name}",
+                    "the payload has no {} (a string) at {:?} for key {name}",
+                    if wireguard {
+                        "public key"
+                    } else {
+                        "certificate"
+                    },
                     k.certificate
                 )
             })?;
+        if wireguard {
+            let (m, content, was_next) = wireguard_named(store, need, name, k, files, text)?;
+            out.push(KeyFile {
+                name: name.clone(),
+                file: k.as_file(name),
+                content,
+                was_next,
+            });
+            chosen.push(m.spki());
+            continue;
+        }
         let certificate = Certificate::for_key(k, text).map_err(|e| {
             format!(
                 "key {name}: the value at {:?}: {e}; not installed",
@@ -586,6 +670,33 @@ pub(crate) fn to_install(
     Ok(out)
 }
 
+/// The key a payload for a WireGuard key names back (its public key, base64, at the key's
+/// `certificate` pointer): the next key or the installed one, with the content its file
+/// gets and whether it was the next. Any other public key installs nothing.
+fn wireguard_named(
+    store: &KeyStore,
+    need: &NeedKey,
+    name: &str,
+    k: &KeySpec,
+    files: &BTreeMap<String, String>,
+    named: &str,
+) -> Result<(Material, Vec<u8>, bool), String> {
+    let named = named.trim();
+    if let Some(next) = store.load_next(need, name, k.key_type) {
+        if next.public_text() == named {
+            let content = next.file_content(k.format)?;
+            return Ok((next, content, true));
+        }
+    }
+    match installed(k, files.get(&k.path.display().to_string())) {
+        Some((current, bytes)) if current.public_text() == named => Ok((current, bytes, false)),
+        _ => Err(format!(
+            "the public key at {:?} is not key {name}'s (neither the key in use nor the one asked with); not installed",
+            k.certificate
+        )),
+    }
+}
+
 /// The need's request as it would be sent, its `$fort_key` references filled from keys
 /// made now and thrown away (a CSR names exactly the key's `names`): what a check before a
 /// deploy holds against the provider's policy. No key is kept or written anywhere.
@@ -637,10 +748,10 @@ mod tests {
             );
             // A certificate for this key, and one for another.
             let params = CertificateParams::new(names.clone()).unwrap();
-            let mine = params.self_signed(&m.pair).unwrap().pem();
+            let mine = params.self_signed(m.signing().unwrap()).unwrap().pem();
             assert!(m.certifies(&mine).unwrap());
             let other = Material::generate(t).unwrap();
-            let theirs = params.self_signed(&other.pair).unwrap().pem();
+            let theirs = params.self_signed(other.signing().unwrap()).unwrap().pem();
             assert!(!m.certifies(&theirs).unwrap());
             assert!(m.certifies("garbage").is_err());
             // Text before the certificate is passed over, as OpenSSL does.
@@ -682,11 +793,71 @@ mod tests {
         // A certified key is never matched by a bare public key, nor the reverse.
         assert!(Certificate::for_key(&spec(false), &line).is_err());
         let params = CertificateParams::new(vec!["a.example.org".to_owned()]).unwrap();
-        let pem = params.self_signed(&m.pair).unwrap().pem();
+        let pem = params.self_signed(m.signing().unwrap()).unwrap().pem();
         assert!(Certificate::for_key(&spec(true), &pem).is_err());
         // The field is written only when set: declarations without it hash as before.
         assert!(!serde_json::to_string(&spec(false))
             .unwrap()
             .contains("authorized"));
+    }
+
+    #[test]
+    fn a_wireguard_key_is_named_back_not_certified() {
+        let m = Material::generate(KeyType::Wireguard).unwrap();
+        let public = m.public_text();
+        assert_eq!(public.len(), 44, "{public}");
+        assert!(m.csr(&["a.example.org".to_owned()]).is_err());
+        assert!(m.openssh().is_err());
+        // Kept and installed as wg reads it.
+        let file = m.file_content(KeyFormat::Pem).unwrap();
+        let back = Material::from_file(KeyType::Wireguard, KeyFormat::Pem, &file).unwrap();
+        assert_eq!(back.public_text(), public);
+        let kept = Material::from_pem(KeyType::Wireguard, &m.pem()).unwrap();
+        assert_eq!(kept.public_text(), public);
+        // A kept key of another type is no wireguard key (a changed declaration).
+        let ed = Material::generate(KeyType::Ed25519).unwrap();
+        assert!(Material::from_pem(KeyType::Wireguard, &ed.pem()).is_err());
+
+        // The payload must name the next key (or the installed one) back.
+        let dir = tempfile::tempdir().unwrap();
+        let store = KeyStore::new(dir.path().join("keys"));
+        let need = NeedKey::parse("mesh/wg0").unwrap();
+        let spec: NeedSpec = serde_json::from_value(serde_json::json!({
+            "from": "hub", "request": {"public_key": {"$fort_key": "wg"}}, "nag_seconds": 60,
+            "keys": {"wg": {"type": "wireguard", "path": dir.path().join("wg/key"),
+                            "certificate": "/public_key"}}
+        }))
+        .unwrap();
+        let keys = for_request(&store, &need, &spec, &BTreeMap::new(), false).unwrap();
+        let asked = keys["wg"].public_text();
+        let payload = |key: &str| serde_json::json!({"public_key": key, "peers": []}).to_string();
+        let out = to_install(
+            &store,
+            &need,
+            &spec,
+            &BTreeMap::new(),
+            payload(&asked).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(out.len(), 1);
+        assert!(out[0].was_next);
+        assert_eq!(
+            out[0].content,
+            keys["wg"].file_content(KeyFormat::Pem).unwrap()
+        );
+        let err = to_install(
+            &store,
+            &need,
+            &spec,
+            &BTreeMap::new(),
+            payload(&public).as_bytes(),
+        )
+        .err()
+        .unwrap();
+        assert!(err.contains("is not key wg's"), "{err}");
+        let err = to_install(&store, &need, &spec, &BTreeMap::new(), b"{\"peers\": []}")
+            .err()
+            .unwrap();
+        assert!(err.contains("no public key"), "{err}");
     }
 }

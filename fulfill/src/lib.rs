@@ -24,6 +24,7 @@ mod status;
 mod swap;
 pub mod templates;
 mod units;
+mod wireguard_key;
 
 pub use fulfiller::{DeliverError, FulfillOptions, Fulfiller};
 pub use home::LastMove;

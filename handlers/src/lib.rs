@@ -1,6 +1,7 @@
 //! fort's capability handlers: each drives one real server (an ACME CA, an SSH CA, nginx,
-//! PostgreSQL, a DNS primary, an OpenID provider, a borg backup server, Prometheus) for every entry of its capability, as
-//! docs/handlers.md's contract says: all entries in, one answer per entry out, decided per
+//! PostgreSQL, a DNS primary, an OpenID provider, a borg backup server, Prometheus), or
+//! coordinates a WireGuard mesh, for every entry of its capability, as docs/handlers.md's
+//! contract says: all entries in, one answer per entry out, decided per
 //! entry, cleaning up only what it created. One binary serves them all:
 //! `fort-handler <capability> --config FILE`.
 
@@ -9,6 +10,7 @@ pub mod backup_repo;
 pub mod common;
 pub mod dns;
 pub mod dns_record;
+pub mod mesh;
 pub mod oidc;
 pub mod postgres;
 pub mod proxy;
@@ -83,6 +85,7 @@ pub const CAPABILITIES: &[Capability] = &[
     acme::CAPABILITY,
     backup_repo::CAPABILITY,
     dns_record::CAPABILITY,
+    mesh::CAPABILITY,
     oidc::CAPABILITY,
     postgres::CAPABILITY,
     proxy::CAPABILITY,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use fort_handlers::{capability, common, ssh_ca, CAPABILITIES};
+use fort_handlers::{capability, common, mesh, ssh_ca, CAPABILITIES};
 
 #[derive(Parser)]
 #[command(
@@ -57,7 +57,9 @@ fn after_help() -> String {
     }
     text.push_str(
         "\nConsumer helpers (a need's handler, the payload on stdin):\n  \
-         ssh-ca-krl --out PATH   installs an ssh-ca payload's KRL for sshd's RevokedKeys\n",
+         ssh-ca-krl --out PATH   installs an ssh-ca payload's KRL for sshd's RevokedKeys\n  \
+         mesh-wg --interface IFACE --private-key FILE\n                          \
+         applies a mesh answer to a WireGuard interface (wg syncconf)\n",
     );
     text
 }
@@ -79,6 +81,9 @@ fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == ssh_ca::install::NAME) {
         return ssh_ca::install::main(args[1..].to_vec());
+    }
+    if args.get(1).is_some_and(|a| a == mesh::apply::NAME) {
+        return mesh::apply::main(args[1..].to_vec());
     }
     let cli = Cli::parse();
     let Some(cap) = capability(&cli.capability) else {

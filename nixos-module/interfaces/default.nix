@@ -1,6 +1,6 @@
 # Request interfaces of the capabilities the example handlers serve
 # (handlers/examples/*-provider.sh) and of fort-handler's capabilities (dns-record,
-# postgres, acme, ssh-ca, backup-repo, scrape), as the flake's `lib.interfaces`. Pass them to lib.mkFleet's
+# postgres, acme, ssh-ca, backup-repo, scrape, mesh), as the flake's `lib.interfaces`. Pass them to lib.mkFleet's
 # `interfaces`, or use them as a starting point for your own.
 {
   oidc = ./oidc.nix;
@@ -12,4 +12,5 @@
   ssh-ca = ./ssh-ca.nix;
   backup-repo = ./backup-repo.nix;
   scrape = ./scrape.nix;
+  mesh = ./mesh.nix;
 }

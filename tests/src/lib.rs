@@ -14,6 +14,7 @@ pub mod prometheus;
 pub mod sshd;
 pub mod syslog;
 mod wire;
+pub mod wireguard;
 
 pub use wire::*;
 

@@ -2,7 +2,8 @@
 //! `needs.json` under `keys.<name>`, referred to in the request as
 //! `{"$fort_key": "<name>", "as": "csr" | "public" | "openssh"}`, and replaced by the
 //! consumer with a CSR or a public key before sending. The private key never leaves the
-//! host.
+//! host. A `wireguard` key is an X25519 key pair (WireGuard's), whose public half travels
+//! as base64 and whose payload names that public key back instead of a certificate.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -25,6 +26,10 @@ pub enum KeyType {
     Rsa2048,
     #[serde(rename = "rsa-3072")]
     Rsa3072,
+    /// An X25519 key pair, as WireGuard uses: its file is base64 of the 32 private bytes
+    /// and a newline (what `wg genkey` prints), its public half base64 (`wg pubkey`).
+    #[serde(rename = "wireguard")]
+    Wireguard,
 }
 
 impl KeyType {
@@ -34,6 +39,7 @@ impl KeyType {
             KeyType::Ed25519 => "ed25519",
             KeyType::Rsa2048 => "rsa-2048",
             KeyType::Rsa3072 => "rsa-3072",
+            KeyType::Wireguard => "wireguard",
         }
     }
 
@@ -78,7 +84,8 @@ pub struct KeySpec {
     /// DNS names or IP addresses of the CSR; the first is its common name.
     #[serde(default)]
     pub names: Vec<String>,
-    /// Where in the payload the certificate for this key is.
+    /// Where in the payload the certificate for this key is (for a `wireguard` key: its
+    /// public key, base64, as the provider took it).
     #[serde(default = "default_certificate")]
     pub certificate: String,
     /// Keep the key across renewals.
@@ -260,6 +267,20 @@ pub fn check_keys(keys: &BTreeMap<String, KeySpec>, request: &Value) -> Result<(
                 "key {name:?}: a key name is letters, digits, . _ - (not starting with .)"
             ));
         }
+        if k.key_type == KeyType::Wireguard {
+            // WireGuard reads its own form and nothing else; there is no certificate
+            // request for an X25519 key.
+            if k.format != KeyFormat::Pem {
+                return Err(format!(
+                    "key {name:?}: a wireguard key is written as wg reads it (base64); leave format unset"
+                ));
+            }
+            if !k.names.is_empty() {
+                return Err(format!(
+                    "key {name:?}: a wireguard key has no names (no certificate is made for it)"
+                ));
+            }
+        }
         if k.format == KeyFormat::Openssh && k.key_type != KeyType::Ed25519 {
             return Err(format!(
                 "key {name:?}: format openssh is for ed25519 keys (OpenSSH reads P-256 and RSA keys as PEM)"
@@ -288,6 +309,12 @@ pub fn check_keys(keys: &BTreeMap<String, KeySpec>, request: &Value) -> Result<(
                 keys.keys().cloned().collect::<Vec<_>>().join(", ")
             ));
         };
+        if k.key_type == KeyType::Wireguard && r.form != KeyForm::Public {
+            return Err(format!(
+                "{KEY_REF} {:?} is a wireguard key: it travels only as its public key (as \"public\", base64)",
+                r.key
+            ));
+        }
         if r.form == KeyForm::Csr && k.names.is_empty() {
             return Err(format!(
                 "{KEY_REF} {:?} asks for a CSR, but the key has no names",
@@ -355,5 +382,36 @@ mod tests {
         assert!(check_keys(&keys, &json!({}))
             .unwrap_err()
             .contains("openssh"));
+    }
+
+    #[test]
+    fn a_wireguard_key_travels_only_as_its_public_key() {
+        let wg: KeySpec =
+            serde_json::from_value(json!({"type": "wireguard", "path": "/run/wg/key"})).unwrap();
+        assert_eq!(wg.key_type, KeyType::Wireguard);
+        let keys = BTreeMap::from([("wg".to_owned(), wg.clone())]);
+        check_keys(&keys, &json!({"public_key": {"$fort_key": "wg"}})).unwrap();
+        for (request, says) in [
+            (
+                json!({"k": {"$fort_key": "wg", "as": "openssh"}}),
+                "only as its public key",
+            ),
+            (
+                json!({"k": {"$fort_key": "wg", "as": "csr"}}),
+                "only as its public key",
+            ),
+        ] {
+            let err = check_keys(&keys, &request).unwrap_err();
+            assert!(err.contains(says), "{request}: {err}");
+        }
+        let mut named = wg.clone();
+        named.names = vec!["a.example.org".into()];
+        let err = check_keys(&BTreeMap::from([("wg".to_owned(), named)]), &json!({})).unwrap_err();
+        assert!(err.contains("no names"), "{err}");
+        let mut openssh = wg;
+        openssh.format = KeyFormat::Openssh;
+        let err =
+            check_keys(&BTreeMap::from([("wg".to_owned(), openssh)]), &json!({})).unwrap_err();
+        assert!(err.contains("leave format unset"), "{err}");
     }
 }
