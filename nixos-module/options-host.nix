@@ -136,11 +136,14 @@ let
             "ed25519"
             "rsa-2048"
             "rsa-3072"
+            "wireguard"
           ];
           default = "ecdsa-p256";
           description = ''
             The key's algorithm. `ecdsa-p256` for TLS (every ACME CA takes it) and for
-            SSH; `ed25519` for SSH (with `format = "openssh"`).
+            SSH; `ed25519` for SSH (with `format = "openssh"`); `wireguard` (X25519) for
+            a WireGuard interface: installed as `wg` reads it, and the payload names
+            its public key back (at `certificate`) instead of certifying it.
           '';
         };
         path = mkOption {

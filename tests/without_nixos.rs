@@ -212,6 +212,7 @@ fn fort_handler_prints_the_schema_the_module_writes() {
             "acme",
             "backup-repo",
             "dns-record",
+            "mesh",
             "oidc",
             "postgres",
             "proxy",

@@ -96,6 +96,10 @@ let
         }
         // lib.optionalAttrs (config.services.borgbackup.jobs != { }) {
           borgbackupJobs = config.services.borgbackup.jobs;
+        }
+        # The WireGuard port a mesh member opens.
+        // lib.optionalAttrs (config.networking.firewall.allowedUDPPorts != [ ]) {
+          firewallUdp = config.networking.firewall.allowedUDPPorts;
         };
         # The installed bytes, for run.sh to hash on its own.
         texts = lib.genAttrs [ "hosts" "needs" "capabilities" ] (f: etc."fort/${f}.json".source.text);

@@ -3,7 +3,8 @@
 #   forge:  provides oidc (fort-handler oidc through its options, triggered by
 #           pocket-id-setup), ssl-cert, tls (fort-handler acme through its options),
 #           postgres (fort-handler postgres through its options), ssh-ca (fort-handler's
-#           SSH CA) and borg (fort-handler backup-repo through its options), and
+#           SSH CA), borg (fort-handler backup-repo through its options) and wan (a
+#           WireGuard mesh, fort-handler mesh through its options), and
 #           consumes its own sshd host certificate (fort.host.sshCertificate); handler
 #           environment; metrics
 #   beacon: provides proxy (fort-handler proxy through its options), ping (rpc, its
@@ -17,8 +18,9 @@
 #           capability (tls) for a key it makes (fort.host.certificates); proxy with
 #           beacon's certificate set, waiting for oidc; dns-record for its own address
 #           under a name beacon allows it; postgres under a name forge allows it; a borg
-#           backup to forge (fort.host.backups) and an exporter beacon scrapes
-#           (fort.host.exporters)
+#           backup to forge (fort.host.backups), an exporter beacon scrapes
+#           (fort.host.exporters) and a WireGuard interface in forge's mesh
+#           (fort.host.meshes)
 # `extra.<host>` adds modules to a host (the broken fleets use it). The fleet's
 # declarations are mkFleet's `cluster`, evaluated once for the fleet; clusterIn =
 # "shared" puts the same module in `shared` instead, where every host evaluates it (the
@@ -160,6 +162,13 @@ in
               host = "forge.example.org";
               quota = "50G";
               fullAccess.app = [ "archive" ];
+            };
+            # The fleet's WireGuard mesh: tunnel addresses and peers for its members.
+            wan.mesh = {
+              name = "wan";
+              ipv4 = "10.77.0.0/16";
+              ipv6 = "fd77:77::/64";
+              persistentKeepalive = 25;
             };
           };
           # Its own sshd's host certificate from its own CA, or beacon's when forge's
@@ -334,6 +343,11 @@ in
             from = "forge";
             capability = "borg";
             paths = [ "/home" ];
+          };
+          # A member of forge's mesh: its key made here, its interface kept in step.
+          fort.host.meshes.wg0 = {
+            from = "forge";
+            capability = "wan";
           };
           fort.host.exporters.node = {
             from = "beacon";

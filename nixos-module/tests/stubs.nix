@@ -71,6 +71,8 @@ in
     jq = drv "jq-1.7.1" { };
     openssl = drv "openssl-3.4.0" { };
     borgbackup = drv "borgbackup-1.4.0" { };
+    iproute2 = drv "iproute2-6.11.0" { };
+    wireguard-tools = drv "wireguard-tools-1.0.20210914" { };
     systemd = drv "systemd-257" { };
     fort = drv "fort-0.1.0" { };
     callPackage = _: _: fort;
@@ -91,6 +93,10 @@ in
         default = "nixos";
       };
       networking.firewall.allowedTCPPorts = mkOption {
+        type = types.listOf types.port;
+        default = [ ];
+      };
+      networking.firewall.allowedUDPPorts = mkOption {
         type = types.listOf types.port;
         default = [ ];
       };
@@ -123,6 +129,7 @@ in
               wantedBy = list;
               wants = list;
               after = list;
+              before = list;
               onSuccess = list;
               restartTriggers = list;
               reloadTriggers = list;
