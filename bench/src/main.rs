@@ -7,6 +7,7 @@
 
 mod acme;
 mod at_rest;
+mod backup_repo;
 mod burst;
 mod chaos;
 mod converge;
@@ -15,6 +16,7 @@ mod deliver;
 mod dns_record;
 mod failover;
 mod gc;
+mod mesh;
 mod oidc;
 mod openbao;
 mod paired;
@@ -58,6 +60,8 @@ use clap::{Parser, Subcommand};
   fort-bench ssh-ca --certs 500 --unchanged 10000
   fort-bench acme --count 200 --unchanged 10000
   fort-bench unchanged --entries 10000 --runs 5
+  fort-bench backup-repo --create 100 --unchanged 10000
+  fort-bench mesh --members 100
   fort-bench chaos --duration 1h --seed 42
   fort-bench --json converge")]
 struct Cli {
@@ -137,6 +141,13 @@ enum Cmd {
     /// with invariants checked throughout and at the end; the figures, and any violation
     /// with its seed.
     Chaos(chaos::ChaosArgs),
+    /// backup-repo: repositories and their restricted keys made in one run, against
+    /// `borg init` and an authorized_keys edit per client by hand, and runs over N
+    /// unchanged entries.
+    BackupRepo(backup_repo::BackupRepoArgs),
+    /// A join reaching every member of an N-member WireGuard mesh (`fort-handler mesh`):
+    /// the time, and the coordinator's handler runs and callbacks it took.
+    Mesh(mesh::MeshArgs),
     /// The chaos run's token issuer (an async handler; not for use by hand).
     #[command(hide = true)]
     ChaosTokenHandler(chaos::token::TokenHandlerArgs),
@@ -191,6 +202,8 @@ fn main() -> ExitCode {
             Cmd::Acme(a) => acme::run(a, json).await,
             Cmd::AtRest(a) => at_rest::run(a, json).await,
             Cmd::Unchanged(a) => unchanged::run(a, json).await,
+            Cmd::BackupRepo(a) => backup_repo::run(a, json).await,
+            Cmd::Mesh(a) => mesh::run(a, json).await,
             Cmd::Chaos(a) => chaos::run(a, json, log_level).await,
             Cmd::ChaosTokenHandler(_) => unreachable!("handled before the runtime"),
         }

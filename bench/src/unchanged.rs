@@ -67,6 +67,19 @@ fn commands(entries: usize, runs: usize) -> Vec<(&'static str, Vec<String>)> {
             ]),
         ),
         (
+            "backup-repo",
+            v(&[
+                "backup-repo",
+                "--create",
+                "10",
+                "--unchanged",
+                &e,
+                "--runs",
+                &r,
+                "--no-compare",
+            ]),
+        ),
+        (
             "oidc",
             v(&["oidc", "--entries", "10", "--unchanged", &e, "--runs", &r]),
         ),

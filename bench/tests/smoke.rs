@@ -149,6 +149,16 @@ const SMOKES: &[Smoke] = &[
         ],
         needs: &["ssh-keygen"],
     },
+    Smoke {
+        name: "backup-repo",
+        args: &["--create", "5", "--unchanged", "100", "--runs", "2"],
+        needs: &["borg"],
+    },
+    Smoke {
+        name: "mesh",
+        args: &["--members", "4", "--timeout", "60s"],
+        needs: &[],
+    },
     // acme has a smoke run of its own in cli.rs (acme_small), with pebble and lego.
 ];
 
@@ -247,6 +257,8 @@ smoke_tests! {
     smoke_ssh_ca => "ssh-ca",
     smoke_at_rest => "at-rest",
     smoke_unchanged => "unchanged",
+    smoke_mesh => "mesh",
+    smoke_backup_repo => "backup-repo",
 }
 
 /// Every command `fort-bench --help` lists has a smoke run (acme's is in cli.rs, and
