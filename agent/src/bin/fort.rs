@@ -51,7 +51,7 @@ enum Command {
         /// A host in hosts.json.
         host: String,
         /// The capability to call: a built-in (status, manifest, needs, journal, systemd,
-        /// trigger, resend) or one the host serves.
+        /// trigger, resend, audit) or one the host serves.
         capability: String,
         /// The JSON request body; `-` reads it from stdin. Default: `{}`.
         body: Option<String>,
