@@ -51,6 +51,7 @@ rec {
     "systemd"
     "trigger"
     "resend"
+    "audit"
   ];
 
   # docs/protocol.md §1, anchored by builtins.match.

@@ -313,6 +313,10 @@ in
             + "have this host send one need's request again now (`fort resend HOST NEED`); and to see this "
             + "host's provider entries in `fort status HOST`"
           );
+          audit = accessList (
+            "`audit`: this host's audit trail, read from where their copy ends (`fort audit pull HOST --out DIR`); "
+            + "written to agent.toml only when set"
+          );
         };
       };
       default = { };

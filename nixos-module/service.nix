@@ -96,10 +96,15 @@ let
     // lib.optionalAttrs (cfg.audit.syslog != null) { inherit (cfg.audit) syslog; }
     // lib.optionalAttrs cfg.audit.refuseWhenUnwritable { required = true; };
 
-  configFile = settingsFormat.generate "fort-agent.toml" cfg.settings;
+  # `[access] audit` only when it grants someone: agent.toml stays as it was on hosts
+  # that do not, and releases before the `audit` built-in refuse the key.
+  settings = cfg.settings // {
+    access = lib.filterAttrs (name: who: name != "audit" || who != [ ]) (cfg.settings.access or { });
+  };
+  configFile = settingsFormat.generate "fort-agent.toml" settings;
   # The same config naming the store copies, which exist inside the build sandbox.
   checkConfigFile = settingsFormat.generate "fort-agent-check.toml" (
-    cfg.settings
+    settings
     // {
       hosts = "${hostsFile}";
       needs = "${needsFile}";

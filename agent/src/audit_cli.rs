@@ -199,34 +199,23 @@ pub fn verify(source: &Source, json_out: bool) -> Result<bool, String> {
     )
 }
 
-/// [`verify`] of the trail in `dir`, written by `host`, whose keys `hosts` lists.
-pub fn verify_dir(
-    dir: &Path,
-    host: &str,
-    hosts: Option<&Path>,
-    witnesses: &[PathBuf],
-    json_out: bool,
-) -> Result<bool, String> {
-    let keys = match hosts {
-        Some(file) => {
-            let registry = Registry::load(file).map_err(|e| e.to_string())?;
-            registry
-                .get(host)
-                .map(|p| p.keys.clone())
-                .ok_or_else(|| format!("{} lists no host {host}", file.display()))?
-        }
-        None => Vec::new(),
-    };
-    let v = audit::verify(dir, host, &keys).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let held = if witnesses.is_empty() {
-        audit::Held::default()
-    } else {
-        audit::hold(dir, host, &keys, witnesses).map_err(|e| e.to_string())?
-    };
-    let ok = v.problems.is_empty() && held.problems.is_empty();
-    if json_out {
-        let doc = json!({
-            "ok": ok,
+/// What checking one copy found: its chain and checkpoints, and the checkpoints of it
+/// the witness copies hold.
+pub struct Checked {
+    pub verified: audit::Verified,
+    pub held: audit::Held,
+}
+
+impl Checked {
+    pub fn ok(&self) -> bool {
+        self.verified.problems.is_empty() && self.held.problems.is_empty()
+    }
+
+    /// The document `verify --json` prints.
+    pub fn json(&self, dir: &Path, host: &str) -> Value {
+        let (v, held) = (&self.verified, &self.held);
+        json!({
+            "ok": self.ok(),
             "dir": dir,
             "host": host,
             "records": v.records,
@@ -244,10 +233,55 @@ pub fn verify_dir(
                 "predating": held.predating,
                 "notes": held.notes,
             },
-        });
+        })
+    }
+}
+
+/// `host`'s keys in the registry `file`.
+pub fn host_keys(file: &Path, host: &str) -> Result<Vec<ssh_key::PublicKey>, String> {
+    let registry = Registry::load(file).map_err(|e| e.to_string())?;
+    registry
+        .get(host)
+        .map(|p| p.keys.clone())
+        .ok_or_else(|| format!("{} lists no host {host}", file.display()))
+}
+
+/// Checks the trail in `dir` as written by `host` (signed with one of `keys`), and
+/// against the checkpoints of it the trails in `witnesses` hold.
+pub fn check_dir(
+    dir: &Path,
+    host: &str,
+    keys: &[ssh_key::PublicKey],
+    witnesses: &[PathBuf],
+) -> Result<Checked, String> {
+    let verified = audit::verify(dir, host, keys).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let held = if witnesses.is_empty() {
+        audit::Held::default()
+    } else {
+        audit::hold(dir, host, keys, witnesses).map_err(|e| e.to_string())?
+    };
+    Ok(Checked { verified, held })
+}
+
+/// [`verify`] of the trail in `dir`, written by `host`, whose keys `hosts` lists.
+pub fn verify_dir(
+    dir: &Path,
+    host: &str,
+    hosts: Option<&Path>,
+    witnesses: &[PathBuf],
+    json_out: bool,
+) -> Result<bool, String> {
+    let keys = match hosts {
+        Some(file) => host_keys(file, host)?,
+        None => Vec::new(),
+    };
+    let checked = check_dir(dir, host, &keys, witnesses)?;
+    let ok = checked.ok();
+    let (v, held) = (&checked.verified, &checked.held);
+    if json_out {
         println!(
             "{}",
-            serde_json::to_string_pretty(&doc).expect("serialises")
+            serde_json::to_string_pretty(&checked.json(dir, host)).expect("serialises")
         );
     } else {
         for n in &v.notes {

@@ -1,6 +1,7 @@
 //! The `fort` operator CLI: signed calls to any host, and the fleet view. Also the table
 //! renderers shared with `fort-agent status`.
 
+pub mod audit_pull;
 mod fleet;
 mod graph;
 pub mod human;

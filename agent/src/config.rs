@@ -129,7 +129,8 @@ pub struct Config {
     /// Prometheus text endpoint on a separate local listener. Unset: no metrics.
     #[serde(default, deserialize_with = "addr::metrics_listen")]
     pub metrics_listen: Option<SocketAddr>,
-    /// Who may call the operator built-ins (`journal`, `systemd`, `trigger`, `resend`).
+    /// Who may call the operator built-ins (`journal`, `systemd`, `trigger`, `resend`,
+    /// `audit`).
     #[serde(default)]
     pub access: Access,
     /// Provider garbage collection.
@@ -220,6 +221,11 @@ pub struct Access {
     /// entries in `status`. Unset: nobody.
     #[serde(default)]
     pub trigger: Vec<String>,
+    /// Principals allowed `audit`: this host's audit trail, read from where their copy
+    /// ends (`fort audit pull`). Unset: nobody. Written only when set, so that a config
+    /// without it is read by releases that do not know it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub audit: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod app;
 pub mod audit_cli;
+pub mod audit_fleet;
 pub mod auth;
 pub mod builtins;
 pub mod check;

@@ -161,6 +161,7 @@ impl Loaded {
             .iter()
             .chain(&access.systemd)
             .chain(&access.trigger)
+            .chain(&access.audit)
         {
             if registry.get(who).is_none() {
                 return Err(LoadError::Invalid(format!(

@@ -199,6 +199,7 @@ in
             settings = {
               audit.max_files = 4;
               access.journal = [ "ops" ];
+              access.audit = [ "ops" ];
               gc.interval = "30m";
               handler_timeout = "120s";
             };

@@ -17,7 +17,7 @@ use fort_agent::cli::{
     about = "Operator CLI for a fort fleet: signed calls to any host"
 )]
 #[command(
-    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort resend app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n  fort audit verify ./forge-audit --signer forge\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
+    after_help = "Examples:\n  fort status forge\n  fort call forge manifest\n  echo '{\"unit\":\"nginx.service\"}' | fort call forge journal -\n  fort journal forge nginx.service --lines 50\n  fort trigger forge oidc --entry app:oidc/wiki --force\n  fort resend app oidc/wiki\n  fort fleet --expect fleet-manifest.json\n  fort fleet --graph | dot -Tsvg > fleet.svg\n  fort audit verify ./forge-audit --signer forge\n  fort audit pull forge app --out ./trails && fort audit verify --fleet ./trails\n\nEnvironment: FORT_SSH_KEY, FORT_ORIGIN, FORT_HOSTS, FORT_PLAINTEXT."
 )]
 struct Cli {
     /// Private key to sign with (unencrypted OpenSSH ed25519). Default:
@@ -51,7 +51,7 @@ enum Command {
         /// A host in hosts.json.
         host: String,
         /// The capability to call: a built-in (status, manifest, needs, journal, systemd,
-        /// trigger, resend) or one the host serves.
+        /// trigger, resend, audit) or one the host serves.
         capability: String,
         /// The JSON request body; `-` reads it from stdin. Default: `{}`.
         body: Option<String>,
@@ -119,8 +119,8 @@ enum Command {
         /// A host in hosts.json.
         host: String,
     },
-    /// Read a copy of a host's audit trail (its `audit.dir`), trusting only its key in
-    /// hosts.json: the records, or the check of its chain and signed checkpoints.
+    /// Copy hosts' audit trails over signed calls, and read or check a copy (its
+    /// `audit.dir`) trusting only the keys in hosts.json.
     #[command(subcommand)]
     Audit(AuditCommand),
     /// Every host's status in one table, asked concurrently. Exits 1 when a host does
@@ -144,6 +144,19 @@ enum Command {
 
 #[derive(Subcommand)]
 enum AuditCommand {
+    /// Copy each host's audit trail into DIR/<host>/ over signed calls (the principal
+    /// must be in the host's [access] audit), each file from where the copy ends. A
+    /// copy is only appended to: a host whose files no longer begin with what was pulled
+    /// (rewritten, or cut short) is reported, and recorded for `verify --fleet`. Exits 1
+    /// naming every host that failed; the others are still pulled.
+    Pull {
+        /// Hosts in hosts.json.
+        #[arg(required = true, value_name = "HOST")]
+        targets: Vec<String>,
+        /// Where the copies are kept, one directory per host.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
     /// Print the records, oldest first, filtered by need, host, event or time.
     Show {
         /// The trail's directory.
@@ -155,26 +168,44 @@ enum AuditCommand {
         json: bool,
     },
     /// Check the chain of records and every checkpoint's signature with the writer's
-    /// keys in hosts.json; exit 1 naming the first bad record.
+    /// keys in hosts.json; exit 1 naming the first bad record. With --fleet, every
+    /// host's copy that `fort audit pull` keeps, each held against the others.
     Verify {
         /// The trail's directory.
-        dir: PathBuf,
+        #[arg(required_unless_present = "fleet", conflicts_with = "fleet")]
+        dir: Option<PathBuf>,
         /// The host that wrote it (its name in hosts.json).
-        #[arg(long, value_name = "HOST")]
-        signer: String,
+        #[arg(
+            long,
+            value_name = "HOST",
+            required_unless_present = "fleet",
+            conflicts_with = "fleet"
+        )]
+        signer: Option<String>,
         /// Copies of consumers' trails: every checkpoint of the signer they witnessed
         /// must be in its trail as they saw it.
-        #[arg(long, value_name = "DIR", num_args = 1..)]
+        #[arg(long, value_name = "DIR", num_args = 1.., conflicts_with = "fleet")]
         witnesses: Vec<PathBuf>,
+        /// A directory of copies, `DIR/<host>/` each (as `fort audit pull` keeps them):
+        /// every one checked as signed by its host, and against the checkpoints every
+        /// other copy witnessed; one line per host.
+        #[arg(long, value_name = "DIR")]
+        fleet: Option<PathBuf>,
         /// Print the outcome as JSON.
         #[arg(long)]
         json: bool,
     },
 }
 
-/// `fort audit`: local files only, no call and no key of the operator's.
+/// `fort audit` but `pull`: local files only, no call and no key of the operator's.
 fn audit(command: &AuditCommand, hosts: &std::path::Path) -> ExitCode {
     let outcome = match command {
+        AuditCommand::Pull { .. } => unreachable!("pull signs calls"),
+        AuditCommand::Verify {
+            fleet: Some(fleet),
+            json,
+            ..
+        } => fort_agent::audit_fleet::verify_fleet(fleet, hosts, *json),
         AuditCommand::Show { dir, filter, json } => {
             fort_agent::audit_cli::show_dir(dir, filter, *json).map(|()| true)
         }
@@ -183,7 +214,13 @@ fn audit(command: &AuditCommand, hosts: &std::path::Path) -> ExitCode {
             signer,
             witnesses,
             json,
-        } => fort_agent::audit_cli::verify_dir(dir, signer, Some(hosts), witnesses, *json),
+            ..
+        } => match (dir, signer) {
+            (Some(dir), Some(signer)) => {
+                fort_agent::audit_cli::verify_dir(dir, signer, Some(hosts), witnesses, *json)
+            }
+            _ => Err("give the trail's DIR and --signer HOST, or --fleet DIR".to_owned()),
+        },
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -211,7 +248,9 @@ async fn main() -> ExitCode {
     fort_agent::cli::quiet_on_closed_pipe();
     let cli = Cli::parse();
     if let Command::Audit(command) = &cli.command {
-        return audit(command, &cli.hosts);
+        if !matches!(command, AuditCommand::Pull { .. }) {
+            return audit(command, &cli.hosts);
+        }
     }
     if let Command::Pin { host } = &cli.command {
         return match pins(&cli.hosts, host) {
@@ -240,6 +279,24 @@ async fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    if let Command::Audit(AuditCommand::Pull { targets, out }) = &cli.command {
+        let reports = fort_agent::cli::audit_pull::pull_all(&session, targets, out).await;
+        let mut failed = Vec::new();
+        for r in &reports {
+            println!("{}", r.text());
+            if r.error.is_some() {
+                failed.push(r.host.as_str());
+            }
+        }
+        if failed.is_empty() {
+            return ExitCode::SUCCESS;
+        }
+        eprintln!(
+            "fort: audit pull failed for {} (the others were pulled)",
+            failed.join(", ")
+        );
+        return ExitCode::from(EXIT_FAIL);
+    }
     let pretty = std::io::stdout().is_terminal();
     // What to call, and how to show a verified reply when not as JSON.
     let (host, capability, body, render): (String, String, String, Render) = match cli.command {

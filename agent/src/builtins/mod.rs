@@ -1,6 +1,6 @@
 //! Capabilities every agent serves itself (§5a): `status`, `manifest` and `needs` to every
-//! known caller; `journal`, `systemd`, `trigger` and `resend` only to the principals listed
-//! in `[access]`.
+//! known caller; `journal`, `systemd`, `trigger`, `resend` and `audit` only to the
+//! principals listed in `[access]`.
 
 use std::sync::Arc;
 
@@ -14,6 +14,7 @@ use crate::app::App;
 use crate::auth::{json_body, Caller};
 use crate::error::{ApiError, Reply};
 
+pub mod audit;
 mod journal;
 mod systemd;
 
@@ -33,6 +34,7 @@ pub enum Builtin {
     Systemd,
     Trigger,
     Resend,
+    Audit,
 }
 
 impl Builtin {
@@ -45,14 +47,15 @@ impl Builtin {
             "systemd" => Builtin::Systemd,
             "trigger" => Builtin::Trigger,
             "resend" => Builtin::Resend,
+            "audit" => Builtin::Audit,
             _ => return None,
         })
     }
 }
 
 /// Serves a built-in; every operator call (`journal`, `systemd`, `trigger`, `resend`,
-/// `status` with entries), answered or refused, is in the audit trail with the caller's
-/// key.
+/// `audit`, `status` with entries), answered or refused, is in the audit trail with the
+/// caller's key.
 pub async fn handle(
     app: &Arc<App>,
     caller: &Caller,
@@ -64,6 +67,7 @@ pub async fn handle(
         Builtin::Systemd => "systemd",
         Builtin::Trigger => "trigger",
         Builtin::Resend => "resend",
+        Builtin::Audit => "audit",
         Builtin::Status => "status",
         Builtin::Manifest | Builtin::Needs => return serve(app, caller, which, &body).await,
     };
@@ -130,6 +134,7 @@ async fn serve(
         Builtin::Journal => Some((&access.journal, "journal")),
         Builtin::Systemd => Some((&access.systemd, "systemd")),
         Builtin::Trigger | Builtin::Resend => Some((&access.trigger, "trigger")),
+        Builtin::Audit => Some((&access.audit, "audit")),
         _ => None,
     };
     let name = match which {
@@ -181,6 +186,7 @@ async fn serve(
         }
         Builtin::Trigger => crate::rotate::trigger(app, caller, &params).await,
         Builtin::Resend => crate::rotate::resend(app, caller, &params),
+        Builtin::Audit => serve_audit(app, &params).await,
         Builtin::Manifest => Ok(Reply::json(StatusCode::OK, &manifest(app))),
         Builtin::Needs => Ok(Reply::json(
             StatusCode::OK,
@@ -222,6 +228,36 @@ async fn serve(
                 Err(e) => crate::routes::run_output(app, "systemd", Err(e)),
             }
         }
+    }
+}
+
+/// `audit`: the trail's listing or one chunk of one of its files, read off the runtime's
+/// threads (a chunk is up to 1 MiB, a prefix hashed up to a whole file).
+async fn serve_audit(app: &Arc<App>, params: &Value) -> Result<Reply, ApiError> {
+    let ask = audit::parse(params).map_err(|e| ApiError::BadRequest(e.0))?;
+    if !app.config.audit.enable {
+        return Err(ApiError::NotFound(format!(
+            "{} keeps no audit trail ([audit] enable = false in its agent.toml)",
+            app.config.host
+        )));
+    }
+    let dir = app.config.audit_dir();
+    let read = tokio::task::spawn_blocking(move || match ask {
+        audit::Ask::Listing => audit::listing(&dir),
+        audit::Ask::Chunk {
+            name,
+            offset,
+            max_bytes,
+            prefix_sha256,
+        } => audit::chunk(&dir, &name, offset, max_bytes, prefix_sha256),
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("audit read: {e}")))?;
+    match read {
+        Ok(doc) => Ok(Reply::json(StatusCode::OK, &doc)),
+        Err(audit::ReadError::Bad(m)) => Err(ApiError::BadRequest(m)),
+        Err(audit::ReadError::Missing(m)) => Err(ApiError::NotFound(m)),
+        Err(audit::ReadError::Io(m)) => Err(ApiError::Internal(m)),
     }
 }
 

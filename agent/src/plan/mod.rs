@@ -414,6 +414,7 @@ fn access(current: &Loaded, new: &Loaded, old_cfg: &Config, new_cfg: &Config) ->
         ("journal", &old_cfg.access.journal, &new_cfg.access.journal),
         ("systemd", &old_cfg.access.systemd, &new_cfg.access.systemd),
         ("trigger", &old_cfg.access.trigger, &new_cfg.access.trigger),
+        ("audit", &old_cfg.access.audit, &new_cfg.access.audit),
     ] {
         listed(
             old,

@@ -29,8 +29,8 @@ pub use needs::{
 pub use templates::{templates_from_bytes, TemplateSpec, Templates};
 
 /// Capabilities every agent serves itself; a user capability may not take these names.
-pub const BUILTIN_CAPABILITIES: [&str; 7] = [
-    "status", "manifest", "needs", "journal", "systemd", "trigger", "resend",
+pub const BUILTIN_CAPABILITIES: [&str; 8] = [
+    "status", "manifest", "needs", "journal", "systemd", "trigger", "resend", "audit",
 ];
 
 /// A configuration file that cannot be used, with enough context to fix it.
