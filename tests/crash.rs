@@ -23,7 +23,7 @@ const CANARY: &str = "crash-canary-5d1e0c7a9b3f42e8a6c4d2f0b8e7a9c1";
 
 /// The consumer's needs: two files in two directories (written one by one), one file,
 /// and an SSH user certificate for a key the consumer makes.
-const NEEDS: [&str; 3] = ["cred/a", "cred/b", "ssh-ca/login"];
+const NEEDS: [&str; 4] = ["cred/a", "cred/b", "ssh-ca/login", "scrape/node"];
 
 /// Who a point is armed in.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,6 +102,23 @@ fn lane(provider_key: bool) -> Lane {
         json!({"handler": bin("fort-handler"), "args": ["ssh-ca", "--config", config],
                "mode": "async"}),
     );
+    // A file a handler keeps for a server to read (Prometheus' target file).
+    let scrape = d.join("p").join("scrape.json");
+    std::fs::write(
+        &scrape,
+        json!({"state_file": d.join("p/state/handlers/scrape.json"),
+               "targets_dir": d.join("p/targets"), "hosts_file": d.join("p/hosts.json"),
+               "ports": {"*": ["9100"]}})
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::create_dir_all(d.join("p/targets")).unwrap();
+    f.capability(
+        "p",
+        "scrape",
+        json!({"handler": bin("fort-handler"), "args": ["scrape", "--config", scrape],
+               "mode": "async"}),
+    );
     let file = |path: PathBuf, pointer: &str| json!({"path": path, "pointer": pointer});
     f.need(
         "c",
@@ -125,6 +142,12 @@ fn lane(provider_key: bool) -> Lane {
                "keys": {"id": {"type": "ed25519", "format": "openssh",
                                "path": out.join("login/id_ed25519"), "mode": "0600"}},
                "files": [file(out.join("login/id_ed25519-cert.pub"), "/certificate")]}),
+    );
+    f.need(
+        "c",
+        "scrape/node",
+        "p",
+        json!({"request": {"port": 9100}, "files": [file(out.join("node/target"), "/target")]}),
     );
     let keys = [f.new_state_key("p-key"), f.new_state_key("c-key")];
     for (host, key) in [("p", &keys[0]), ("c", &keys[1])] {
@@ -219,6 +242,16 @@ async fn violations(l: &Lane, signed_before: &[(String, Vec<Vec<u8>>)]) -> Vec<S
     }
     if !l.out.join("login/id_ed25519-cert.pub").is_file() {
         out.push("c's SSH certificate is not delivered".into());
+    }
+    // The target file Prometheus reads is whole JSON naming c, never a torn write.
+    let targets = std::fs::read(f.host_dir("p").join("targets").join("c.json")).unwrap_or_default();
+    if !serde_json::from_slice::<serde_json::Value>(&targets)
+        .is_ok_and(|v| v.to_string().contains("fort_need"))
+    {
+        out.push(format!(
+            "p's target file for c is not whole: {:?}",
+            String::from_utf8_lossy(&targets)
+        ));
     }
     for host in ["p", "c"] {
         let (ok, text) = f.admin(host, &["audit", "verify"]);

@@ -66,6 +66,10 @@ pub const POINTS: &[(&str, &str)] = &[
         "a handler's state renamed, before the directory sync",
     ),
     (
+        "handler.file.temp",
+        "a file a handler keeps for a server (authorized_keys, targets), before its rename",
+    ),
+    (
         "handler.ca-key.temp",
         "an SSH CA key the handler made, before its rename",
     ),

@@ -21,6 +21,18 @@ pub fn write_atomic_at(
     bytes: &[u8],
     crash_at: Option<crate::crash::Replace>,
 ) -> std::io::Result<()> {
+    write_atomic_mode(path, bytes, 0o600, crash_at)
+}
+
+/// [`write_atomic_at`] for a file another program reads (sshd's `authorized_keys`,
+/// Prometheus' targets): its mode set on the temporary file, whatever the umask, so the
+/// file never appears with fewer or more permissions than `mode`.
+pub fn write_atomic_mode(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    crash_at: Option<crate::crash::Replace>,
+) -> std::io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
@@ -33,9 +45,13 @@ pub fn write_atomic_at(
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(mode)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)?;
+        if mode != 0o600 {
+            use std::os::unix::fs::PermissionsExt;
+            file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        }
         file.write_all(bytes)?;
         file.sync_all()?;
         drop(file);

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use atomic::{
     open_log, remove_stale_temporaries, remove_stale_temporaries_below,
-    remove_stale_temporaries_of, temporary_pid, write_atomic, write_atomic_at,
+    remove_stale_temporaries_of, temporary_pid, write_atomic, write_atomic_at, write_atomic_mode,
 };
 pub use files::{
     set_aside, LoadError, PLAIN_SNAPSHOT_READS, SEALED_SNAPSHOT_VERSION, SNAPSHOT_READS,

@@ -3,43 +3,21 @@
 //! left alone when they already hold the bytes, so a reader never sees half a file or a
 //! window where it may not read it.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Replaces `path` with `bytes` (a temporary file of mode `mode` in the same directory,
-/// synced, renamed over it, the directory synced). Never follows a link at `path`'s
+/// synced, renamed over it, the directory synced), as the agent replaces its state. The
+/// temporary files a killed run left beside it are removed first: no server reads them
+/// (their names end in digits), but they would pile up. Never follows a link at `path`'s
 /// temporary name; the directory must exist.
 pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = dir.join(format!(
-        ".{name}.tmp.{}.{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        // The umask must not narrow what the server is to read.
-        use std::os::unix::fs::PermissionsExt;
-        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        drop(file);
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    fort_core::store::remove_stale_temporaries_of(path);
+    fort_core::store::write_atomic_mode(
+        path,
+        bytes,
+        mode,
+        Some(fort_core::crash::replace_temp("handler.file.temp")),
+    )
 }
 
 /// [`replace`] unless `path` already holds exactly `bytes`: true when it wrote.
