@@ -24,6 +24,7 @@ mod plan;
 mod postgres;
 mod proxy;
 mod schema;
+mod scrape;
 mod sshca;
 mod stall;
 mod status;
@@ -61,6 +62,7 @@ use clap::{Parser, Subcommand};
   fort-bench acme --count 200 --unchanged 10000
   fort-bench unchanged --entries 10000 --runs 5
   fort-bench backup-repo --create 100 --unchanged 10000
+  fort-bench scrape --create 500 --unchanged 10000
   fort-bench mesh --members 100
   fort-bench chaos --duration 1h --seed 42
   fort-bench --json converge")]
@@ -145,6 +147,9 @@ enum Cmd {
     /// `borg init` and an authorized_keys edit per client by hand, and runs over N
     /// unchanged entries.
     BackupRepo(backup_repo::BackupRepoArgs),
+    /// scrape: Prometheus targets made in one run, and runs over N unchanged exporters
+    /// that must write no target file.
+    Scrape(scrape::ScrapeArgs),
     /// A join reaching every member of an N-member WireGuard mesh (`fort-handler mesh`):
     /// the time, and the coordinator's handler runs and callbacks it took.
     Mesh(mesh::MeshArgs),
@@ -203,6 +208,7 @@ fn main() -> ExitCode {
             Cmd::AtRest(a) => at_rest::run(a, json).await,
             Cmd::Unchanged(a) => unchanged::run(a, json).await,
             Cmd::BackupRepo(a) => backup_repo::run(a, json).await,
+            Cmd::Scrape(a) => scrape::run(a, json).await,
             Cmd::Mesh(a) => mesh::run(a, json).await,
             Cmd::Chaos(a) => chaos::run(a, json, log_level).await,
             Cmd::ChaosTokenHandler(_) => unreachable!("handled before the runtime"),

@@ -101,6 +101,10 @@ fn commands(entries: usize, runs: usize) -> Vec<(&'static str, Vec<String>)> {
             v(&["proxy", "--create", "10", "--unchanged", &e, "--runs", &r]),
         ),
         (
+            "scrape",
+            v(&["scrape", "--create", "10", "--unchanged", &e, "--runs", &r]),
+        ),
+        (
             "ssh-ca",
             v(&["ssh-ca", "--certs", "10", "--unchanged", &e, "--no-compare"]),
         ),

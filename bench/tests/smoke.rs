@@ -155,6 +155,11 @@ const SMOKES: &[Smoke] = &[
         needs: &["borg"],
     },
     Smoke {
+        name: "scrape",
+        args: &["--create", "5", "--unchanged", "100", "--runs", "2"],
+        needs: &[],
+    },
+    Smoke {
         name: "mesh",
         args: &["--members", "4", "--timeout", "60s"],
         needs: &[],
@@ -259,6 +264,7 @@ smoke_tests! {
     smoke_unchanged => "unchanged",
     smoke_mesh => "mesh",
     smoke_backup_repo => "backup-repo",
+    smoke_scrape => "scrape",
 }
 
 /// Every command `fort-bench --help` lists has a smoke run (acme's is in cli.rs, and
