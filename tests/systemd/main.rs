@@ -13,6 +13,7 @@ mod databases;
 mod delivery;
 mod failover;
 mod fleet;
+mod monitoring;
 mod records;
 mod releases;
 mod ssh;

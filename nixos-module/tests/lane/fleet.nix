@@ -32,6 +32,9 @@
 # at the first boot), and app keeps the database's credentials and the OIDC client secret
 # as systemd encrypted credentials of the DynamicUser service holder; with certificates,
 # records, clients, sshCertificates and databases, everything a provider keeps.
+# monitoring: forge also serves `metrics` (fort-handler scrape) into its target files,
+# which its Prometheus would read (configurePrometheus off: the lane has none), and app
+# declares its node exporter on port 9100 (fort.host.exporters.node).
 # failover: a third host, spare (127.0.0.3), and both forge and spare serve `lease`, a
 # token that names its issuer and lives 30 s; app needs lease/renter from [ forge spare ]
 # (renewed 20 s before it expires, moved after 4 s of failure) as a credential of the
@@ -47,6 +50,7 @@
   encrypted ? false,
   failover ? false,
   atRest ? false,
+  monitoring ? false,
 }:
 let
   keys = ../keys;
@@ -156,6 +160,15 @@ in
               rerunSeconds = 1;
             };
           };
+          # Under strictSandbox: the target directory is writable because the capability
+          # says so (ReadWritePaths), not the lane.
+          fort.host.capabilities.metrics = lib.mkIf monitoring {
+            scrape = {
+              ports."*" = [ "9100" ];
+              labels."*" = [ "env" ];
+              configurePrometheus = false;
+            };
+          };
           fort.host.capabilities.dns-record = lib.mkIf records {
             dnsRecord = {
               zone = "lane.test";
@@ -247,6 +260,14 @@ in
             keeper = lib.mkIf encrypted { wantedBy = [ "multi-user.target" ]; };
           };
           users.groups = lib.mkIf certificates { lane-web = { }; };
+          fort.host.exporters = lib.mkIf monitoring {
+            node = {
+              from = "forge";
+              capability = "metrics";
+              port = 9100;
+              labels.env = "lane";
+            };
+          };
           fort.host.needs.dns-record = lib.mkIf records {
             www = {
               from = "forge";

@@ -279,6 +279,7 @@ let
   databases = fleet { databases = true; };
   encrypted = fleet { encrypted = true; };
   failover = fleet { failover = true; };
+  monitoring = fleet { monitoring = true; };
   atRest = fleet {
     atRest = true;
     certificates = true;
@@ -308,6 +309,8 @@ in
   "failover/forge" = render failover.forge;
   "failover/spare" = render failover.spare;
   "failover/app" = render failover.app;
+  "monitoring/forge" = render monitoring.forge;
+  "monitoring/app" = render monitoring.app;
   "atrest/forge" = render atRest.forge;
   "atrest/app" = render atRest.app;
 }
