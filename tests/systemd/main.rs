@@ -6,6 +6,7 @@
 
 mod agent;
 mod at_rest;
+mod backups;
 mod certificates;
 mod clients;
 mod credentials;

@@ -35,6 +35,10 @@
 # monitoring: forge also serves `metrics` (fort-handler scrape) into its target files,
 # which its Prometheus would read (configurePrometheus off: the lane has none), and app
 # declares its node exporter on port 9100 (fort.host.exporters.node).
+# backups: forge also serves `borg` (fort-handler backup-repo: a repository per entry
+# under /var/lib/fort-backup/borg, sshd's keys in /etc/ssh/fort-authorized-keys, the
+# host key the lane installs at /etc/lane/ssh_host_ed25519_key.pub), and app backs up
+# /etc there (fort.host.backups.etc) with a key its agent makes.
 # failover: a third host, spare (127.0.0.3), and both forge and spare serve `lease`, a
 # token that names its issuer and lives 30 s; app needs lease/renter from [ forge spare ]
 # (renewed 20 s before it expires, moved after 4 s of failure) as a credential of the
@@ -51,6 +55,7 @@
   failover ? false,
   atRest ? false,
   monitoring ? false,
+  backups ? false,
 }:
 let
   keys = ../keys;
@@ -162,6 +167,13 @@ in
           };
           # Under strictSandbox: the target directory is writable because the capability
           # says so (ReadWritePaths), not the lane.
+          fort.host.capabilities.borg = lib.mkIf backups {
+            backupRepo = {
+              host = "forge.lane.test";
+              hostKeyFiles = [ "/etc/lane/ssh_host_ed25519_key.pub" ];
+              quota = "1G";
+            };
+          };
           fort.host.capabilities.metrics = lib.mkIf monitoring {
             scrape = {
               ports."*" = [ "9100" ];
@@ -260,6 +272,13 @@ in
             keeper = lib.mkIf encrypted { wantedBy = [ "multi-user.target" ]; };
           };
           users.groups = lib.mkIf certificates { lane-web = { }; };
+          fort.host.backups = lib.mkIf backups {
+            etc = {
+              from = "forge";
+              capability = "borg";
+              paths = [ "/etc" ];
+            };
+          };
           fort.host.exporters = lib.mkIf monitoring {
             node = {
               from = "forge";

@@ -280,6 +280,7 @@ let
   encrypted = fleet { encrypted = true; };
   failover = fleet { failover = true; };
   monitoring = fleet { monitoring = true; };
+  backups = fleet { backups = true; };
   atRest = fleet {
     atRest = true;
     certificates = true;
@@ -311,6 +312,8 @@ in
   "failover/app" = render failover.app;
   "monitoring/forge" = render monitoring.forge;
   "monitoring/app" = render monitoring.app;
+  "backups/forge" = render backups.forge;
+  "backups/app" = render backups.app;
   "atrest/forge" = render atRest.forge;
   "atrest/app" = render atRest.app;
 }
