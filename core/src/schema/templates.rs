@@ -126,6 +126,10 @@ pub fn templates_from_bytes(
         for f in &spec.files {
             paths.insert(&f.path, format!("need {key}"));
         }
+        // A key the need's agent made and installs is no place for a rendered file.
+        for (name, k) in &spec.keys {
+            paths.insert(&k.path, format!("need {key}'s key {name}"));
+        }
     }
     for (name, t) in &templates {
         let at = format!("{TEMPLATES_KEY}.{name}");
@@ -180,4 +184,44 @@ pub fn templates_from_bytes(
         }
     }
     Ok(templates)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rendered file may not land where a need's agent installs a key it made.
+    #[test]
+    fn a_template_may_not_write_over_a_needs_key() {
+        let spec: super::super::NeedSpec = serde_json::from_value(serde_json::json!({
+            "from": "edge", "nag_seconds": 60,
+            "request": {"csr": {"$fort_key": "tls", "as": "csr"}},
+            "keys": {"tls": {"type": "ecdsa-p256", "path": "/var/lib/app/key.pem",
+                             "names": ["app.example.org"]}},
+            "files": [{"name": "cert", "path": "/var/lib/app/cert.pem", "pointer": "/certificate"}]
+        }))
+        .unwrap();
+        let mut needs = Needs::new();
+        needs.insert(crate::names::NeedKey::parse("tls/app").unwrap(), spec);
+        let file = |path: &str| {
+            serde_json::json!({"$templates": {"env": {
+                "template": "{{ needs[\"tls/app\"].certificate }}",
+                "needs": ["tls/app"], "path": path}}})
+            .to_string()
+        };
+        let err = templates_from_bytes(
+            Path::new("needs.json"),
+            file("/var/lib/app/key.pem").as_bytes(),
+            &needs,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("key tls"), "{err}");
+        assert!(templates_from_bytes(
+            Path::new("needs.json"),
+            file("/var/lib/app/app.env").as_bytes(),
+            &needs
+        )
+        .is_ok());
+    }
 }
