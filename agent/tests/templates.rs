@@ -151,6 +151,36 @@ async fn a_file_from_several_needs_is_rendered_once_per_change() {
     assert!(!ok && out.contains("$templates.wiki-env.template"), "{out}");
     assert_eq!(std::fs::read_to_string(&env).unwrap(), rotated);
 
+    // Its declaration changed, its inputs did not: written again with the new mode...
+    let mut changed: Value = serde_json::from_str(&good).unwrap();
+    changed["$templates"]["wiki-env"]["mode"] = json!("0400");
+    std::fs::write(&needs_file, changed.to_string()).unwrap();
+    let (ok, out) = f.admin("c", &["reload"]);
+    assert!(ok, "{out}");
+    let mode = || std::fs::metadata(&env).map_or(0, |m| m.permissions().mode() & 0o777);
+    assert!(
+        eventually(Duration::from_secs(10), || mode() == 0o400).await,
+        "a changed mode was not applied: {:o}",
+        mode()
+    );
+    // ...and at a new path, where the old path's copy of the rendering goes.
+    let moved = env.with_file_name("wiki-moved.env");
+    changed["$templates"]["wiki-env"]["path"] = json!(moved);
+    std::fs::write(&needs_file, changed.to_string()).unwrap();
+    let (ok, out) = f.admin("c", &["reload"]);
+    assert!(ok, "{out}");
+    assert!(
+        eventually(Duration::from_secs(10), || moved.exists() && !env.exists()).await,
+        "a changed declaration was not written again: {}",
+        f.status("c")["templates"]
+    );
+    assert_eq!(
+        std::fs::metadata(&moved).unwrap().permissions().mode() & 0o777,
+        0o400
+    );
+    assert_eq!(std::fs::read_to_string(&moved).unwrap(), rotated);
+    let env = moved;
+
     // No longer declared: its file goes.
     let mut without: Value = serde_json::from_str(&good).unwrap();
     without.as_object_mut().unwrap().remove("$templates");

@@ -57,6 +57,10 @@ pub struct TemplateState {
     /// Why it is not rendered now (waiting for a need, a rendering error), one line.
     #[serde(default)]
     pub reason: Option<String>,
+    /// SHA-256 of the file's declaration (path, owner, mode, encryption) it was written
+    /// with: a changed declaration is written again even when the rendering is the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub declared_sha256: Option<String>,
 }
 
 /// The templates a host declares and their records.
@@ -107,16 +111,39 @@ fn render(
     let template = env
         .template_from_named_str(name, text)
         .map_err(|e| one_line(&e))?;
-    let rendered = template
-        .render(minijinja::context! { needs => minijinja::value::Serde(needs) })
-        .map_err(|e| one_line(&e))?;
-    if rendered.len() > MAX_RENDERED_BYTES {
-        return Err(format!(
-            "the rendering is {} bytes; a template renders at most {MAX_RENDERED_BYTES}",
-            rendered.len()
-        ));
+    // Fuel bounds the work, not the output: a loop over a long list printing a long
+    // value stays within it. The writer stops the rendering at the bound instead.
+    let mut out = Bounded(Vec::new());
+    let result = template
+        .render_captured_to(
+            minijinja::context! { needs => minijinja::value::Serde(needs) },
+            &mut out,
+        )
+        .map(drop);
+    match result {
+        Ok(()) => Ok(out.0),
+        Err(_) if out.0.len() >= MAX_RENDERED_BYTES => Err(format!(
+            "the rendering is over {MAX_RENDERED_BYTES} bytes, the most a template renders"
+        )),
+        Err(e) => Err(one_line(&e)),
     }
-    Ok(rendered.into_bytes())
+}
+
+/// The rendering, refused past [`MAX_RENDERED_BYTES`].
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.0.resize(MAX_RENDERED_BYTES, 0);
+            return Err(std::io::Error::other("rendering too large"));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl Fulfiller {
@@ -220,7 +247,11 @@ impl Fulfiller {
             });
             values.insert(key.to_string(), value);
         }
-        let rendered = match render(name, &spec.template, &values) {
+        let (n, text) = (name.to_owned(), spec.template.clone());
+        let rendered = tokio::task::spawn_blocking(move || render(&n, &text, &values))
+            .await
+            .unwrap_or_else(|e| Err(format!("rendering failed: {e}")));
+        let rendered = match rendered {
             Ok(r) => r,
             Err(why) => {
                 tracing::warn!(template = %name, error = %why, "template not rendered");
@@ -231,6 +262,7 @@ impl Fulfiller {
         };
         let digest = sha256_hex(&rendered);
         let file = spec.file(name);
+        let declared = sha256_hex(&serde_json::to_vec(&file).unwrap_or_default());
         let path = file.path.to_string_lossy().into_owned();
         let on_disk = {
             let files = before.files.clone();
@@ -239,6 +271,7 @@ impl Fulfiller {
                 .unwrap_or(false)
         };
         if before.rendered_sha256.as_deref() == Some(digest.as_str())
+            && before.declared_sha256.as_deref() == Some(declared.as_str())
             && on_disk
             && before.files.contains_key(&path)
         {
@@ -290,8 +323,20 @@ impl Fulfiller {
             credentials: written.credentials.clone(),
             rendered_at: Some(unix_now()),
             reason: None,
+            declared_sha256: Some(declared),
         };
         store.change_durable(|c| c.put(name, st)).await?;
+        // A file the template wrote before under another path is the old declaration's:
+        // it goes, so no copy of the rendering stays where nothing declares it.
+        let stale: Vec<String> = before
+            .files
+            .keys()
+            .filter(|p| **p != path)
+            .cloned()
+            .collect();
+        if !stale.is_empty() {
+            let _ = tokio::task::spawn_blocking(move || crate::files::remove_all(&stale)).await;
+        }
         if written.changed {
             tracing::info!(template = %name, path = %path, "template rendered");
             self.inner
@@ -399,5 +444,22 @@ mod tests {
         // And no template can read a file or include another.
         assert!(render("x", "{% include 'etc/passwd' %}", &BTreeMap::new()).is_err());
         assert!(compile("x", "{{ unclosed").is_err());
+    }
+}
+
+#[cfg(test)]
+mod bounds {
+    use super::*;
+
+    /// The output is bounded while it is made, not after: a loop printing a long value
+    /// within the fuel is stopped at the bound, with a message saying so.
+    #[test]
+    fn a_rendering_past_its_bound_is_refused() {
+        let needs = BTreeMap::from([("x/y".to_owned(), serde_json::json!("a".repeat(1000)))]);
+        let loop_over = "{% for i in range(2000) %}{{ needs[\"x/y\"] }}{% endfor %}";
+        let err = render("t", loop_over, &needs).unwrap_err();
+        assert!(err.contains("over"), "{err}");
+        let small = render("t", "{{ needs[\"x/y\"] | length }}", &needs).unwrap();
+        assert_eq!(small, b"1000");
     }
 }
