@@ -29,6 +29,11 @@ pub const NAME: &str = "mesh-wg";
 
 /// Largest answer read (a mesh's answers are at most a few hundred kilobytes).
 const MAX_ANSWER: u64 = 4 << 20;
+/// The shortest mesh prefixes a member takes from an answer: a prefix is routed into the
+/// tunnel, and what is shorter than a private network's (10/8; a ULA's /16 with room)
+/// would take traffic that is not the mesh's.
+const SHORTEST_V4: u8 = 8;
+const SHORTEST_V6: u8 = 16;
 /// The most peers an answer may list (a mesh has at most 400 members).
 const MAX_PEERS: usize = 1000;
 
@@ -137,6 +142,21 @@ pub fn parse(bytes: &[u8]) -> anyhow::Result<(Answer, Vec<IpNet>)> {
             let net: IpNet = t
                 .parse()
                 .map_err(|_| anyhow::anyhow!("{family} {t:?} is not an address/length"))?;
+            // The address's length is the mesh's prefix, which becomes a route through
+            // the tunnel: a short one (a /1, a /0) would send the host's own traffic to
+            // the coordinator's choice of peer.
+            let (v4, shortest) = match net {
+                IpNet::V4(_) => (true, SHORTEST_V4),
+                IpNet::V6(_) => (false, SHORTEST_V6),
+            };
+            if v4 != (family == "ipv4") {
+                anyhow::bail!("{family} {t:?} is an address of the other family");
+            }
+            if net.prefix_len() < shortest {
+                anyhow::bail!(
+                    "{family} {t:?}: a mesh prefix shorter than /{shortest} would route traffic that is not the mesh's into the tunnel"
+                );
+            }
             addresses.push(net);
         }
     }
@@ -152,9 +172,15 @@ pub fn parse(bytes: &[u8]) -> anyhow::Result<(Answer, Vec<IpNet>)> {
             }
         }
         for ip in &p.allowed_ips {
-            ip.parse::<IpNet>().map_err(|_| {
+            let net = ip.parse::<IpNet>().map_err(|_| {
                 anyhow::anyhow!("peer {i} ({name}): allowed IP {ip:?} is not a prefix")
             })?;
+            // A peer is routed only addresses of the mesh this member is in.
+            if !addresses.iter().any(|own| own.trunc().contains(&net)) {
+                anyhow::bail!(
+                    "peer {i} ({name}): allowed IP {ip:?} is outside the mesh's prefixes"
+                );
+            }
         }
         if p.persistent_keepalive == Some(0) {
             anyhow::bail!("peer {i} ({name}): persistent_keepalive 0");
@@ -407,6 +433,21 @@ mod tests {
         let mut bad = good.clone();
         bad["ipv4"] = json!("10.77.0.5");
         assert!(parse(bad.to_string().as_bytes()).is_err());
+        // A coordinator cannot route the member's own traffic into the tunnel.
+        for (field, value, says) in [
+            ("ipv4", json!("10.77.0.5/1"), "shorter than /8"),
+            ("ipv4", json!("fd77::5/64"), "other family"),
+            ("ipv6", json!("::5/0"), "shorter than /16"),
+        ] {
+            let mut bad = good.clone();
+            bad[field] = value;
+            let err = parse(bad.to_string().as_bytes()).unwrap_err().to_string();
+            assert!(err.contains(says), "{field}: {err}");
+        }
+        let mut bad = good.clone();
+        bad["peers"][0]["allowed_ips"] = json!(["0.0.0.0/1"]);
+        let err = parse(bad.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(err.contains("outside the mesh"), "{err}");
         assert!(is_endpoint("wg.example.org:51820"));
         assert!(!is_endpoint("wg.example.org:0"));
         assert!(!is_endpoint("fd00::1:51820"));
