@@ -41,23 +41,6 @@ const GOAL: Duration = Duration::from_millis(200);
 /// Clients per origin: entries are spread over hosts as a fleet's are.
 const PER_ORIGIN: usize = 10;
 
-fn run_handler(bin: &Path, config: &Path, input: Vec<u8>) -> Result<(Duration, Value, String)> {
-    let mut cmd = Command::new(bin);
-    cmd.args(["backup-repo", "--config"])
-        .arg(config)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("FORT_TRIGGER", "request")
-        .env("FORT_CAPABILITY", "backup-repo");
-    let (wall, out) = util::run_handler_once(&mut cmd, input, "fort-handler backup-repo")?;
-    let output = serde_json::from_slice(&out.stdout).context("the handler's output")?;
-    Ok((
-        wall,
-        output,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
-
 fn entry_key(i: usize) -> String {
     format!("h{:04}:backup-repo/r{:02}", i / PER_ORIGIN, i % PER_ORIGIN)
 }
@@ -162,7 +145,8 @@ pub async fn run(args: BackupRepoArgs, json_out: bool) -> Result<()> {
     };
 
     // 1. One run giving --create clients a repository and a key line each.
-    let (wall, output, stderr) = run_handler(&bin, &config_path, input(&keys, args.create))?;
+    let (wall, output, stderr) =
+        util::run_capability(&bin, "backup-repo", &config_path, input(&keys, args.create))?;
     let created = answered(&output);
     report.line(
         "create_ms",
@@ -204,7 +188,8 @@ pub async fn run(args: BackupRepoArgs, json_out: bool) -> Result<()> {
 
     // 3. Filled to --unchanged, then runs over them unchanged: nothing is written.
     let unchanged = input(&keys, args.unchanged);
-    let (fill, filled, stderr) = run_handler(&bin, &config_path, unchanged.clone())?;
+    let (fill, filled, stderr) =
+        util::run_capability(&bin, "backup-repo", &config_path, unchanged.clone())?;
     if answered(&filled) != args.unchanged {
         bail!("filling to {} entries failed: {stderr}", args.unchanged);
     }
@@ -220,7 +205,8 @@ pub async fn run(args: BackupRepoArgs, json_out: bool) -> Result<()> {
     let state_before = std::fs::metadata(root.join("state.json"))?.modified()?;
     let mut runs = UnchangedRuns::default();
     for _ in 0..args.runs.max(1) {
-        let (wall, output, stderr) = run_handler(&bin, &config_path, unchanged.clone())?;
+        let (wall, output, stderr) =
+            util::run_capability(&bin, "backup-repo", &config_path, unchanged.clone())?;
         if output != filled {
             bail!("an unchanged run answered differently: {stderr}");
         }

@@ -5,10 +5,9 @@
 //! file (Prometheus re-reads a file that changes).
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::{json, Map, Value};
 
 use crate::util::{self, ms, Report, UnchangedRuns};
@@ -47,23 +46,6 @@ fn input(n: usize) -> Vec<u8> {
         })
         .collect();
     serde_json::to_vec(&Value::Object(entries)).expect("json")
-}
-
-fn run_handler(bin: &Path, config: &Path, input: Vec<u8>) -> Result<(Duration, Value, String)> {
-    let mut cmd = Command::new(bin);
-    cmd.args(["scrape", "--config"])
-        .arg(config)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("FORT_TRIGGER", "request")
-        .env("FORT_CAPABILITY", "scrape");
-    let (wall, out) = util::run_handler_once(&mut cmd, input, "fort-handler scrape")?;
-    let output = serde_json::from_slice(&out.stdout).context("the handler's output")?;
-    Ok((
-        wall,
-        output,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
 }
 
 fn answered(output: &Value) -> usize {
@@ -113,7 +95,7 @@ pub async fn run(args: ScrapeArgs, json_out: bool) -> Result<()> {
     }
     let files = || std::fs::read_dir(&targets).map_or(0, |d| d.count());
 
-    let (wall, output, stderr) = run_handler(&bin, &config, input(args.create))?;
+    let (wall, output, stderr) = util::run_capability(&bin, "scrape", &config, input(args.create))?;
     let made = answered(&output);
     report.line(
         "create_ms",
@@ -138,7 +120,7 @@ pub async fn run(args: ScrapeArgs, json_out: bool) -> Result<()> {
     }
 
     let unchanged = input(args.unchanged);
-    let (fill, filled, stderr) = run_handler(&bin, &config, unchanged.clone())?;
+    let (fill, filled, stderr) = util::run_capability(&bin, "scrape", &config, unchanged.clone())?;
     if answered(&filled) != args.unchanged {
         bail!("filling to {} exporters failed: {stderr}", args.unchanged);
     }
@@ -155,7 +137,8 @@ pub async fn run(args: ScrapeArgs, json_out: bool) -> Result<()> {
     let written = newest_write(&targets)?;
     let mut runs = UnchangedRuns::default();
     for _ in 0..args.runs.max(1) {
-        let (wall, output, stderr) = run_handler(&bin, &config, unchanged.clone())?;
+        let (wall, output, stderr) =
+            util::run_capability(&bin, "scrape", &config, unchanged.clone())?;
         if output != filled {
             bail!("an unchanged run answered differently: {stderr}");
         }

@@ -596,3 +596,29 @@ pub fn run_handler_once(
     }
     Ok((wall, out))
 }
+
+/// `fort-handler <capability> --config CONFIG` run once as the agent runs it (a clean
+/// environment, `FORT_TRIGGER=request`, the entries on stdin): its wall time, its output
+/// as JSON and its stderr.
+pub fn run_capability(
+    bin: &Path,
+    capability: &str,
+    config: &Path,
+    input: Vec<u8>,
+) -> Result<(Duration, Value, String)> {
+    let mut cmd = Command::new(bin);
+    cmd.arg(capability)
+        .arg("--config")
+        .arg(config)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("FORT_TRIGGER", "request")
+        .env("FORT_CAPABILITY", capability);
+    let (wall, out) = run_handler_once(&mut cmd, input, &format!("fort-handler {capability}"))?;
+    let output = serde_json::from_slice(&out.stdout).context("the handler's output")?;
+    Ok((
+        wall,
+        output,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
