@@ -192,25 +192,11 @@ fn spellings(needle: &str) -> Vec<Vec<u8>> {
 
 /// The signed prefix of a host's trail: every line up to the last good checkpoint.
 fn signed_lines(f: &Fleet, host: &str) -> Vec<Vec<u8>> {
-    let dir = f.host_dir(host).join("state").join("audit");
-    let keys = f.hosts[host].keys();
-    let Ok(v) = fort_core::audit::verify(&dir, host, &keys) else {
-        return Vec::new();
-    };
-    let Some(through) = v.signed_through else {
-        return Vec::new();
-    };
-    fort_core::audit::read_lines(&dir)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|l| {
-            l.record
-                .as_ref()
-                .and_then(|r| r["seq"].as_u64())
-                .is_some_and(|s| s <= through)
-        })
-        .map(|l| l.bytes)
-        .collect()
+    fort_core::audit::signed_lines(
+        &f.host_dir(host).join("state").join("audit"),
+        host,
+        &f.hosts[host].keys(),
+    )
 }
 
 /// What must hold after every crash and restart; each violation, one line.

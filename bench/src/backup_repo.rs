@@ -118,7 +118,11 @@ pub async fn run(args: BackupRepoArgs, json_out: bool) -> Result<()> {
     let host_key = fort_core::sign::Signer::generate().public_openssh();
     std::fs::write(root.join("host.pub"), format!("{host_key}\n"))?;
     std::fs::create_dir_all(root.join("repos"))?;
-    let user = if nix_root() { "root" } else { "nobody" };
+    let user = if fort_tests::is_root() {
+        "root"
+    } else {
+        "nobody"
+    };
     let config = json!({
         "state_file": root.join("state.json"),
         "repositories_dir": root.join("repos"),
@@ -225,12 +229,4 @@ pub async fn run(args: BackupRepoArgs, json_out: bool) -> Result<()> {
     );
     report.finish();
     Ok(())
-}
-
-fn nix_root() -> bool {
-    // SAFETY: geteuid(2) cannot fail.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::geteuid() == 0
-    }
 }

@@ -33,6 +33,13 @@ pub mod lane;
 pub mod releases;
 
 /// The path of a workspace binary (`fort-agent`, `fort`), built by cargo for the tests.
+/// Whether the tests run as root (network namespaces, other users' files).
+#[allow(unsafe_code)]
+pub fn is_root() -> bool {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
 pub fn bin(name: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(format!(
         "FORT_BIN_{}",

@@ -22,7 +22,7 @@ pub fn can_run(test: &str) -> bool {
             .status()
             .is_err()
     };
-    let why = if !is_root() {
+    let why = if !crate::is_root() {
         Some("needs root (network namespaces)".to_owned())
     } else if !Path::new("/dev/net/tun").exists() {
         Some("no /dev/net/tun".to_owned())
@@ -43,12 +43,6 @@ pub fn can_run(test: &str) -> bool {
         }
         None => true,
     }
-}
-
-#[allow(unsafe_code)]
-fn is_root() -> bool {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    unsafe { libc::geteuid() == 0 }
 }
 
 /// Runs `ip ARGS`, panicking with its stderr when it fails.

@@ -77,25 +77,11 @@ fn status(w: &World, host: &str) -> Option<Value> {
 
 /// The lines of `host`'s trail covered by a signed checkpoint.
 fn signed_lines(w: &World, host: &str) -> Vec<Vec<u8>> {
-    let dir = w.fleet.host_dir(host).join("state/audit");
-    let keys = w.fleet.hosts[host].keys();
-    let Ok(v) = fort_core::audit::verify(&dir, host, &keys) else {
-        return Vec::new();
-    };
-    let Some(through) = v.signed_through else {
-        return Vec::new();
-    };
-    fort_core::audit::read_lines(&dir)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|l| {
-            l.record
-                .as_ref()
-                .and_then(|r| r["seq"].as_u64())
-                .is_some_and(|s| s <= through)
-        })
-        .map(|l| l.bytes)
-        .collect()
+    fort_core::audit::signed_lines(
+        &w.fleet.host_dir(host).join("state/audit"),
+        host,
+        &w.fleet.hosts[host].keys(),
+    )
 }
 
 fn snapshot(w: &World, host: &str) -> Option<Before> {

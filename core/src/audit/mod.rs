@@ -31,7 +31,7 @@ pub use kinds::{
     Budget, Caused, CausedKind, Own, OwnKind, ACCEPTED_BUDGET, CALLBACK_BUDGET, DENIED_BUDGET,
     ENTRY_BUDGET, OPERATOR_BUDGET, WITNESSED_BUDGET,
 };
-pub use read::{files, read_lines, short_hash, verify, AuditLine, Problem, Verified};
+pub use read::{files, read_lines, short_hash, signed_lines, verify, AuditLine, Problem, Verified};
 pub use witness::{
     hold, witness_line, Held, Witnessed, HEADER as CHECKPOINT_HEADER,
     HEADER_MAX as CHECKPOINT_HEADER_MAX,

@@ -116,6 +116,26 @@ struct Seen {
     line: usize,
 }
 
+/// The lines of `host`'s trail in `dir` that a checkpoint signed with one of `keys`
+/// covers: what a kill or a rewrite may never take away. None when the trail does not
+/// verify or holds no signed checkpoint yet.
+pub fn signed_lines(dir: &Path, host: &str, keys: &[PublicKey]) -> Vec<Vec<u8>> {
+    let Some(through) = verify(dir, host, keys).ok().and_then(|v| v.signed_through) else {
+        return Vec::new();
+    };
+    read_lines(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|l| {
+            l.record
+                .as_ref()
+                .and_then(|r| r["seq"].as_u64())
+                .is_some_and(|s| s <= through)
+        })
+        .map(|l| l.bytes)
+        .collect()
+}
+
 /// Checks the chain (each record's `seq` one more than the one before and its `prev` the
 /// SHA-256 of the line before, across files) and every checkpoint (its count and head are
 /// the record before it, and its signature verifies with one of `keys`, as `host`, over
