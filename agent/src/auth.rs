@@ -18,7 +18,7 @@ use fort_core::canonical::{request_bytes, response_bytes};
 use fort_core::names::{is_capability_name, NeedKey};
 use fort_core::schema::PeerKind;
 use fort_core::sign::{verify_with_key, MAX_SIGNATURE_LEN};
-use fort_core::wire::{unix_now, H_NONCE, H_ORIGIN, H_SERVER_TIME, H_SIGNATURE, H_TIMESTAMP};
+use fort_core::wire::unix_now;
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 
@@ -89,7 +89,20 @@ pub fn parse_route(path: &str) -> Result<Route, ApiError> {
     Err(not_found())
 }
 
-fn single<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+/// The protocol's header names, parsed once: a name given as text is parsed again on
+/// every lookup and insert, on every request.
+mod header {
+    use http::HeaderName;
+    pub const ORIGIN: HeaderName = HeaderName::from_static(fort_core::wire::H_ORIGIN);
+    pub const TIMESTAMP: HeaderName = HeaderName::from_static(fort_core::wire::H_TIMESTAMP);
+    pub const NONCE: HeaderName = HeaderName::from_static(fort_core::wire::H_NONCE);
+    pub const SIGNATURE: HeaderName = HeaderName::from_static(fort_core::wire::H_SIGNATURE);
+    pub const SERVER_TIME: HeaderName = HeaderName::from_static(fort_core::wire::H_SERVER_TIME);
+    pub const PROTOCOL: HeaderName = HeaderName::from_static(fort_core::compat::H_PROTOCOL);
+    pub const RELEASE: HeaderName = HeaderName::from_static(fort_core::compat::H_RELEASE);
+}
+
+fn single(headers: &HeaderMap, name: impl http::header::AsHeaderName) -> Option<&str> {
     let mut values = headers.get_all(name).iter();
     let first = values.next()?;
     if values.next().is_some() {
@@ -114,11 +127,11 @@ fn plain(reply: Reply) -> Response {
     *resp.status_mut() = reply.status;
     // Every reply says what this agent speaks (§11.12), refusals included.
     resp.headers_mut().insert(
-        fort_core::compat::H_PROTOCOL,
+        header::PROTOCOL,
         HeaderValue::from_static(fort_core::compat::PROTOCOL),
     );
     resp.headers_mut().insert(
-        fort_core::compat::H_RELEASE,
+        header::RELEASE,
         HeaderValue::from_static(fort_core::compat::RELEASE),
     );
     if reply.json {
@@ -153,7 +166,7 @@ fn refuse(app: &App, peer: Option<IpAddr>, err: ApiError, reason: &'static str) 
 fn refuse_clock(app: &App, peer: Option<IpAddr>, message: String, now: u64) -> Response {
     let mut resp = refuse(app, peer, ApiError::Unauthorized(message), "clock");
     resp.headers_mut().insert(
-        H_SERVER_TIME,
+        header::SERVER_TIME,
         HeaderValue::from_str(&now.to_string()).expect("digits"),
     );
     resp
@@ -218,7 +231,11 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
 
     // 2. Method and path, on the raw path as sent.
     let path = req.uri().path().to_owned();
-    if req.uri().query().is_some() || req.uri().to_string().contains('?') {
+    let has_query = req
+        .uri()
+        .path_and_query()
+        .is_some_and(|pq| pq.as_str().contains('?'));
+    if req.uri().query().is_some() || has_query {
         return refuse(
             &app,
             peer,
@@ -235,7 +252,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     }
 
     // 2′. A peer of a later protocol major signs other bytes: say so instead of a 401.
-    if let Some(major) = single(req.headers(), fort_core::compat::H_PROTOCOL)
+    if let Some(major) = single(req.headers(), header::PROTOCOL)
         .and_then(fort_core::compat::parse_protocol)
         .map(|(major, _)| major)
         .filter(|m| *m != fort_core::compat::PROTOCOL_MAJOR)
@@ -255,10 +272,10 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     // 3. Headers: present, single, well-formed, untrimmed.
     let headers = req.headers();
     let (Some(origin), Some(timestamp), Some(nonce), Some(signature)) = (
-        single(headers, H_ORIGIN),
-        single(headers, H_TIMESTAMP),
-        single(headers, H_NONCE),
-        single(headers, H_SIGNATURE),
+        single(headers, header::ORIGIN),
+        single(headers, header::TIMESTAMP),
+        single(headers, header::NONCE),
+        single(headers, header::SIGNATURE),
     ) else {
         return refuse(
             &app,
@@ -308,12 +325,10 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
     // 5. Origin. An unknown one is refused only once its body is in, exactly when and how
     // a known one with a bad signature would be: answering faster would tell strangers
     // which names exist.
+    // The configuration as loaded now is held for this request (a reload meanwhile
+    // swaps in another for the next): its keys are read where they are, not copied.
     let loaded = app.loaded.load_full();
-    let known = loaded
-        .registry
-        .get(&origin)
-        .map(|p| (p.keys.clone(), p.kind));
-    drop(loaded);
+    let known = loaded.registry.get(&origin).map(|p| (&p.keys, p.kind));
 
     // The body, within the limit and a deadline. Until the signature is checked it is
     // paid for from the peer address's share of the memory for unverified bodies, byte by
@@ -386,7 +401,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         &nonce,
         &body,
     );
-    let key = match verify_with_key(&signature, &keys, &canonical) {
+    let key = match verify_with_key(&signature, keys, &canonical) {
         Ok(key) => key.clone(),
         Err(e) => {
             return refuse(
@@ -425,7 +440,7 @@ pub async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
                 NonceCheck::Fresh => {
                     // Only hosts provide: a principal's header is not a checkpoint.
                     if let (Some(value), PeerKind::Host) = (&checkpoint, kind) {
-                        app.audit.witness(&origin, &keys, value);
+                        app.audit.witness(&origin, keys, value);
                     }
                     crate::routes::handle(&app, &caller, route.clone(), body).await
                 }
@@ -510,11 +525,11 @@ fn sign_reply(app: &App, nonce: &str, reply: Reply) -> Response {
     let mut resp = plain(reply);
     let h = resp.headers_mut();
     h.insert(
-        H_ORIGIN,
+        header::ORIGIN,
         HeaderValue::from_str(&app.config.host).expect("host name is a header value"),
     );
     h.insert(
-        H_SIGNATURE,
+        header::SIGNATURE,
         HeaderValue::from_str(&signature).expect("base64 is a header value"),
     );
     resp

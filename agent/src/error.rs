@@ -17,9 +17,13 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(status: StatusCode, value: &impl serde::Serialize) -> Reply {
+        // Most replies (a status document, a callback's answer) fit in 1 KiB: one
+        // allocation rather than a growing series.
+        let mut body = Vec::with_capacity(1024);
+        serde_json::to_writer(&mut body, value).expect("reply serialises");
         Reply {
             status,
-            body: Bytes::from(serde_json::to_vec(value).expect("reply serialises")),
+            body: Bytes::from(body),
             json: true,
             retry_after: None,
         }

@@ -314,13 +314,12 @@ fn provider_gauges(app: &App) -> (Series, Series, Series) {
         .provider
         .summary(|origin| loaded.registry.is_host(origin));
     let (mut entries, mut undelivered, mut last_run) = (Vec::new(), Vec::new(), Vec::new());
-    for (cap, c) in summary["capabilities"].as_object().into_iter().flatten() {
+    for (cap, c) in &summary.capabilities {
         let label = format!("{{capability=\"{cap}\"}}");
-        let count = |field: &str| c[field].as_u64().unwrap_or(0) as f64;
-        entries.push((label.clone(), count("entries")));
-        undelivered.push((label.clone(), count("undelivered")));
-        if let Some(ok) = c["last_run"]["ok"].as_bool() {
-            last_run.push((label, if ok { 1.0 } else { 0.0 }));
+        entries.push((label.clone(), c.entries as f64));
+        undelivered.push((label.clone(), c.undelivered as f64));
+        if let Some(run) = &c.last_run {
+            last_run.push((label, if run.ok { 1.0 } else { 0.0 }));
         }
     }
     (entries, undelivered, last_run)

@@ -133,22 +133,24 @@ pub fn formats_before_announcing(file: &str) -> Option<u32> {
 
 /// The status document's `state_formats` (docs/protocol.md §11.12).
 pub fn formats_json() -> Value {
-    // The same on every call (every status document carries it): built once.
+    formats_json_ref().clone()
+}
+
+/// [`formats_json`] without a copy: every status document carries it, built once.
+pub fn formats_json_ref() -> &'static Value {
     static FORMATS_JSON: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
-    FORMATS_JSON
-        .get_or_init(|| {
-            let map: Map<String, Value> = FORMATS
-                .iter()
-                .map(|f| {
-                    (
-                        f.file.to_owned(),
-                        serde_json::json!({"writes": f.writes, "reads": [f.reads.iter().min(), f.reads.iter().max()]}),
-                    )
-                })
-                .collect();
-            Value::Object(map)
-        })
-        .clone()
+    FORMATS_JSON.get_or_init(|| {
+        let map: Map<String, Value> = FORMATS
+            .iter()
+            .map(|f| {
+                (
+                    f.file.to_owned(),
+                    serde_json::json!({"writes": f.writes, "reads": [f.reads.iter().min(), f.reads.iter().max()]}),
+                )
+            })
+            .collect();
+        Value::Object(map)
+    })
 }
 
 /// One step from a document's root to a member.

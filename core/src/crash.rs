@@ -140,6 +140,13 @@ pub fn setup() {
     });
 }
 
+/// Whether this process was started with crash points (`FAILPOINTS`): a write path that
+/// splits a write only so a point can sit between its halves does so only then.
+#[inline]
+pub fn armed() -> bool {
+    ARMED.load(Ordering::Relaxed)
+}
+
 /// The crash point `name`: kills the process here when `FAILPOINTS` says so.
 #[inline]
 pub fn point(name: &'static str) {

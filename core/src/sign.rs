@@ -271,16 +271,19 @@ pub fn verify_in<'k>(
 /// Decompressed keys of the known peers (the registry bounds them; the cache is dropped
 /// whole if it ever grows past that bound).
 fn verifying_key(raw: [u8; 32]) -> Option<ed25519_dalek::VerifyingKey> {
-    use parking_lot::Mutex;
+    use parking_lot::RwLock;
     use std::collections::HashMap;
     use std::sync::OnceLock;
-    static CACHE: OnceLock<Mutex<HashMap<[u8; 32], ed25519_dalek::VerifyingKey>>> = OnceLock::new();
+    // Read-locked on every verified request, by every worker at once: a reader never
+    // waits for another reader.
+    static CACHE: OnceLock<RwLock<HashMap<[u8; 32], ed25519_dalek::VerifyingKey>>> =
+        OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    if let Some(k) = cache.lock().get(&raw) {
+    if let Some(k) = cache.read().get(&raw) {
         return Some(*k);
     }
     let key = ed25519_dalek::VerifyingKey::from_bytes(&raw).ok()?;
-    let mut map = cache.lock();
+    let mut map = cache.write();
     if map.len() > 8192 {
         map.clear();
     }

@@ -279,93 +279,172 @@ pub enum Entries {
 /// Reasons are one line and never carry payload bytes or handler output (docs/protocol.md
 /// §11.7), so remote callers get the same document as the local admin socket. Entries
 /// are listed by their hashes, never their requests or responses.
-pub fn status(app: &Arc<App>, entries: Entries) -> Value {
+pub fn status(app: &Arc<App>, entries: Entries) -> StatusDoc {
     let needs = app.fulfiller.status();
     let loaded = app.loaded.load_full();
-    let satisfied = needs.iter().filter(|n| n.satisfied).count();
-    let gc = app.last_gc.lock().clone();
-    let mut doc = json!({
-        "host": app.config.host,
-        "version": fort_core::VERSION,
-        "protocol": fort_core::compat::PROTOCOL,
-        "state_formats": fort_core::compat::formats_json(),
-        "uptime_seconds": app.started.elapsed().as_secs(),
-        "manifest_sha256": loaded.manifest_sha256,
-        "needs": {
-            "total": needs.len(),
-            "satisfied": satisfied,
-            "items": needs,
-        },
-        "provider": app.provider.summary(|origin| loaded.registry.is_host(origin)),
-        "gc": gc.map(|g| json!({
-            "at": g.at,
-            "duration_ms": g.duration_ms,
-            "origins_asked": g.origins_asked,
-            "removed": g.removed.len(),
-            "pending_grace": g.pending_grace.len(),
-            "kept_no_proof": g.kept_no_proof.len(),
-            "kept_no_proof_by_class": g.no_proof_classes,
-        })),
-        "nonces": app.nonces.len(),
-        "memory": memory(app),
+    let (total, satisfied) = (needs.len(), needs.iter().filter(|n| n.satisfied).count());
+    let gc = app.last_gc.lock().as_ref().map(|g| GcSummary {
+        at: g.at,
+        duration_ms: g.duration_ms,
+        kept_no_proof: g.kept_no_proof.len(),
+        kept_no_proof_by_class: g.no_proof_classes.clone(),
+        origins_asked: g.origins_asked,
+        pending_grace: g.pending_grace.len(),
+        removed: g.removed.len(),
     });
     // Files rendered from templates (§11.14), by name: hashes and why not, never content.
-    let templates = app.fulfiller.template_states();
-    if !templates.is_empty() {
-        doc["templates"] = templates
-            .into_iter()
-            .map(|(name, t)| {
-                let state = match (&t.reason, &t.rendered_sha256) {
-                    (None, Some(_)) => "rendered",
-                    (Some(_), Some(_)) => "stale",
-                    _ => "waiting",
-                };
-                (
-                    name,
-                    json!({"state": state, "reason": t.reason, "rendered_at": t.rendered_at,
-                           "rendered_sha256": t.rendered_sha256, "files": t.files.keys().collect::<Vec<_>>()}),
-                )
-            })
-            .collect::<serde_json::Map<String, Value>>()
-            .into();
-    }
-    match entries {
-        Entries::NotAsked => {}
-        Entries::Shown => {
-            doc["entries"] = Value::Object(
+    let templates = app
+        .fulfiller
+        .template_states()
+        .into_iter()
+        .map(|(name, t)| {
+            let state = match (&t.reason, &t.rendered_sha256) {
+                (None, Some(_)) => "rendered",
+                (Some(_), Some(_)) => "stale",
+                _ => "waiting",
+            };
+            let summary = TemplateSummary {
+                files: t.files.into_keys().collect(),
+                reason: t.reason,
+                rendered_at: t.rendered_at,
+                rendered_sha256: t.rendered_sha256,
+                state,
+            };
+            (name, summary)
+        })
+        .collect();
+    let (entries, entries_withheld) = match entries {
+        Entries::NotAsked => (None, None),
+        Entries::Shown => (
+            Some(
                 app.provider
                     .entries(|origin| loaded.registry.is_host(origin)),
-            );
-        }
-        Entries::Withheld(why) => doc["entries_withheld"] = json!(why),
+            ),
+            None,
+        ),
+        Entries::Withheld(why) => (None, Some(why)),
+    };
+    let provider = app
+        .provider
+        .summary(|origin| loaded.registry.is_host(origin));
+    StatusDoc {
+        entries,
+        entries_withheld,
+        gc,
+        host: app.config.host.clone(),
+        manifest_sha256: loaded.manifest_sha256.clone(),
+        memory: memory(app),
+        needs: NeedsSummary {
+            items: needs,
+            satisfied,
+            total,
+        },
+        nonces: app.nonces.len(),
+        protocol: fort_core::compat::PROTOCOL,
+        provider,
+        state_formats: fort_core::compat::formats_json_ref(),
+        templates,
+        uptime_seconds: app.started.elapsed().as_secs(),
+        version: fort_core::VERSION,
     }
-    doc
+}
+
+/// The `status` document, serialised straight into the reply (no tree of values built
+/// and copied on every call). Fields in name order, as the document has always had them.
+#[derive(Debug, serde::Serialize)]
+pub struct StatusDoc {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entries: Option<serde_json::Map<String, Value>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entries_withheld: Option<String>,
+    pub gc: Option<GcSummary>,
+    pub host: String,
+    pub manifest_sha256: String,
+    pub memory: MemorySummary,
+    pub needs: NeedsSummary,
+    pub nonces: usize,
+    pub protocol: &'static str,
+    pub provider: crate::provider::ProviderSummary,
+    pub state_formats: &'static Value,
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub templates: std::collections::BTreeMap<String, TemplateSummary>,
+    pub uptime_seconds: u64,
+    pub version: &'static str,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct NeedsSummary {
+    pub items: Vec<fort_fulfill::NeedStatus>,
+    pub satisfied: usize,
+    pub total: usize,
+}
+
+/// The last GC sweep, counted.
+#[derive(Debug, serde::Serialize)]
+pub struct GcSummary {
+    pub at: u64,
+    pub duration_ms: u64,
+    pub kept_no_proof: usize,
+    pub kept_no_proof_by_class: std::collections::BTreeMap<String, usize>,
+    pub origins_asked: usize,
+    pub pending_grace: usize,
+    pub removed: usize,
+}
+
+/// One template's file: hashes and why not, never content.
+#[derive(Debug, serde::Serialize)]
+pub struct TemplateSummary {
+    pub files: Vec<String>,
+    pub reason: Option<String>,
+    pub rendered_at: Option<u64>,
+    pub rendered_sha256: Option<String>,
+    pub state: &'static str,
 }
 
 /// What the agent holds in memory, and per provider entry: entries are what grows with
 /// a fleet (requests and responses are kept as their JSON text; a stored request is at
 /// most `max_request_bytes`).
-fn memory(app: &Arc<App>) -> Value {
+#[derive(Debug, serde::Serialize)]
+pub struct MemorySummary {
+    pub max_request_bytes: usize,
+    pub provider_entries: u64,
+    pub rss_bytes: u64,
+    pub rss_per_entry_bytes: Option<u64>,
+}
+
+fn memory(app: &Arc<App>) -> MemorySummary {
     let rss_kb = rss_kb();
     let entries = app.provider.store.read(|e| e.len()) as u64;
-    json!({
-        "rss_bytes": rss_kb * 1024,
-        "provider_entries": entries,
-        "rss_per_entry_bytes": (entries > 0).then(|| rss_kb * 1024 / entries),
-        "max_request_bytes": app.config.max_request_bytes,
-    })
+    MemorySummary {
+        max_request_bytes: app.config.max_request_bytes,
+        provider_entries: entries,
+        rss_bytes: rss_kb * 1024,
+        rss_per_entry_bytes: (entries > 0).then(|| rss_kb * 1024 / entries),
+    }
 }
 
 /// The agent's resident memory in kB, read from /proc at most once a second: reading and
-/// parsing /proc/self/status was a tenth of the CPU of a signed `status` call.
+/// parsing /proc/self/status was a tenth of the CPU of a signed `status` call. Kept in
+/// atomics, not behind a lock every concurrent status call would queue on.
 fn rss_kb() -> u64 {
-    static LAST: parking_lot::Mutex<Option<(std::time::Instant, u64)>> =
-        parking_lot::Mutex::new(None);
-    let mut last = LAST.lock();
-    if let Some((at, kb)) = *last {
-        if at.elapsed() < std::time::Duration::from_secs(1) {
-            return kb;
-        }
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    static READ_AT_MS: AtomicU64 = AtomicU64::new(0);
+    static KB: AtomicU64 = AtomicU64::new(0);
+    let epoch = EPOCH.get_or_init(std::time::Instant::now);
+    // +1: zero means never read.
+    let now_ms = epoch.elapsed().as_millis() as u64 + 1;
+    let read_at = READ_AT_MS.load(Ordering::Acquire);
+    if read_at != 0 && now_ms.saturating_sub(read_at) < 1000 {
+        return KB.load(Ordering::Relaxed);
+    }
+    // One caller reads; the others keep the last figure meanwhile.
+    if READ_AT_MS
+        .compare_exchange(read_at, now_ms, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+        && read_at != 0
+    {
+        return KB.load(Ordering::Relaxed);
     }
     let kb = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -375,7 +454,7 @@ fn rss_kb() -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .unwrap_or(0);
-    *last = Some((std::time::Instant::now(), kb));
+    KB.store(kb, Ordering::Relaxed);
     kb
 }
 

@@ -60,6 +60,25 @@ impl Trigger {
     }
 }
 
+/// What `status` shows of the provider side. Fields in name order, as the document has
+/// always had them; serialised straight into the reply.
+#[derive(Debug, Serialize)]
+pub struct ProviderSummary {
+    pub capabilities: std::collections::BTreeMap<String, CapabilitySummary>,
+    pub entries: usize,
+    pub state_bytes: u64,
+    pub state_writes: u64,
+}
+
+/// One capability in [`ProviderSummary`].
+#[derive(Debug, Default, Serialize)]
+pub struct CapabilitySummary {
+    pub entries: usize,
+    pub handler_runs: u64,
+    pub last_run: Option<RunRecord>,
+    pub undelivered: usize,
+}
+
 /// The outcome of one handler run, kept for `status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunRecord {
@@ -355,43 +374,33 @@ impl Provider {
     /// Per capability: entries, undelivered, runs, last run.
     /// `is_host` tells host origins from principals, which get no callbacks and so are
     /// never counted as undelivered.
-    pub fn summary(&self, is_host: impl Fn(&str) -> bool) -> Value {
-        let mut per_cap: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
-        self.store.read(|entries| {
+    pub fn summary(&self, is_host: impl Fn(&str) -> bool) -> ProviderSummary {
+        let mut capabilities: std::collections::BTreeMap<String, CapabilitySummary> =
+            Default::default();
+        let entries = self.store.read(|entries| {
             for (key, entry) in entries {
                 if let Some(cap) = state::capability_of(key) {
-                    let c = per_cap.entry(cap.to_owned()).or_default();
-                    c.0 += 1;
+                    let c = match capabilities.get_mut(cap) {
+                        Some(c) => c,
+                        None => capabilities.entry(cap.to_owned()).or_default(),
+                    };
+                    c.entries += 1;
                     let host = key.split_once(':').is_some_and(|(o, _)| is_host(o));
-                    c.1 += (host && entry.undelivered()) as usize;
+                    c.undelivered += (host && entry.undelivered()) as usize;
                 }
             }
+            entries.len()
         });
-        let stats = self.stats.lock();
-        for cap in stats.keys() {
-            per_cap.entry(cap.clone()).or_default();
+        for (cap, s) in self.stats.lock().iter() {
+            let c = capabilities.entry(cap.clone()).or_default();
+            c.handler_runs = s.runs;
+            c.last_run = s.last.clone();
         }
-        let caps: serde_json::Map<String, Value> = per_cap
-            .into_iter()
-            .map(|(cap, (entries, undelivered))| {
-                let s = stats.get(&cap);
-                (
-                    cap,
-                    serde_json::json!({
-                        "entries": entries,
-                        "undelivered": undelivered,
-                        "handler_runs": s.map_or(0, |s| s.runs),
-                        "last_run": s.and_then(|s| s.last.clone()),
-                    }),
-                )
-            })
-            .collect();
-        let entries = self.store.read(|e| e.len());
-        serde_json::json!({
-            "state_writes": self.store.writes(),
-            "state_bytes": self.store.disk_bytes(),
-            "entries": entries,
-            "capabilities": caps,
-        })
+        ProviderSummary {
+            capabilities,
+            entries,
+            state_bytes: self.store.disk_bytes(),
+            state_writes: self.store.writes(),
+        }
     }
 }
