@@ -68,7 +68,9 @@ pub struct TemplateState {
 pub(crate) struct TemplateRoom {
     pub specs: parking_lot::Mutex<Arc<Templates>>,
     pub store: std::sync::OnceLock<Store<TemplateState>>,
-    /// One rendering at a time: two must never write one file.
+    /// One rendering or removal at a time: two must never write (or one write and one
+    /// remove) one file. `specs` is read under it, so whoever holds it acts on the
+    /// templates declared now, and on every record the one before it left.
     pub render: tokio::sync::Mutex<()>,
 }
 
@@ -146,6 +148,14 @@ impl std::io::Write for Bounded {
     }
 }
 
+/// The paths the declared templates write.
+fn declared_paths(specs: &Templates) -> std::collections::HashSet<String> {
+    specs
+        .values()
+        .map(|spec| spec.path.to_string_lossy().into_owned())
+        .collect()
+}
+
 impl Fulfiller {
     /// Whether `key` is satisfied by the payload `OK` alone (§7): no handler, no files, no
     /// keys, and no template reads it (a template's input is a payload like any other).
@@ -198,19 +208,27 @@ impl Fulfiller {
     /// Renders every template that reads `changed` (all, with `None`), each one whose
     /// inputs or file changed since it was last written.
     pub(crate) async fn render_templates(&self, changed: Option<&NeedKey>) {
-        let specs = self.inner.templates.specs.lock().clone();
         let _one = self.inner.templates.render.lock().await;
+        // Read once the turn is ours: a rendering that waited behind a reload renders
+        // what is declared now, never a template the reload took away.
+        let specs = self.inner.templates.specs.lock().clone();
+        let declared = declared_paths(&specs);
         for (name, spec) in specs.iter() {
             if changed.is_some_and(|k| !spec.inputs().contains(k)) {
                 continue;
             }
-            if let Err(e) = self.render_one(name, spec).await {
+            if let Err(e) = self.render_one(name, spec, &declared).await {
                 tracing::warn!(template = %name, error = %e, "template not recorded");
             }
         }
     }
 
-    async fn render_one(&self, name: &str, spec: &TemplateSpec) -> Result<(), PersistError> {
+    async fn render_one(
+        &self,
+        name: &str,
+        spec: &TemplateSpec,
+        declared_paths: &std::collections::HashSet<String>,
+    ) -> Result<(), PersistError> {
         let Some(store) = self.inner.templates.store.get() else {
             return Ok(());
         };
@@ -327,11 +345,12 @@ impl Fulfiller {
         };
         store.change_durable(|c| c.put(name, st)).await?;
         // A file the template wrote before under another path is the old declaration's:
-        // it goes, so no copy of the rendering stays where nothing declares it.
+        // it goes, so no copy of the rendering stays where nothing declares it (a path
+        // another template declares now is that one's file).
         let stale: Vec<String> = before
             .files
             .keys()
-            .filter(|p| **p != path)
+            .filter(|p| **p != path && !declared_paths.contains(*p))
             .cloned()
             .collect();
         if !stale.is_empty() {
@@ -364,16 +383,25 @@ impl Fulfiller {
         store.change_durable(|c| c.put(name, st)).await
     }
 
-    /// The files of templates no longer declared go, with their records.
+    /// The files of templates no longer declared go, with their records. Under the
+    /// rendering's lock: a rendering never writes a file while it is being removed, nor
+    /// records one after its removal was decided.
     async fn remove_undeclared_templates(&self) {
         let Some(store) = self.inner.templates.store.get() else {
             return;
         };
+        let _one = self.inner.templates.render.lock().await;
         let specs = self.inner.templates.specs.lock().clone();
+        // A path a declared template names is that template's file now (one renamed,
+        // or its path given to another): its record goes, the file stays.
+        let declared = declared_paths(&specs);
         let gone: Vec<(String, Vec<String>)> = store.read(|m| {
             m.iter()
                 .filter(|(n, _)| !specs.contains_key(*n))
-                .map(|(n, st)| (n.clone(), st.files.keys().cloned().collect()))
+                .map(|(n, st)| {
+                    let files = st.files.keys().filter(|p| !declared.contains(*p));
+                    (n.clone(), files.cloned().collect())
+                })
                 .collect()
         });
         for (name, files) in gone {
@@ -387,6 +415,10 @@ impl Fulfiller {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "templates_lock_tests.rs"]
+mod lock_tests;
 
 #[cfg(test)]
 mod tests {

@@ -139,7 +139,8 @@ async fn prometheus_scrapes_what_a_consumer_declares_at_its_own_address() {
         landed.elapsed()
     );
     assert_eq!(t["labels"]["instance"], metrics.to_string());
-    assert_eq!(t["labels"]["job"], "agent");
+    // The job is the caller's own, under its name.
+    assert_eq!(t["labels"]["job"], "app:agent");
     assert_eq!(t["labels"]["fort_host"], "app");
     assert_eq!(t["labels"]["env"], "test");
     assert_eq!(t["scrapeUrl"], format!("http://{metrics}/metrics"));

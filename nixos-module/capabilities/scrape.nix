@@ -164,7 +164,7 @@ let
       job = mkOption {
         type = types.nullOr types.str;
         default = null;
-        description = "The `job` label. `null`: the exporter's name.";
+        description = "The job of its series; their `job` label is `<host>:<job>`, the provider's. `null`: the exporter's name.";
       };
       labels = mkOption {
         type = types.attrsOf types.str;

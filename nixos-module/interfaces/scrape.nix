@@ -21,7 +21,7 @@ in
       type = types.nullOr (types.strMatching "[A-Za-z_][A-Za-z0-9_-]{0,63}");
       default = null;
       example = "node";
-      description = "The `job` label of its series. `null`: the need's id.";
+      description = "The job of its series; their `job` label is `<host>:<job>`, the provider's. `null`: the need's id.";
     };
     labels = mkOption {
       type = types.attrsOf (types.strMatching "[ -~]{0,128}");

@@ -2,7 +2,12 @@
 //! key restricted to `borg serve` on that entry's repository alone), the repository
 //! directories, and the known_hosts lines consumers check the server with.
 
-use std::path::{Path, PathBuf};
+use std::ffi::OsStr;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 
 use super::config::Config;
 use super::state::Repo;
@@ -111,57 +116,195 @@ impl Owner {
     }
 }
 
+/// Largest number of names one removal takes away in a run; a larger tree loses this
+/// many, and the rest in the runs after (a released repository past its retention is
+/// looked at again within the second).
+const MAX_REMOVED_PER_RUN: usize = 100_000;
+
+/// Deepest a removal goes below the repository: borg writes `data/<n>/<segment>`, so a
+/// deeper tree was made by someone else, and is left with the entry's failure.
+const MAX_DEPTH: usize = 16;
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// The caller's and the repository's names of a path two levels below
+/// `repositories_dir`, or why it is not one.
+fn names<'p>(config: &Config, path: &'p Path) -> Result<[&'p OsStr; 2], String> {
+    let not_ours = || {
+        format!(
+            "{} is not a repository of {}",
+            path.display(),
+            config.repositories_dir.display()
+        )
+    };
+    let rest = path
+        .strip_prefix(&config.repositories_dir)
+        .map_err(|_| not_ours())?;
+    let mut parts = rest.components().map(|c| match c {
+        Component::Normal(name) => Some(name),
+        _ => None,
+    });
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(Some(origin)), Some(Some(id)), None) => Ok([origin, id]),
+        _ => Err(not_ours()),
+    }
+}
+
+/// `repositories_dir` itself, the operator's (a link there is the operator's choice);
+/// everything below it is reached from here without following a link.
+fn open_repositories_dir(config: &Config) -> Result<OwnedFd, String> {
+    rfs::open(
+        &config.repositories_dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("cannot open {}: {e}", config.repositories_dir.display()))
+}
+
+/// Why `name` in `shown` cannot be entered.
+fn not_entered(shown: &Path, e: rustix::io::Errno) -> String {
+    match e {
+        rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => format!(
+            "{} is a symbolic link or not a directory; the handler never goes through one",
+            shown.display()
+        ),
+        e => format!("cannot open {}: {e}", shown.display()),
+    }
+}
+
 /// Makes the repository's directory (and its caller's), mode 0700 and the owner's;
 /// one already there is kept as it is (a repository retained for this very entry, or
-/// made before its record was lost). `Err` is this entry's failure.
+/// made before its record was lost). The caller's directory is the owner's account's,
+/// which `borg serve` drives: each name is opened from its parent without following a
+/// link, and a directory made is given away through what was opened, so a link or a
+/// FIFO planted there is this entry's failure, never a directory outside given away.
+/// `Err` is this entry's failure.
 pub fn make_repository(config: &Config, path: &Path, owner: &Owner) -> Result<(), String> {
-    use std::os::unix::fs::DirBuilderExt;
-    let parent = path.parent().unwrap_or(&config.repositories_dir);
     let uid = owner.uid(config)?;
-    for dir in [parent, path] {
-        if dir.is_dir() {
-            continue;
-        }
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(dir)
-            .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    let mut dir = open_repositories_dir(config)?;
+    let mut shown = config.repositories_dir.clone();
+    for name in names(config, path)? {
+        shown.push(name);
+        let made = match rfs::mkdirat(&dir, name, Mode::from_raw_mode(0o700)) {
+            Ok(()) => true,
+            Err(rustix::io::Errno::EXIST) => false,
+            Err(e) => return Err(format!("cannot make {}: {e}", shown.display())),
+        };
+        dir = rfs::openat(&dir, name, dir_flags(), Mode::empty())
+            .map_err(|e| not_entered(&shown, e))?;
         // Made by this handler's account: given to the server's (which takes root).
-        use std::os::unix::fs::MetadataExt;
-        let made_by = std::fs::metadata(dir).map(|m| m.uid()).ok();
-        if made_by != Some(uid) {
-            std::os::unix::fs::chown(dir, Some(uid), None)
-                .map_err(|e| format!("cannot give {} to {}: {e}", dir.display(), config.user))?;
+        let made_by = rfs::fstat(&dir).map(|st| st.st_uid).ok();
+        if made && made_by != Some(uid) {
+            rfs::fchown(&dir, Some(rfs::Uid::from_raw(uid)), None)
+                .map_err(|e| format!("cannot give {} to {}: {e}", shown.display(), config.user))?;
         }
     }
     Ok(())
 }
 
+/// How far a removal went.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// The repository is gone (and its caller's directory, when that was empty).
+    Done,
+    /// A run's share of a large repository is gone; the rest goes in the next run.
+    Partly,
+}
+
+/// Why a walk stopped before the end.
+enum Stop {
+    /// The run's share of names is used up.
+    Budget,
+    Failed(String),
+}
+
 /// Removes a released repository whose retention has passed: only a path this handler
-/// made (two levels below `repositories_dir`), never following a link out of it; its
-/// caller's directory goes when it is empty.
-pub fn remove_repository(config: &Config, path: &Path) -> Result<(), String> {
-    let inside = path
-        .strip_prefix(&config.repositories_dir)
-        .is_ok_and(|rest| rest.components().count() == 2);
-    if !inside {
-        return Err(format!(
-            "{} is not a repository of {}",
-            path.display(),
-            config.repositories_dir.display()
-        ));
+/// made (two levels below `repositories_dir`); its caller's directory goes when it is
+/// empty. Everything below is the owner's account's: each name is removed from the
+/// directory opened above it, never through a link (a link is removed, not followed; a
+/// FIFO is unlinked, never opened), at most [`MAX_DEPTH`] deep and at most
+/// [`MAX_REMOVED_PER_RUN`] names in a run. `Err`: what is left stays.
+pub fn remove_repository(config: &Config, path: &Path) -> Result<Removal, String> {
+    remove_repository_within(config, path, MAX_REMOVED_PER_RUN)
+}
+
+/// [`remove_repository`] taking away at most `budget` names.
+pub(super) fn remove_repository_within(
+    config: &Config,
+    path: &Path,
+    mut budget: usize,
+) -> Result<Removal, String> {
+    let [origin, id] = names(config, path)?;
+    let top = open_repositories_dir(config)?;
+    let caller = match rfs::openat(&top, origin, dir_flags(), Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(Removal::Done),
+        Err(e) => return Err(not_entered(&config.repositories_dir.join(origin), e)),
+    };
+    match remove_tree(&caller, id, path, 0, &mut budget) {
+        Ok(()) => {}
+        Err(Stop::Budget) => return Ok(Removal::Partly),
+        Err(Stop::Failed(why)) => return Err(why),
     }
-    match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("cannot look at {}: {e}", path.display())),
-        Ok(m) if m.file_type().is_symlink() => std::fs::remove_file(path)
-            .map_err(|e| format!("cannot remove {}: {e}", path.display()))?,
-        Ok(_) => std::fs::remove_dir_all(path)
-            .map_err(|e| format!("cannot remove {}: {e}", path.display()))?,
+    // Not empty (another repository of the caller) is fine.
+    let _ = rfs::unlinkat(&top, origin, AtFlags::REMOVEDIR);
+    Ok(Removal::Done)
+}
+
+/// Removes `name` in `parent` and, when it is a directory, everything below it.
+fn remove_tree(
+    parent: &OwnedFd,
+    name: &OsStr,
+    shown: &Path,
+    depth: usize,
+    budget: &mut usize,
+) -> Result<(), Stop> {
+    let failed = |why: String| Stop::Failed(why);
+    // unlink never follows a link and never opens what it removes; a directory says so.
+    match rfs::unlinkat(parent, name, AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(rustix::io::Errno::ISDIR) => {}
+        Err(e) => return Err(failed(format!("cannot remove {}: {e}", shown.display()))),
     }
-    if let Some(parent) = path.parent() {
-        // Not empty (another repository of the caller) is fine.
-        let _ = std::fs::remove_dir(parent);
+    if depth >= MAX_DEPTH {
+        return Err(failed(format!(
+            "{} is more than {MAX_DEPTH} directories deep in its repository; it is left as it is",
+            shown.display()
+        )));
     }
-    Ok(())
+    let dir = rfs::openat(parent, name, dir_flags(), Mode::empty())
+        .map_err(|e| failed(not_entered(shown, e)))?;
+    // The names first, then their removal: a directory is not read while it changes.
+    // Those the budget allows are removed; the rest wait for a later run.
+    let mut below = Vec::new();
+    let mut more = false;
+    for entry in rfs::Dir::read_from(&dir).map_err(|e| failed(not_entered(shown, e)))? {
+        let entry = entry.map_err(|e| failed(format!("cannot read {}: {e}", shown.display())))?;
+        let entry_name = entry.file_name().to_bytes();
+        if entry_name == b"." || entry_name == b".." {
+            continue;
+        }
+        if *budget == 0 {
+            more = true;
+            break;
+        }
+        *budget -= 1;
+        below.push(OsStr::from_bytes(entry_name).to_owned());
+    }
+    for entry_name in below {
+        remove_tree(
+            &dir,
+            &entry_name,
+            &shown.join(&entry_name),
+            depth + 1,
+            budget,
+        )?;
+    }
+    if more {
+        return Err(Stop::Budget);
+    }
+    rfs::unlinkat(parent, name, AtFlags::REMOVEDIR)
+        .map_err(|e| failed(format!("cannot remove {}: {e}", shown.display())))
 }

@@ -147,6 +147,7 @@ pub fn reconcile(run: &Run, state: &mut State, entries: &[Entry]) -> (Output, Co
     let now = run.now;
     let mut counts = Counts::default();
     let mut changed = false;
+    let mut output = Output::default();
     let present: BTreeSet<&str> = entries.iter().map(|e| e.key.as_str()).collect();
 
     // Released: the key stops reaching the repository now; the data stays.
@@ -170,19 +171,28 @@ pub fn reconcile(run: &Run, state: &mut State, entries: &[Entry]) -> (Output, Co
         })
         .map(|(k, _)| k.clone())
         .collect();
+    // Those that cannot be removed are tried again within the hour, not at once.
+    let mut stuck = BTreeSet::new();
     for key in expired {
         let path = state.repos[&key].path.clone();
         match access::remove_repository(config, &path) {
-            Ok(()) => {
+            Ok(access::Removal::Done) => {
                 state.repos.remove(&key);
                 counts.removed += 1;
                 changed = true;
                 tracing::info!(entry = %key, path = %path.display(), "retention passed: the repository is removed");
             }
+            Ok(access::Removal::Partly) => {
+                tracing::info!(entry = %key, path = %path.display(), "retention passed: part of the repository is removed, the rest in the next run");
+            }
             Err(e) => {
-                tracing::warn!(entry = %key, error = %e, "a repository past its retention stays")
+                tracing::warn!(entry = %key, error = %e, "a repository past its retention stays");
+                stuck.insert(key);
             }
         }
+    }
+    if !stuck.is_empty() {
+        output.rerun_within(3600);
     }
 
     // Every caller's quota: what its kept (released) repositories hold first, then its
@@ -213,7 +223,6 @@ pub fn reconcile(run: &Run, state: &mut State, entries: &[Entry]) -> (Output, Co
         .iter()
         .partition(|e| state.repos.contains_key(&e.key));
 
-    let mut output = Output::default();
     for entry in existing.into_iter().chain(new) {
         let decided = wanted(config, entry).and_then(|w| {
             let key = &w.request.public_key;
@@ -287,8 +296,9 @@ pub fn reconcile(run: &Run, state: &mut State, entries: &[Entry]) -> (Output, Co
     // to an hour).
     if let Some(first) = state
         .repos
-        .values()
-        .filter_map(|r| r.released_at)
+        .iter()
+        .filter(|(k, _)| !stuck.contains(*k))
+        .filter_map(|(_, r)| r.released_at)
         .map(|t| t.saturating_add(retention))
         .min()
     {

@@ -358,3 +358,126 @@ fn vet_holds_requests_to_the_policy_alone() {
         .next()
         .is_none());
 }
+
+fn mkfifo(path: &Path) {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+}
+
+fn owner_of(path: &Path) -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).unwrap().uid()
+}
+
+/// The repositories' owner (`borg serve`) may plant anything in its caller's directory:
+/// a link where a repository or a caller's directory goes is not gone through, and
+/// nothing outside is made or given away.
+#[test]
+fn a_link_where_a_repository_goes_is_that_entrys_failure() {
+    if !fort_tests::is_root() {
+        fort_tests::skip(
+            "a_link_where_a_repository_goes_is_that_entrys_failure",
+            "giving a directory to another account needs root",
+        );
+        return;
+    }
+    let mut s = Scratch::new(json!({"user": "nobody"}));
+    let outside = tempfile::tempdir().unwrap();
+    let repos = s.config.repositories_dir.clone();
+    // The caller's directory itself a link out.
+    std::os::unix::fs::symlink(outside.path(), repos.join("app")).unwrap();
+    // A repository's place a link out, and a FIFO.
+    std::fs::create_dir(repos.join("web")).unwrap();
+    std::os::unix::fs::symlink(outside.path(), repos.join("web").join("home")).unwrap();
+    mkfifo(&repos.join("web").join("fifo"));
+    let (out, counts) = s.run(json!({
+        "app:backup-repo/home": entry(json!({"public_key": key(1)})),
+        "web:backup-repo/home": entry(json!({"public_key": key(2)})),
+        "web:backup-repo/fifo": entry(json!({"public_key": key(3)})),
+        "web:backup-repo/plain": entry(json!({"public_key": key(4)})),
+    }));
+    for k in [
+        "app:backup-repo/home",
+        "web:backup-repo/home",
+        "web:backup-repo/fifo",
+    ] {
+        let why = out[k]["$fort_pending"].as_str().unwrap_or_default();
+        assert!(why.contains("not a directory"), "{k}: {out}");
+    }
+    // The others' failure is theirs alone.
+    assert_eq!((counts.created, counts.pending), (1, 3), "{out}");
+    assert_eq!(owner_of(&s.repo("web", "plain")), 65534);
+    assert!(outside.path().read_dir().unwrap().next().is_none());
+    assert_eq!(owner_of(outside.path()), 0);
+    assert!(!s.authorized().contains(&key(1)) && s.authorized().contains(&key(4)));
+}
+
+/// A released repository's removal takes links, FIFOs and hard links away without
+/// going through them, stops at a tree deeper than borg makes, and takes a large tree
+/// away over several runs.
+#[test]
+fn a_removal_never_leaves_the_repository_and_is_bounded() {
+    let mut s = Scratch::new(json!({}));
+    let outside = tempfile::tempdir().unwrap();
+    let precious = outside.path().join("precious");
+    std::fs::write(&precious, b"precious").unwrap();
+    s.run(json!({
+        "app:backup-repo/links": entry(json!({"public_key": key(1)})),
+        "app:backup-repo/deep": entry(json!({"public_key": key(2)})),
+    }));
+    let links = s.repo("app", "links");
+    std::os::unix::fs::symlink(outside.path(), links.join("dir")).unwrap();
+    std::os::unix::fs::symlink(&precious, links.join("file")).unwrap();
+    std::fs::hard_link(&precious, links.join("hard")).unwrap();
+    mkfifo(&links.join("fifo"));
+    std::fs::create_dir_all(links.join("data/0")).unwrap();
+    std::fs::write(links.join("data/0/1"), b"segment").unwrap();
+    let deep = s.repo("app", "deep");
+    let mut bottom = deep.clone();
+    for _ in 0..20 {
+        bottom.push("d");
+    }
+    std::fs::create_dir_all(&bottom).unwrap();
+
+    s.run(json!({}));
+    s.now += 86400;
+    let (out, counts) = s.run(json!({}));
+    assert_eq!(counts.removed, 1);
+    // What cannot be removed is tried again within the hour, not every second.
+    assert_eq!(out["$fort_rerun_after"], 3600);
+    assert!(!links.exists());
+    assert_eq!(std::fs::read(&precious).unwrap(), b"precious");
+    assert_eq!(outside.path().read_dir().unwrap().count(), 1);
+    // Deeper than borg writes: left as it is, its record kept, the caller's directory too.
+    assert!(bottom.is_dir());
+    assert_eq!(
+        s.state.repos.keys().collect::<Vec<_>>(),
+        ["app:backup-repo/deep"]
+    );
+    let e = access::remove_repository(&s.config, &deep).unwrap_err();
+    assert!(e.contains("directories deep"), "{e}");
+
+    // A tree of more names than a run takes: removed over several runs.
+    std::fs::remove_dir_all(deep.join("d")).unwrap();
+    for n in 0..25 {
+        std::fs::write(deep.join(n.to_string()), b"x").unwrap();
+    }
+    for _ in 0..2 {
+        assert_eq!(
+            access::remove_repository_within(&s.config, &deep, 10),
+            Ok(access::Removal::Partly)
+        );
+    }
+    assert_eq!(deep.read_dir().unwrap().count(), 5);
+    assert_eq!(
+        access::remove_repository_within(&s.config, &deep, 10),
+        Ok(access::Removal::Done)
+    );
+    assert!(!deep.exists() && !deep.parent().unwrap().exists());
+}

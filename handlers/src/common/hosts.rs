@@ -32,6 +32,11 @@ impl Fleet {
         Some(host.to_owned())
     }
 
+    /// The names of hosts.json's hosts (principals have no address).
+    pub fn host_names(&self) -> impl Iterator<Item = &String> {
+        self.registry.hosts().map(|(name, _)| name)
+    }
+
     /// Whether `name` is a host of hosts.json (not a principal, not unknown).
     pub fn is_host(&self, name: &str) -> bool {
         self.registry.is_host(name)

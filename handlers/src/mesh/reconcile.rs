@@ -55,6 +55,8 @@ pub trait Registry {
     fn is_host(&self, name: &str) -> bool;
     /// The host part of a host's address in hosts.json.
     fn host_of(&self, name: &str) -> Option<String>;
+    /// Every host's name.
+    fn host_names(&self) -> Vec<String>;
 }
 
 impl Registry for crate::common::hosts::Fleet {
@@ -63,6 +65,11 @@ impl Registry for crate::common::hosts::Fleet {
     }
     fn host_of(&self, name: &str) -> Option<String> {
         crate::common::hosts::Fleet::host_of(self, name)
+    }
+    fn host_names(&self) -> Vec<String> {
+        crate::common::hosts::Fleet::host_names(self)
+            .cloned()
+            .collect()
     }
 }
 
@@ -95,7 +102,12 @@ enum Verdict {
 }
 
 /// The endpoint host of `origin`, as asked or from the registry, if it may have it.
-fn want_of(config: &Config, registry: &dyn Registry, e: &Entry) -> Result<Want, String> {
+fn want_of(
+    config: &Config,
+    registry: &dyn Registry,
+    addresses: &request::RegistryAddresses,
+    e: &Entry,
+) -> Result<Want, String> {
     if !registry.is_host(&e.origin) {
         return Err(format!(
             "{} is not a host of hosts.json; members of a mesh are hosts",
@@ -105,12 +117,19 @@ fn want_of(config: &Config, registry: &dyn Registry, e: &Entry) -> Result<Want, 
     let r = request::parse(&e.request)?;
     let own = registry.host_of(&e.origin);
     let host = match (&r.endpoint, &own) {
-        (Some(asked), own) if own.as_deref() != Some(asked.as_str()) => {
+        (Some(asked), own)
+            if own.as_deref().map(request::comparable) != Some(request::comparable(asked)) =>
+        {
             if !config.endpoints.permits(&e.origin, asked) {
                 return Err(format!(
                     "endpoint {asked} is not one {} may claim ({}; its own address in hosts.json is always allowed)",
                     e.origin,
                     config.endpoints.describe(&e.origin)
+                ));
+            }
+            if let Some(other) = addresses.other_than(&e.origin, asked) {
+                return Err(format!(
+                    "endpoint {asked} is {other}'s address in hosts.json; a member never claims another host's"
                 ));
             }
             asked.clone()
@@ -152,6 +171,12 @@ fn decide(
 ) -> Decided {
     let mut verdicts = BTreeMap::new();
     let mut counts = Counts::default();
+    let addresses = request::RegistryAddresses::new(
+        registry
+            .host_names()
+            .into_iter()
+            .filter_map(|name| Some((registry.host_of(&name)?, name))),
+    );
     // One membership per host: its entry the state knows, else its first.
     let mut by_host: BTreeMap<&str, Vec<&Entry>> = BTreeMap::new();
     for e in entries {
@@ -174,17 +199,23 @@ fn decide(
         }
         wants.insert(
             host.to_owned(),
-            (first.key.clone(), want_of(config, registry, first)),
+            (
+                first.key.clone(),
+                want_of(config, registry, &addresses, first),
+            ),
         );
     }
     // Members that stay keep their key and endpoint against newcomers: the holders are
-    // those of the state whose hosts still ask.
+    // those of the state whose hosts still ask, of an endpoint they may still have
+    // (not one that became, or always was, another host's address).
     let mut key_holder: BTreeMap<String, String> = BTreeMap::new();
     let mut endpoint_holder: BTreeMap<String, String> = BTreeMap::new();
     for (host, m) in &state.members {
         if wants.contains_key(host) {
             key_holder.insert(m.public_key.clone(), host.clone());
-            endpoint_holder.insert(m.endpoint.clone(), host.clone());
+            if still_allowed(config, registry, &addresses, host, m) {
+                endpoint_holder.insert(m.endpoint.clone(), host.clone());
+            }
         }
     }
     // Established members first (in the order they joined), then newcomers by name.
@@ -236,7 +267,7 @@ fn decide(
                 // A refused change keeps the membership the host had, while its key and
                 // endpoint are still its own and allowed.
                 let kept = previous.filter(|p| {
-                    still_allowed(config, registry, host, p)
+                    still_allowed(config, registry, &addresses, host, p)
                         && !members.iter().any(|(h, m)| {
                             h != host && (m.public_key == p.public_key || m.endpoint == p.endpoint)
                         })
@@ -343,7 +374,13 @@ fn decide(
 }
 
 /// Whether a member's recorded endpoint is still one it may have.
-fn still_allowed(config: &Config, registry: &dyn Registry, host: &str, m: &Member) -> bool {
+fn still_allowed(
+    config: &Config,
+    registry: &dyn Registry,
+    addresses: &request::RegistryAddresses,
+    host: &str,
+    m: &Member,
+) -> bool {
     let own = registry
         .host_of(host)
         .map(|h| request::endpoint(&h, m.port));
@@ -351,7 +388,9 @@ fn still_allowed(config: &Config, registry: &dyn Registry, host: &str, m: &Membe
         || m.endpoint
             .rsplit_once(':')
             .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
-            .is_some_and(|h| config.endpoints.permits(host, h))
+            .is_some_and(|h| {
+                config.endpoints.permits(host, h) && addresses.other_than(host, h).is_none()
+            })
 }
 
 /// Gives every member its addresses: a pin; else the one it has, while it is in the

@@ -20,6 +20,9 @@ impl Registry for Hosts {
     fn host_of(&self, name: &str) -> Option<String> {
         self.0.get(name).cloned().flatten()
     }
+    fn host_names(&self) -> Vec<String> {
+        self.0.keys().cloned().collect()
+    }
 }
 
 fn hosts(names: &[&str]) -> Hosts {
@@ -206,7 +209,7 @@ fn nobody_takes_another_members_key_or_endpoint() {
         ),
         (
             entry("b", json!({"public_key": key(2), "endpoint": "192.0.2.1"})),
-            "the endpoint 192.0.2.1:51820 is a's",
+            "endpoint 192.0.2.1 is a's address in hosts.json",
         ),
         (
             entry(
@@ -416,4 +419,80 @@ fn answers_expire_with_the_key_lifetime() {
         1000,
     );
     assert_eq!(answers(&c, &state.members)["a"]["expires_at"], 4600);
+}
+
+/// A wildcard in `endpoints` may match other hosts' addresses: no member claims one, on
+/// any port, before or after that host joins, nor keeps one it holds.
+#[test]
+fn no_member_claims_another_hosts_address_whatever_its_allowance() {
+    let c = config(json!({"endpoints": {"*": ["*.lan", "::ffff:192.0.2.1", "shared.nat"]}}));
+    let mut reg = hosts(&["a", "b", "c", "d"]);
+    reg.0.insert("named".into(), Some("Named.lan".into()));
+    let mut state = State::default();
+    for (asked, port, says) in [
+        (
+            "named.lan",
+            51820,
+            "named.lan is named's address in hosts.json",
+        ),
+        ("NAMED.lan", 51999, "is named's address in hosts.json"),
+        ("::ffff:192.0.2.1", 51900, "is a's address in hosts.json"),
+    ] {
+        let b = entry(
+            "b",
+            json!({"public_key": key(2), "endpoint": asked, "port": port}),
+        );
+        let mut s = state.clone();
+        let (out, _, _) = reconcile(&c, &reg, &mut s, std::slice::from_ref(&b), 100);
+        match out.answers.get(&b.key) {
+            Some(Answer::Refused(why)) => assert!(why.contains(says), "{asked}: {why}"),
+            other => panic!("{asked}: {other:?}"),
+        }
+        assert!(s.members.is_empty(), "{asked}");
+    }
+    // An endpoint the allowance names that is no host's: two members behind one NAT
+    // share it on ports of their own.
+    let behind_nat = [
+        entry(
+            "c",
+            json!({"public_key": key(3), "endpoint": "shared.nat", "port": 51830}),
+        ),
+        entry(
+            "d",
+            json!({"public_key": key(4), "endpoint": "shared.nat", "port": 51840}),
+        ),
+    ];
+    let (out, counts, _) = reconcile(&c, &reg, &mut state, &behind_nat, 100);
+    assert_eq!(
+        (counts.members, counts.refused),
+        (2, 0),
+        "{:?}",
+        out.answers
+    );
+
+    // A member that holds another host's address (recorded by an earlier release) loses
+    // its membership, and that host joins with its own address.
+    let mut held = state.clone();
+    let mut taken = held.members["c"].clone();
+    taken.endpoint = "named.lan:51820".into();
+    held.members.insert("c".into(), taken);
+    let mut both = behind_nat.to_vec();
+    both[0] = entry("c", json!({"public_key": key(3), "endpoint": "named.lan"}));
+    both.push(entry("named", json!({"public_key": key(5)})));
+    let (out, _, _) = reconcile(&c, &reg, &mut held, &both, 200);
+    match out.answers.get("c:mesh/wg0") {
+        Some(Answer::Refused(why)) => {
+            assert!(
+                why.contains("named's address") && !why.contains("stays"),
+                "{why}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!held.members.contains_key("c"));
+    assert_eq!(held.members["named"].endpoint, "named.lan:51820");
+    assert_eq!(
+        response(&out, "named")["peers"][0]["endpoint"],
+        "shared.nat:51840"
+    );
 }

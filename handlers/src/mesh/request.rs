@@ -3,6 +3,7 @@
 //! tunnel address is the coordinator's to give, and who it is comes from the entry's
 //! authenticated origin.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use base64::engine::general_purpose::STANDARD;
@@ -87,6 +88,41 @@ pub fn endpoint(host: &str, port: u16) -> String {
         Ok(IpAddr::V6(a)) => format!("[{a}]:{port}"),
         Ok(IpAddr::V4(a)) => format!("{a}:{port}"),
         Err(_) => format!("{}:{port}", host.to_ascii_lowercase()),
+    }
+}
+
+/// The hosts' addresses in hosts.json: no member claims another host's as its endpoint,
+/// whatever `endpoints` allows it (a wildcard may name them), so no member takes a
+/// host's traffic or keeps that host out of the mesh by holding its endpoint first.
+pub struct RegistryAddresses(BTreeMap<String, Vec<String>>);
+
+impl RegistryAddresses {
+    /// From every host's address (its host part) and name.
+    pub fn new(hosts: impl IntoIterator<Item = (String, String)>) -> RegistryAddresses {
+        let mut by_address: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (host, name) in hosts {
+            by_address.entry(comparable(&host)).or_default().push(name);
+        }
+        RegistryAddresses(by_address)
+    }
+
+    /// Another host than `origin` whose address in hosts.json `host` is.
+    pub fn other_than(&self, origin: &str, host: &str) -> Option<&str> {
+        self.0
+            .get(&comparable(host))?
+            .iter()
+            .find(|name| *name != origin)
+            .map(String::as_str)
+    }
+}
+
+/// A host as it is compared: an IP address in its one form (an IPv4-mapped IPv6 address
+/// as IPv4), a name lower-cased without a final dot.
+pub fn comparable(host: &str) -> String {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    match bare.parse::<IpAddr>() {
+        Ok(ip) => ip.to_canonical().to_string(),
+        Err(_) => bare.trim_end_matches('.').to_ascii_lowercase(),
     }
 }
 

@@ -17,7 +17,8 @@ pub const VERSION: u32 = 1;
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct State {
-    /// Entry key → the exporter it has.
+    /// Entry key → the exporter it has (its `job` as asked: the label is
+    /// [`job_label`]'s).
     pub entries: BTreeMap<String, Exporter>,
     /// Caller → SHA-256 of the target file written for it: only these files are ever
     /// replaced or removed.
@@ -109,6 +110,14 @@ pub fn vet(config: &Config, hosts: &dyn Addresses, entries: &[Entry]) -> crate::
         .collect()
 }
 
+/// The `job` label of a caller's exporter: the job it asked for (or its need id) under
+/// the caller's name, `<caller>:<job>`. The provider's, not the caller's: no caller can
+/// put its targets in another caller's job or one the operator scrapes itself, and `:`
+/// is in neither a host's name nor a job's, so two callers never share one.
+pub fn job_label(origin: &str, e: &Exporter) -> String {
+    format!("{origin}:{}", e.job)
+}
+
 /// Prometheus' target group for one entry: its caller's address, and labels that name
 /// the caller and the need (which no request can set).
 fn group(config: &Config, key: &str, origin: &str, host: &str, e: &Exporter) -> Value {
@@ -117,7 +126,7 @@ fn group(config: &Config, key: &str, origin: &str, host: &str, e: &Exporter) -> 
     for (k, v) in &e.labels {
         labels.insert(k.clone(), json!(v));
     }
-    labels.insert("job".into(), json!(e.job));
+    labels.insert("job".into(), json!(job_label(origin, e)));
     labels.insert("__metrics_path__".into(), json!(e.path));
     labels.insert("__scheme__".into(), json!(config.scheme.as_str()));
     labels.insert("fort_host".into(), json!(origin));
@@ -125,10 +134,10 @@ fn group(config: &Config, key: &str, origin: &str, host: &str, e: &Exporter) -> 
     json!({"targets": [format!("{host}:{}", e.port)], "labels": labels})
 }
 
-fn response(host: &str, e: &Exporter) -> Value {
+fn response(origin: &str, host: &str, e: &Exporter) -> Value {
     json!({
         "target": format!("{host}:{}", e.port),
-        "job": e.job,
+        "job": job_label(origin, e),
         "path": e.path,
         "labels": e.labels,
     })
@@ -167,7 +176,7 @@ pub fn reconcile(
                     &host,
                     &e,
                 ));
-                let response = response(&host, &e);
+                let response = response(&entry.origin, &host, &e);
                 let sha = payload_sha256(&response);
                 output.respond_hashed(entry, &sha, || response);
                 if state.entries.get(&entry.key) != Some(&e) {

@@ -32,6 +32,7 @@ struct Raw {
 pub struct Exporter {
     pub port: u16,
     pub path: String,
+    /// The job asked for (or the need's id); its label is the caller's under it.
     pub job: String,
     pub labels: BTreeMap<String, String>,
 }

@@ -66,16 +66,16 @@ fn targets_are_at_the_callers_own_address_with_the_providers_labels() {
     );
     assert_eq!(
         out["app:scrape/node"],
-        json!({"target": "10.0.0.2:9100", "job": "node", "path": "/metrics", "labels": {"env": "prod", "team": "db"}})
+        json!({"target": "10.0.0.2:9100", "job": "app:node", "path": "/metrics", "labels": {"env": "prod", "team": "db"}})
     );
     assert_eq!(out["web:scrape/node"]["target"], "[fd00::3]:9100");
     let app = s.file("app").unwrap();
     assert_eq!(
         app,
         json!([
-            {"targets": ["10.0.0.2:8080"], "labels": {"job": "app", "__metrics_path__": "/app/metrics",
+            {"targets": ["10.0.0.2:8080"], "labels": {"job": "app:app", "__metrics_path__": "/app/metrics",
              "__scheme__": "http", "fort_host": "app", "fort_need": "scrape/app"}},
-            {"targets": ["10.0.0.2:9100"], "labels": {"job": "node", "__metrics_path__": "/metrics",
+            {"targets": ["10.0.0.2:9100"], "labels": {"job": "app:node", "__metrics_path__": "/metrics",
              "__scheme__": "http", "fort_host": "app", "fort_need": "scrape/node", "env": "prod", "team": "db"}},
         ])
     );
@@ -162,7 +162,7 @@ fn a_release_takes_the_target_out_and_the_last_one_the_file() {
     let path = s.config.targets_dir.join("app.json");
     std::fs::write(&path, "[]").unwrap();
     let response =
-        json!({"target": "10.0.0.2:9100", "job": "node", "path": "/metrics", "labels": {}});
+        json!({"target": "10.0.0.2:9100", "job": "app:node", "path": "/metrics", "labels": {}});
     let sha = crate::common::entries::payload_sha256(&response);
     let again =
         json!({"app:scrape/node": {"request": {"port": 9100}, "response": response, "held": sha}});
@@ -194,4 +194,72 @@ fn vet_holds_requests_to_the_policy_and_the_registry() {
         ["app:scrape/b", "ops:scrape/c"]
     );
     assert!(!s.config.targets_dir.exists());
+}
+
+/// The `job` label is the provider's: a caller's job is under its own name, so no caller
+/// puts its targets in another's job or in one the operator scrapes itself.
+#[test]
+fn a_job_is_its_callers_own() {
+    let mut s = Scratch::new();
+    let out = s.run(
+        json!({
+            "app:scrape/node": entry(json!({"port": 9100, "job": "prometheus"})),
+            "web:scrape/node": entry(json!({"port": 9100, "job": "app"})),
+            "web:scrape/db": entry(json!({"port": 9187})),
+        }),
+        false,
+    );
+    let jobs = |origin: &str| -> Vec<String> {
+        s.file(origin)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["labels"]["job"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(jobs("app"), ["app:prometheus"]);
+    assert_eq!(jobs("web"), ["web:db", "web:app"]);
+    assert_eq!(out["app:scrape/node"]["job"], "app:prometheus");
+    assert_eq!(out["web:scrape/node"]["job"], "web:app");
+}
+
+/// A target a release before gave the job it asked for: the next run gives it its
+/// caller's, in the same file, rewritten whole, and answers it anew; nothing else in the
+/// directory.
+#[test]
+fn a_target_of_a_release_before_gets_its_callers_job() {
+    let mut s = Scratch::new();
+    let request = json!({"port": 9100, "job": "prometheus"});
+    std::fs::create_dir_all(&s.config.targets_dir).unwrap();
+    let before = serde_json::to_vec_pretty(&json!([
+        {"targets": ["10.0.0.2:9100"], "labels": {"job": "prometheus", "__metrics_path__": "/metrics",
+         "__scheme__": "http", "fort_host": "app", "fort_need": "scrape/node"}},
+    ]))
+    .unwrap();
+    let path = s.config.targets_dir.join("app.json");
+    std::fs::write(&path, &before).unwrap();
+    s.state = serde_json::from_value(json!({
+        "entries": {"app:scrape/node": {"port": 9100, "path": "/metrics", "job": "prometheus", "labels": {}}},
+        "files": {"app": fort_core::canonical::sha256_hex(&before)},
+    }))
+    .unwrap();
+    let old_response =
+        json!({"target": "10.0.0.2:9100", "job": "prometheus", "path": "/metrics", "labels": {}});
+    let held = crate::common::entries::payload_sha256(&old_response);
+    let out = s.run(
+        json!({"app:scrape/node": {"request": request, "response": old_response, "held": held}}),
+        false,
+    );
+    assert_eq!(out["app:scrape/node"]["job"], "app:prometheus", "{out}");
+    assert_eq!(s.file("app").unwrap()[0]["labels"]["job"], "app:prometheus");
+    let names: Vec<_> = std::fs::read_dir(&s.config.targets_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["app.json"]);
+    assert_eq!(
+        s.state.files["app"],
+        fort_core::canonical::sha256_hex(&std::fs::read(&path).unwrap())
+    );
 }
