@@ -879,3 +879,32 @@ async fn one_origin_cannot_hold_every_request_slot() {
     // hog's other calls waited for its share, not failed.
     assert!(hog.iter().all(|s| *s == Some(200)), "{hog:?}");
 }
+
+#[tokio::test]
+async fn the_status_document_counts_the_nonces_held_and_the_memory_used() {
+    let (f, _) = fleet();
+    let body = b"{}";
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let h = ops_headers(&f, "b", "/agent/capabilities/status", body, unix_now());
+        let (status, _, resp) = send(&f, "b", "/agent/capabilities/status", &h, body);
+        assert_eq!(status, 200);
+        let doc: serde_json::Value = serde_json::from_slice(&resp).expect("status is JSON");
+        held.push(doc["nonces"].as_u64().expect("nonces"));
+        assert!(
+            doc["memory"]["rss_bytes"].as_u64().unwrap_or(0) > 0,
+            "{doc}"
+        );
+        assert!(doc["state_formats"].is_object(), "{doc}");
+        assert!(doc["provider"]["capabilities"].is_object(), "{doc}");
+        assert!(
+            doc.get("gc").is_some() && doc.get("entries").is_none(),
+            "{doc}"
+        );
+    }
+    // Each call's own nonce is held by the time its document is made.
+    assert!(
+        held[0] >= 1 && held[1] > held[0] && held[2] > held[1],
+        "{held:?}"
+    );
+}

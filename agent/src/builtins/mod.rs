@@ -425,25 +425,21 @@ fn memory(app: &Arc<App>) -> MemorySummary {
 
 /// The agent's resident memory in kB, read from /proc at most once a second: reading and
 /// parsing /proc/self/status was a tenth of the CPU of a signed `status` call. Kept in
-/// atomics, not behind a lock every concurrent status call would queue on.
+/// atomics, not behind a lock every concurrent status call would queue on; two calls
+/// that find it stale at once both read it, which is harmless.
 fn rss_kb() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    // Milliseconds since EPOCH, plus one, of the last read; zero: never read.
     static READ_AT_MS: AtomicU64 = AtomicU64::new(0);
     static KB: AtomicU64 = AtomicU64::new(0);
-    let epoch = EPOCH.get_or_init(std::time::Instant::now);
-    // +1: zero means never read.
-    let now_ms = epoch.elapsed().as_millis() as u64 + 1;
+    let now_ms = EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+        + 1;
     let read_at = READ_AT_MS.load(Ordering::Acquire);
     if read_at != 0 && now_ms.saturating_sub(read_at) < 1000 {
-        return KB.load(Ordering::Relaxed);
-    }
-    // One caller reads; the others keep the last figure meanwhile.
-    if READ_AT_MS
-        .compare_exchange(read_at, now_ms, Ordering::AcqRel, Ordering::Acquire)
-        .is_err()
-        && read_at != 0
-    {
         return KB.load(Ordering::Relaxed);
     }
     let kb = std::fs::read_to_string("/proc/self/status")
@@ -455,6 +451,7 @@ fn rss_kb() -> u64 {
         })
         .unwrap_or(0);
     KB.store(kb, Ordering::Relaxed);
+    READ_AT_MS.store(now_ms, Ordering::Release);
     kb
 }
 
