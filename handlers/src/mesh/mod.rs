@@ -7,6 +7,7 @@
 //! `fort-handler mesh-wg` (`wg syncconf`: unchanged peers keep their tunnels).
 
 pub mod address;
+mod answer;
 pub mod apply;
 pub mod config;
 pub mod reconcile;
