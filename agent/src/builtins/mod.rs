@@ -333,7 +333,7 @@ pub fn status(app: &Arc<App>, entries: Entries) -> StatusDoc {
         gc,
         host: app.config.host.clone(),
         manifest_sha256: loaded.manifest_sha256.clone(),
-        memory: memory(app),
+        memory: memory(app, provider.entries),
         needs: NeedsSummary {
             items: needs,
             satisfied,
@@ -412,9 +412,10 @@ pub struct MemorySummary {
     pub rss_per_entry_bytes: Option<u64>,
 }
 
-fn memory(app: &Arc<App>) -> MemorySummary {
+/// `entries`: the provider's, as the summary beside it counted them.
+fn memory(app: &Arc<App>, entries: usize) -> MemorySummary {
     let rss_kb = rss_kb();
-    let entries = app.provider.store.read(|e| e.len()) as u64;
+    let entries = entries as u64;
     MemorySummary {
         max_request_bytes: app.config.max_request_bytes,
         provider_entries: entries,

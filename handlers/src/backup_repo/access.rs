@@ -195,8 +195,7 @@ pub fn make_repository(config: &Config, path: &Path, owner: &Owner) -> Result<()
         dir = rfs::openat(&dir, name, dir_flags(), Mode::empty())
             .map_err(|e| not_entered(&shown, e))?;
         // Made by this handler's account: given to the server's (which takes root).
-        let made_by = rfs::fstat(&dir).map(|st| st.st_uid).ok();
-        if made && made_by != Some(uid) {
+        if made && rfs::fstat(&dir).map(|st| st.st_uid).ok() != Some(uid) {
             rfs::fchown(&dir, Some(rfs::Uid::from_raw(uid)), None)
                 .map_err(|e| format!("cannot give {} to {}: {e}", shown.display(), config.user))?;
         }
@@ -261,27 +260,32 @@ fn remove_tree(
     depth: usize,
     budget: &mut usize,
 ) -> Result<(), Stop> {
-    let failed = |why: String| Stop::Failed(why);
     // unlink never follows a link and never opens what it removes; a directory says so.
     match rfs::unlinkat(parent, name, AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
         Err(rustix::io::Errno::ISDIR) => {}
-        Err(e) => return Err(failed(format!("cannot remove {}: {e}", shown.display()))),
+        Err(e) => {
+            return Err(Stop::Failed(format!(
+                "cannot remove {}: {e}",
+                shown.display()
+            )))
+        }
     }
     if depth >= MAX_DEPTH {
-        return Err(failed(format!(
+        return Err(Stop::Failed(format!(
             "{} is more than {MAX_DEPTH} directories deep in its repository; it is left as it is",
             shown.display()
         )));
     }
     let dir = rfs::openat(parent, name, dir_flags(), Mode::empty())
-        .map_err(|e| failed(not_entered(shown, e)))?;
+        .map_err(|e| Stop::Failed(not_entered(shown, e)))?;
     // The names first, then their removal: a directory is not read while it changes.
     // Those the budget allows are removed; the rest wait for a later run.
     let mut below = Vec::new();
     let mut more = false;
-    for entry in rfs::Dir::read_from(&dir).map_err(|e| failed(not_entered(shown, e)))? {
-        let entry = entry.map_err(|e| failed(format!("cannot read {}: {e}", shown.display())))?;
+    for entry in rfs::Dir::read_from(&dir).map_err(|e| Stop::Failed(not_entered(shown, e)))? {
+        let entry =
+            entry.map_err(|e| Stop::Failed(format!("cannot read {}: {e}", shown.display())))?;
         let entry_name = entry.file_name().to_bytes();
         if entry_name == b"." || entry_name == b".." {
             continue;
@@ -306,5 +310,5 @@ fn remove_tree(
         return Err(Stop::Budget);
     }
     rfs::unlinkat(parent, name, AtFlags::REMOVEDIR)
-        .map_err(|e| failed(format!("cannot remove {}: {e}", shown.display())))
+        .map_err(|e| Stop::Failed(format!("cannot remove {}: {e}", shown.display())))
 }
